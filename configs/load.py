@@ -1,0 +1,115 @@
+"""Loads a config: a bare name from this folder or a YAML path, plus `a.b=c` overrides, validated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from configs.schema import Config, SpecMethod
+from models.zoo import BUILTIN_NAMES, BUILTIN_PREFIX
+
+CONFIG_DIR = Path(__file__).resolve().parent
+
+
+class ConfigError(ValueError):
+    """A config is wrong; the message names the key and where it came from."""
+
+
+def find_config(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    candidates = [path] if path.suffix in (".yaml", ".yml") or path.parent != Path(".") else []
+    candidates += [CONFIG_DIR / f"{name_or_path}.yaml", CONFIG_DIR / name_or_path]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    names = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+    raise ConfigError(f"no config {name_or_path!r}: not a file, and not one of the bundled configs ({names})")
+
+
+def _explain(e: OmegaConfBaseException) -> str:
+    message = str(getattr(e, "msg", e)).split("\n")[0]
+    key = getattr(e, "full_key", None)
+    return f"key '{key}': {message}" if key else message
+
+
+def load_config(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
+    path = find_config(name_or_path)
+    try:
+        from_file = OmegaConf.load(path)
+    except (yaml.YAMLError, OmegaConfBaseException) as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(from_file, DictConfig):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    cfg = OmegaConf.structured(Config)
+    try:
+        cfg = OmegaConf.merge(cfg, from_file)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{path}: {_explain(e)}") from None
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"command-line override {item!r} is not of the form key=value")
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"command-line override {item!r} (on {path}): {_explain(e)}") from None
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"{path}: required key '{missing[0]}' is not set; set it in the file or pass "
+                          f"{missing[0]}=... on the command line")
+    _check_values(cfg, path)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def _check_values(cfg: DictConfig, path: Path) -> None:
+    """Range checks the types alone cannot express."""
+    rules = [
+        ("trainer.steps", cfg.trainer.steps >= 1, "must be >= 1"),
+        ("trainer.checkpoint_every", cfg.trainer.checkpoint_every >= 0, "must be >= 0"),
+        ("rollout.num_actors", cfg.rollout.num_actors >= 1, "must be >= 1"),
+        ("rollout.tensor_parallel_size", cfg.rollout.tensor_parallel_size >= 1, "must be >= 1"),
+        ("rollout.prompts_per_step", cfg.rollout.prompts_per_step >= 1, "must be >= 1"),
+        ("rollout.group_size", cfg.rollout.group_size >= 2, "must be >= 2 (GRPO compares samples within a group)"),
+        ("rollout.max_tokens", cfg.rollout.max_tokens >= 1, "must be >= 1"),
+        ("rollout.temperature", cfg.rollout.temperature >= 0, "must be >= 0"),
+        ("rollout.top_p", 0 < cfg.rollout.top_p <= 1, "must be in (0, 1]"),
+        ("rollout.top_k", cfg.rollout.top_k >= 0, "must be >= 0 (0: off)"),
+        ("rollout.kv_cache_mib", cfg.rollout.kv_cache_mib >= 1, "must be >= 1"),
+        ("speculation.num_speculative_tokens", cfg.speculation.num_speculative_tokens >= 1, "must be >= 1"),
+        ("learner.num_ranks", cfg.learner.num_ranks >= 1, "must be >= 1"),
+        ("learner.zero_stage", cfg.learner.zero_stage in (0, 1, 2, 3), "must be 0, 1, 2 or 3"),
+        ("learner.lr", cfg.learner.lr > 0, "must be > 0"),
+        ("learner.micro_batch_size", cfg.learner.micro_batch_size >= 1, "must be >= 1"),
+        ("algorithm.max_staleness", cfg.algorithm.max_staleness >= 0, "must be >= 0"),
+        ("algorithm.clip_low", 0 < cfg.algorithm.clip_low < 1, "must be in (0, 1)"),
+        ("algorithm.clip_high", cfg.algorithm.clip_high > 0, "must be > 0"),
+        ("algorithm.kl_coef", cfg.algorithm.kl_coef >= 0, "must be >= 0"),
+        ("transport.trajectory_queue", cfg.transport.trajectory_queue >= 1, "must be >= 1"),
+        ("transport.max_message_mib", cfg.transport.max_message_mib >= 1, "must be >= 1"),
+        ("transport.weight_bucket_mib", cfg.transport.weight_bucket_mib >= 1, "must be >= 1"),
+        ("data.max_ops", cfg.data.max_ops >= 1, "must be >= 1"),
+        ("data.max_operand", cfg.data.max_operand >= 1, "must be >= 1"),
+        ("model.max_model_len", cfg.model.max_model_len >= 16, "must be >= 16"),
+    ]
+    for key, ok, why in rules:
+        if not ok:
+            raise ConfigError(f"{path}: key '{key}' = {OmegaConf.select(cfg, key)!r} {why}")
+    _check_model(path, "model.path", cfg.model.path)
+    if cfg.speculation.method == SpecMethod.draft_lm:
+        _check_model(path, "speculation.draft_model", cfg.speculation.draft_model)
+    source = cfg.data.source
+    if source != "arithmetic" and not Path(source).is_file():
+        raise ConfigError(f"{path}: key 'data.source' = {source!r} is neither 'arithmetic' nor an existing JSONL file")
+
+
+def _check_model(path: Path, key: str, spec: str) -> None:
+    if spec.startswith(BUILTIN_PREFIX):
+        if spec[len(BUILTIN_PREFIX):] not in BUILTIN_NAMES:
+            raise ConfigError(f"{path}: key '{key}' = {spec!r} is not a built-in model; choose one of "
+                              + ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_NAMES))
+    elif not (Path(spec).expanduser() / "config.json").is_file():
+        raise ConfigError(f"{path}: key '{key}' = {spec!r} is not a Hugging Face checkpoint directory "
+                          f"(no config.json there); set {key}=/path/to/checkpoint")

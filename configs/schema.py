@@ -1,0 +1,136 @@
+"""Contract of `configs/`: the one structured schema every YAML in this folder is validated against.
+
+Each YAML names only what differs from these defaults. `configs.load.load_config` merges file and
+command-line overrides onto this schema, so an unknown key, a wrong type or an unset required value
+(`???`) is an error naming the key and the file before any process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional
+
+from omegaconf import MISSING
+
+from tasks.arithmetic import ArithmeticTask
+
+
+class Dtype(Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class Device(Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class SpecMethod(Enum):
+    none = "none"
+    ngram = "ngram"
+    draft_lm = "draft_lm"
+
+
+class LossAggregation(Enum):
+    token_mean = "token_mean"  # DAPO: mean over all tokens of the batch
+    seq_mean_token_mean = "seq_mean_token_mean"  # GRPO: mean over tokens, then over sequences
+    seq_mean_token_sum_norm = "seq_mean_token_sum_norm"  # Dr.GRPO: token sum / max_tokens, mean over sequences
+
+
+@dataclass
+class ModelConfig:
+    path: str = MISSING  # a Hugging Face checkpoint directory, or builtin:dense / builtin:moe
+    dtype: Dtype = Dtype.float32
+    max_model_len: int = 1024
+
+
+@dataclass
+class DataConfig:
+    source: str = "arithmetic"  # the built-in task, or the path of a GSM8K-style JSONL file
+    max_ops: int = ArithmeticTask.max_ops  # arithmetic task: the longest problems have this many operations
+    max_operand: int = ArithmeticTask.max_operand  # arithmetic task: operands are drawn from 1..max_operand
+
+
+@dataclass
+class RolloutConfig:
+    num_actors: int = 1
+    tensor_parallel_size: int = 1  # devices per rollout engine (cuda only)
+    prompts_per_step: int = 4  # GRPO groups consumed per learner step
+    group_size: int = 8  # samples per prompt
+    max_tokens: int = 400
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    kv_cache_mib: int = 256
+
+
+@dataclass
+class SpeculationConfig:
+    method: SpecMethod = SpecMethod.none
+    num_speculative_tokens: int = 4
+    draft_model: str = "builtin:draft"
+
+
+@dataclass
+class LearnerConfig:
+    num_ranks: int = 1
+    zero_stage: int = 0
+    dtype: Dtype = Dtype.float32
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch_size: int = 8
+
+
+@dataclass
+class AlgorithmConfig:
+    max_staleness: int = 1  # never train on a trajectory more than this many policy versions old
+    clip_low: float = 0.2
+    clip_high: float = 0.2  # > clip_low: DAPO's clip-higher
+    kl_coef: float = 0.0  # > 0: KL penalty to a frozen reference policy
+    normalize_advantage_std: bool = True  # False: Dr.GRPO's unscaled group advantages
+    loss_aggregation: LossAggregation = LossAggregation.seq_mean_token_mean
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 20  # learner steps
+    checkpoint_every: int = 0  # 0: only at the end
+    resume_from: Optional[str] = None  # a run directory to continue
+
+
+@dataclass
+class TransportConfig:
+    host: str = "127.0.0.1"  # the address receivers bind and advertise
+    trajectory_queue: int = 64  # ZeroMQ high-water mark: back-pressure on rollout actors
+    max_message_mib: int = 64
+    weight_bucket_mib: int = 32
+
+
+@dataclass
+class ClusterConfig:
+    address: Optional[str] = None  # None: start an embedded local Ray; else join this Ray cluster
+    device: Device = Device.cpu  # cuda: each rollout engine and learner rank gets dedicated GPUs
+    num_cpus: Optional[int] = None  # embedded Ray only; None: all cores
+
+
+@dataclass
+class LoggingConfig:
+    dir: str = "runs/default"  # TensorBoard event files, checkpoints and the resolved config go here
+    tensorboard: bool = True
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

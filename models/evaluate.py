@@ -1,0 +1,31 @@
+"""Greedy accuracy of a checkpoint on the arithmetic task, split by difficulty, decoded with vLLM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tasks.arithmetic import ArithmeticTask
+from tasks.reward import score
+
+EASY_OPS = (1, 2)
+HARD_OPS = (8, 10, 12)
+EVAL_SEED = 7  # neither the SFT data seed nor an RL config's seed
+
+
+def accuracy_by_difficulty(model_dir: Path, per_split: int, max_operand: int = ArithmeticTask.max_operand,
+                           max_tokens: int = 400) -> dict[str, float]:
+    from vllm import LLM, SamplingParams
+
+    task = ArithmeticTask(seed=EVAL_SEED, max_operand=max_operand)
+    splits = {
+        "easy": [task.with_ops(EASY_OPS[i % len(EASY_OPS)], i) for i in range(per_split)],
+        "hard": [task.with_ops(HARD_OPS[i % len(HARD_OPS)], i) for i in range(per_split)],
+    }
+    llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=1024,
+              kv_cache_memory_bytes=256 << 20, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    result = {}
+    for split, problems in splits.items():
+        outputs = llm.generate([p.prompt for p in problems], params, use_tqdm=False)
+        result[split] = sum(score(o.outputs[0].text, p.answer).correct for o, p in zip(outputs, problems)) / len(problems)
+    return result

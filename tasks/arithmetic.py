@@ -1,0 +1,61 @@
+"""The built-in task: multi-step integer arithmetic with a worked scratchpad.
+
+Problem `cursor` under seed `s` is a pure function of (s, cursor). The number of operations follows a
+truncated power law, so most solutions are a line or two long and a few are many times longer: the long
+tail of generation lengths that RL rollouts have on real reasoning data.
+
+    Question: 12+7+30-5=?
+    Answer: 12+7=19
+    19+30=49
+    49-5=44
+    #### 44
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from tasks.base import ANSWER_MARK, Problem
+
+
+@dataclass(frozen=True)
+class ArithmeticTask:
+    seed: int = 0
+    max_ops: int = 24  # the longest problems have this many operations
+    tail_exponent: float = 1.5  # P(ops = k) is proportional to k ** -tail_exponent
+    max_operand: int = 9  # one-digit operands: a small model learns the scratchpad in ~1000 SFT steps
+
+    def __post_init__(self) -> None:
+        if self.max_ops < 1:
+            raise ValueError(f"max_ops must be >= 1, got {self.max_ops}")
+        if self.max_operand < 1:
+            raise ValueError(f"max_operand must be >= 1, got {self.max_operand}")
+
+    def num_ops_weights(self) -> list[float]:
+        return [k ** -self.tail_exponent for k in range(1, self.max_ops + 1)]
+
+    def __getitem__(self, cursor: int) -> Problem:
+        if cursor < 0:
+            raise IndexError(f"cursor must be >= 0, got {cursor}")
+        rng = random.Random(f"arithmetic:{self.seed}:{cursor}")
+        ops = rng.choices(range(1, self.max_ops + 1), weights=self.num_ops_weights())[0]
+        return self.make(ops, rng, f"arith-{self.seed}-{cursor}")
+
+    def with_ops(self, ops: int, cursor: int) -> Problem:
+        """Problem `cursor` of a fixed number of operations (for evaluation splits by difficulty)."""
+        rng = random.Random(f"arithmetic-ops:{self.seed}:{ops}:{cursor}")
+        return self.make(ops, rng, f"arith-{self.seed}-ops{ops}-{cursor}")
+
+    def make(self, ops: int, rng: random.Random, problem_id: str) -> Problem:
+        total = rng.randint(1, self.max_operand)
+        question, lines = str(total), []
+        for _ in range(ops):
+            operand = rng.randint(1, self.max_operand)
+            op = "-" if operand <= total and rng.random() < 0.5 else "+"
+            new_total = total + operand if op == "+" else total - operand
+            question += f"{op}{operand}"
+            lines.append(f"{total}{op}{operand}={new_total}")
+            total = new_total
+        lines.append(f"{ANSWER_MARK} {total}")
+        return Problem(problem_id, f"{question}=?", str(total), "\n".join(lines), difficulty=ops)

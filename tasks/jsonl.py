@@ -1,0 +1,76 @@
+"""GSM8K-style JSONL data: one object per line with `question` and `answer` ("... #### <final>")."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tasks.base import ANSWER_MARK, Problem
+from tasks.reward import normalize_number
+
+
+class DataFormatError(ValueError):
+    """A data file is malformed; the message names the file and the line."""
+
+
+def load_jsonl(path: str | Path) -> list[Problem]:
+    """Every record of `path`, in order. Whitespace-only lines hold no record and are passed over; any
+    other line that is not a valid record raises `DataFormatError` naming the file and line number."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataFormatError(f"{path}: no such data file")
+    problems = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if line.strip():
+                problems.append(_parse(line, f"{path}:{lineno}", f"{path.stem}-{lineno}"))
+    if not problems:
+        raise DataFormatError(f"{path}: holds no records")
+    return problems
+
+
+def _parse(line: str, where: str, problem_id: str) -> Problem:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(record, dict):
+        raise DataFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    for key in ("question", "answer"):
+        if key not in record:
+            raise DataFormatError(f"{where}: missing key '{key}'")
+        if not isinstance(record[key], str) or not record[key].strip():
+            raise DataFormatError(f"{where}: '{key}' must be a non-empty string")
+    solution = record["answer"].strip()
+    if ANSWER_MARK not in solution:
+        raise DataFormatError(f"{where}: 'answer' has no '{ANSWER_MARK} <final answer>'")
+    final = solution.rsplit(ANSWER_MARK, 1)[1].strip()
+    if normalize_number(final) is None:
+        raise DataFormatError(f"{where}: final answer {final!r} after '{ANSWER_MARK}' is not a number")
+    solution = solution.rsplit(ANSWER_MARK, 1)[0].rstrip() + f"\n{ANSWER_MARK} {final}"
+    return Problem(str(record.get("id", problem_id)), record["question"].strip(), final, solution.lstrip())
+
+
+@dataclass
+class JsonlDataset:
+    """Cycles through a JSONL file in epochs, each epoch in a seeded random order."""
+
+    path: str
+    seed: int = 0
+    problems: list[Problem] = field(init=False)
+    _epoch_order: tuple[int, list[int]] = field(init=False, default=(-1, []))
+
+    def __post_init__(self) -> None:
+        self.problems = load_jsonl(self.path)
+
+    def __getitem__(self, cursor: int) -> Problem:
+        if cursor < 0:
+            raise IndexError(f"cursor must be >= 0, got {cursor}")
+        epoch, offset = divmod(cursor, len(self.problems))
+        if self._epoch_order[0] != epoch:
+            order = list(range(len(self.problems)))
+            random.Random(f"jsonl:{self.seed}:{epoch}").shuffle(order)
+            self._epoch_order = (epoch, order)
+        return self.problems[self._epoch_order[1][offset]]

@@ -1,0 +1,54 @@
+"""Exact-final-answer reward, aware of the `#### <number>` answer format."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+
+from tasks.base import ANSWER_MARK
+
+_NUMBER = re.compile(r"[+-]?(\d{1,3}(,\d{3})+|\d+)(\.\d+)?")
+
+
+@dataclass(frozen=True)
+class Score:
+    reward: float
+    correct: bool
+    well_formed: bool
+    reason: str  # "" when correct, else why not
+
+
+def normalize_number(text: str) -> Decimal | None:
+    """'1,234' -> 1234, '+7' -> 7, '3.50' -> 3.5; None if `text` is not exactly one number."""
+    text = text.strip()
+    if not _NUMBER.fullmatch(text):
+        return None
+    try:
+        return Decimal(text.replace(",", "")).normalize()
+    except InvalidOperation:
+        return None
+
+
+def score(response: str, answer: str) -> Score:
+    """1.0 for a well-formed response whose final answer equals `answer`, else 0.0 with the reason.
+
+    Well-formed: exactly one line holding `#### <number>`, and nothing but whitespace after that line.
+    """
+    expected = normalize_number(answer)
+    if expected is None:
+        raise ValueError(f"reference answer {answer!r} is not a number")
+    _, mark, tail = response.partition(ANSWER_MARK)
+    if not mark:
+        return Score(0.0, False, False, f"no '{ANSWER_MARK}' answer line")
+    line, _, after = tail.partition("\n")
+    if ANSWER_MARK in tail:
+        return Score(0.0, False, False, f"more than one '{ANSWER_MARK}'")
+    if after.strip():
+        return Score(0.0, False, False, "text after the final answer line")
+    got = normalize_number(line)
+    if got is None:
+        return Score(0.0, False, False, f"final answer {line.strip()!r} is not a number")
+    if got != expected:
+        return Score(0.0, False, True, f"wrong answer {line.strip()} (expected {answer})")
+    return Score(1.0, True, True, "")

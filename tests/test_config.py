@@ -1,0 +1,91 @@
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from configs.load import CONFIG_DIR, ConfigError, load_config
+from configs.schema import Dtype, SpecMethod
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name", ["grpo_tiny", "grpo_moe_tiny"])
+def test_bundled_cpu_configs_load(name):
+    cfg = load_config(name)
+    assert cfg.model.path.startswith("builtin:")
+    assert cfg.logging.dir == f"runs/{name}"
+    assert OmegaConf.is_readonly(cfg)
+
+
+def test_overrides_apply_with_types():
+    cfg = load_config("grpo_tiny", ["trainer.steps=3", "model.dtype=bfloat16", "seed=5"])
+    assert (cfg.trainer.steps, cfg.model.dtype, cfg.seed) == (3, Dtype.bfloat16, 5)
+
+
+def test_path_to_yaml_works(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("model:\n  path: builtin:moe\nspeculation:\n  method: ngram\n")
+    cfg = load_config(str(path))
+    assert cfg.model.path == "builtin:moe" and cfg.speculation.method == SpecMethod.ngram
+
+
+@pytest.mark.parametrize("override,needles", [
+    ("trainer.no_such_key=1", ["no_such_key", "command-line override", "grpo_tiny.yaml"]),
+    ("trainer.steps=many", ["trainer.steps", "many"]),
+    ("model.dtype=fp8", ["model.dtype", "fp8"]),
+    ("rollout.top_p=0", ["rollout.top_p", "(0, 1]"]),
+    ("rollout.group_size=1", ["rollout.group_size"]),
+    ("learner.zero_stage=4", ["learner.zero_stage"]),
+    ("model.path=/nowhere", ["model.path", "/nowhere", "config.json"]),
+    ("model.path=builtin:huge", ["model.path", "builtin:huge"]),
+    ("data.source=/nowhere.jsonl", ["data.source"]),
+    ("trainer.steps", ["key=value"]),
+])
+def test_bad_override_names_the_key(override, needles):
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo_tiny", [override])
+    for needle in needles:
+        assert needle in str(e.value)
+
+
+def test_bad_file_names_the_key_and_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("learner:\n  lr: fast\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml.*learner\.lr"):
+        load_config(str(path))
+    path.write_text("learner: {typo_key: 1}\nmodel: {path: builtin:dense}\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml.*learner\.typo_key"):
+        load_config(str(path))
+    path.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml.*not valid YAML"):
+        load_config(str(path))
+
+
+def test_production_config_requires_a_model_path(tmp_path):
+    with pytest.raises(ConfigError, match=r"grpo_moe\.yaml.*'model\.path' is not set.*model\.path="):
+        load_config("grpo_moe")
+    (tmp_path / "config.json").write_text("{}")
+    cfg = load_config("grpo_moe", [f"model.path={tmp_path}"])
+    assert cfg.learner.zero_stage == 3 and cfg.cluster.device.value == "cuda"
+
+
+def test_unknown_config_name_lists_bundled_ones():
+    with pytest.raises(ConfigError, match="grpo_tiny"):
+        load_config("no_such_config")
+
+
+def test_every_bundled_yaml_is_checked_here():
+    assert {p.stem for p in CONFIG_DIR.glob("*.yaml")} == {"grpo_tiny", "grpo_moe_tiny", "grpo_moe"}
+
+
+@pytest.mark.parametrize("override", ["trainer.no_such_key=1", "trainer.steps=abc"])
+def test_launcher_fails_fast_and_names_the_key(override):
+    start = time.time()
+    proc = subprocess.run([sys.executable, "launch.py", "--config", "grpo_tiny", override],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert override.split("=")[0] in proc.stderr and "grpo_tiny.yaml" in proc.stderr
+    assert time.time() - start < 30  # no cluster, engine or model build was started

@@ -1,0 +1,114 @@
+import json
+import statistics
+
+import pytest
+
+from tasks.arithmetic import ArithmeticTask
+from tasks.base import ANSWER_MARK
+from tasks.jsonl import DataFormatError, JsonlDataset, load_jsonl
+from tasks.reward import score
+
+
+def test_generator_is_deterministic_per_seed():
+    a, b, other = ArithmeticTask(seed=3), ArithmeticTask(seed=3), ArithmeticTask(seed=4)
+    assert [a[i] for i in range(50)] == [b[i] for i in range(50)]
+    assert [a[i] for i in range(50)] != [other[i] for i in range(50)]
+    # random access: a problem does not depend on which were generated before it
+    assert ArithmeticTask(seed=3)[37] == a[37]
+
+
+def test_solutions_are_correct_and_scored_correct():
+    task = ArithmeticTask(seed=0)
+    for i in range(200):
+        p = task[i]
+        assert p.solution.endswith(f"{ANSWER_MARK} {p.answer}")
+        assert eval(p.question.removesuffix("=?")) == int(p.answer)  # the question's own arithmetic
+        assert len(p.solution.splitlines()) == p.difficulty + 1
+        assert score(" " + p.solution, p.answer).reward == 1.0
+
+
+def test_solution_lengths_have_a_long_tail():
+    task = ArithmeticTask(seed=0)
+    lengths = sorted(len(task[i].solution) for i in range(4000))
+    median = statistics.median(lengths)
+    p99 = lengths[int(0.99 * len(lengths))]
+    mean = statistics.mean(lengths)
+    assert p99 >= 8 * median, (median, p99)  # a few answers many times longer than the typical one
+    assert mean > 1.3 * median  # right-skewed
+    assert sum(x <= 2 * median for x in lengths) >= 0.6 * len(lengths)  # most answers are short
+
+
+def test_with_ops_fixes_difficulty():
+    task = ArithmeticTask(seed=0)
+    assert {task.with_ops(5, i).difficulty for i in range(20)} == {5}
+
+
+@pytest.mark.parametrize("response,answer,reward,well_formed", [
+    (" 3+4=7\n#### 7", "7", 1.0, True),
+    (" 3+4=7\n####7\n", "7", 1.0, True),
+    ("#### 1,234", "1234", 1.0, True),
+    ("#### 7.0", "7", 1.0, True),
+    (" 3+4=8\n#### 8", "7", 0.0, True),
+    (" 3+4=7", "7", 0.0, False),
+    ("#### seven", "7", 0.0, False),
+    ("#### 7\n#### 7", "7", 0.0, False),
+    ("#### 7\nand then more", "7", 0.0, False),
+    ("#### 7 apples", "7", 0.0, False),
+    ("", "7", 0.0, False),
+])
+def test_reward(response, answer, reward, well_formed):
+    s = score(response, answer)
+    assert (s.reward, s.well_formed, s.correct) == (reward, well_formed, reward == 1.0)
+    assert (s.reason == "") == (reward == 1.0)
+
+
+def write(tmp_path, lines):
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_jsonl_loads_gsm8k_records(tmp_path):
+    path = write(tmp_path, [
+        json.dumps({"question": "Tom has 3 apples and buys 4. How many?", "answer": "3+4=<<3+4=7>>7\n#### 7"}),
+        "",
+        json.dumps({"question": "Big?", "answer": "#### 1,000", "id": "q2"}),
+    ])
+    problems = load_jsonl(path)
+    assert [p.answer for p in problems] == ["7", "1,000"]
+    assert problems[1].id == "q2"
+    assert problems[0].solution.endswith("#### 7")
+    assert score(" " + problems[0].solution, problems[0].answer).correct
+
+
+@pytest.mark.parametrize("bad,needle", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    (json.dumps({"answer": "#### 3"}), "missing key 'question'"),
+    (json.dumps({"question": "q", "answer": 3}), "'answer' must be a non-empty string"),
+    (json.dumps({"question": "q", "answer": "three"}), "has no '####"),
+    (json.dumps({"question": "q", "answer": "#### three"}), "is not a number"),
+])
+def test_jsonl_malformed_line_names_file_and_line(tmp_path, bad, needle):
+    good = json.dumps({"question": "q", "answer": "#### 1"})
+    path = write(tmp_path, [good, good, bad, good])
+    with pytest.raises(DataFormatError) as e:
+        load_jsonl(path)
+    assert f"{path}:3:" in str(e.value) and needle in str(e.value)
+
+
+def test_jsonl_missing_or_empty_file(tmp_path):
+    with pytest.raises(DataFormatError, match="no such data file"):
+        load_jsonl(tmp_path / "absent.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DataFormatError, match="holds no records"):
+        load_jsonl(tmp_path / "empty.jsonl")
+
+
+def test_jsonl_dataset_cycles_epochs_in_seeded_order(tmp_path):
+    path = write(tmp_path, [json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) for i in range(7)])
+    ds = JsonlDataset(str(path), seed=1)
+    first, second = [ds[i].answer for i in range(7)], [ds[i].answer for i in range(7, 14)]
+    assert sorted(first, key=int) == sorted(second, key=int) == [str(i) for i in range(7)]
+    assert first != second  # a new order each epoch
+    assert [JsonlDataset(str(path), seed=1)[i].answer for i in range(14)] == first + second

@@ -1,0 +1,56 @@
+"""Contract of `transport/`: the versioned msgspec messages that cross process boundaries.
+
+Every message carries `schema`; a receiver decodes with a typed decoder and drops (and counts) anything
+malformed, truncated, oversized or of another schema version. Tensor bytes never travel inside a Struct:
+a `WeightBucket` header is followed by one zero-copy frame per tensor, in `tensors` order.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+
+class Trajectory(msgspec.Struct, tag="trajectory", frozen=True):
+    """One sampled response of a GRPO group, streamed by a rollout actor as soon as its group completes."""
+
+    schema: int
+    actor_id: int
+    seq: int  # per-actor sequence number: gaps show loss, repeats show duplicates
+    group_id: int  # the data cursor of the prompt: a group is every trajectory with this id
+    group_size: int
+    sample_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behaviour_logprobs: list[float]  # per response token, under the distribution actually sampled
+    policy_versions: list[int]  # per response token: weights version it was sampled under
+    reward: float
+    finish_reason: str  # "stop" or "length"
+    generate_seconds: float
+
+
+class TensorSpec(msgspec.Struct, frozen=True):
+    name: str
+    dtype: str  # torch dtype name, e.g. "float32"
+    shape: list[int]
+
+
+class WeightBucket(msgspec.Struct, tag="weights", frozen=True):
+    """Header of one size-bounded bucket of a weight update; tensors follow as separate frames."""
+
+    schema: int
+    version: int  # the policy version these weights are
+    bucket: int
+    num_buckets: int
+    tensors: list[TensorSpec]
+
+
+class WeightAck(msgspec.Struct, tag="weight_ack", frozen=True):
+    schema: int
+    actor_id: int
+    version: int
+    apply_seconds: float
+
+
+Message = Trajectory | WeightBucket | WeightAck
