@@ -1,13 +1,14 @@
 """SpecActor launcher:  python launch.py --config NAME_OR_PATH [section.key=value ...]
 
-Today (foundation): validate the config, build or find the models, then sample GRPO groups from the
-policy with vLLM for `trainer.steps` rounds, score them with the task's reward and log to TensorBoard.
-The learner, the transport and weight sync arrive with the asynchronous RL loop.
+The whole algorithm, top to bottom: validate the config, start Ray, place one learner and R rollout actors,
+let the actors stream GRPO groups while the learner takes `trainer.steps` steps (each one pulls fresh-enough
+groups, trains, publishes weights that the actors apply between engine steps), log to TensorBoard, shut down.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -29,40 +30,53 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "DS_ACCELERATOR": cfg.cluster.device.value,
-                       "TOKENIZERS_PARALLELISM": "false"}.items():
+    if cfg.learner.num_ranks != 1:
+        print("config error: learner.num_ranks > 1 is not supported yet (one DeepSpeed rank per run)", file=sys.stderr)
+        return 2
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "DS_ACCELERATOR": cfg.cluster.device.value,
+           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
+           "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
+    for key, value in env.items():
         os.environ.setdefault(key, value)
 
+    import ray
     from torch.utils.tensorboard import SummaryWriter
     from tqdm import trange
-    from vllm import LLM
 
-    from actor.engine import engine_kwargs, sampling_params
+    from actor.rollout import RolloutActor
+    from learner.learner import Learner
     from models.zoo import resolve
-    from tasks.dataset import open_dataset
-    from tasks.reward import score
 
-    model_dir = resolve(cfg.model.path)
-    dataset = open_dataset(cfg.data, cfg.seed)
+    model_dir = str(resolve(cfg.model.path))  # builds the built-in models on first use
+    ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, include_dashboard=False,
+             runtime_env={"env_vars": {k: os.environ[k] for k in env}, "working_dir": None}, log_to_driver=True)
+    gpus = 1 if cfg.cluster.device.value == "cuda" else 0
+    learner = ray.remote(num_cpus=1, num_gpus=gpus)(Learner).remote(cfg, model_dir)
+    inbox, weights = ray.get(learner.endpoints.remote())
+    actor_cls = ray.remote(num_cpus=1, num_gpus=gpus * cfg.rollout.tensor_parallel_size, max_concurrency=2)(RolloutActor)
+    actors = [actor_cls.remote(cfg, i, model_dir, inbox, weights) for i in range(cfg.rollout.num_actors)]
+    runs = [a.run.remote() for a in actors]
     writer = SummaryWriter(cfg.logging.dir)
-    llm = LLM(**engine_kwargs(cfg, model_dir))
-    groups, n = cfg.rollout.prompts_per_step, cfg.rollout.group_size
 
-    for step in trange(cfg.trainer.steps, desc="rollout"):
-        cursors = range(step * groups, (step + 1) * groups)
-        problems = [dataset[c] for c in cursors]
-        start = time.time()
-        outputs = llm.generate([p.prompt for p in problems],
-                               [sampling_params(cfg, seed=cfg.seed * 1_000_003 + c * n, n=n) for c in cursors],
-                               use_tqdm=False)
-        seconds = time.time() - start
-        rewards = [score(o.text, p.answer).reward for p, out in zip(problems, outputs) for o in out.outputs]
-        tokens = sum(len(o.token_ids) for out in outputs for o in out.outputs)
-        writer.add_scalar("rl/reward_mean", sum(rewards) / len(rewards), step)
-        writer.add_scalar("rollout/tokens_per_s", tokens / seconds, step)
-        writer.add_scalar("rollout/trajectories", len(rewards), step)
-    writer.close()
-    print(f"done: TensorBoard logs in {cfg.logging.dir}  (tensorboard --logdir {cfg.logging.dir})")
+    try:
+        for step in (bar := trange(cfg.trainer.steps, desc="GRPO")):
+            start = time.time()
+            metrics = ray.get(learner.step.remote())  # pull groups, train, publish weights v+1
+            metrics["rollout/tokens_per_s"] = metrics["rollout/tokens"] / (time.time() - start)
+            for tag, value in metrics.items():
+                writer.add_scalar(tag, value, step)
+            bar.set_postfix(reward=f"{metrics['rl/reward_mean']:.3f}", loss=f"{metrics['rl/loss']:.4f}")
+        ray.get(learner.save_pretrained.remote(os.path.join(cfg.logging.dir, "final")))
+    finally:
+        for a in actors:
+            a.stop.remote()
+        stats = ray.get(runs, timeout=120)
+        summary = ray.get(learner.summary.remote())
+        writer.close()
+        ray.shutdown()
+    with open(os.path.join(cfg.logging.dir, "summary.json"), "w") as f:
+        json.dump({"learner": summary, "actors": stats}, f, indent=2)
+    print(f"learner: {summary}\nactors: {stats}\nTensorBoard: tensorboard --logdir {cfg.logging.dir}")
     return 0
 
 

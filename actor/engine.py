@@ -22,6 +22,11 @@ def engine_kwargs(cfg: DictConfig, model_dir: Path) -> dict:
     return kwargs
 
 
+def group_seed(run_seed: int, cursor: int, group_size: int) -> int:
+    """Sample `i` of the group for data cursor `cursor` samples with seed `group_seed(...) + i`."""
+    return run_seed * 1_000_003 + cursor * group_size
+
+
 def sampling_params(cfg: DictConfig, seed: int, n: int = 1):
     """Sampling for one prompt's group; vLLM gives the i-th child request `seed + i`."""
     from vllm import SamplingParams
@@ -31,3 +36,12 @@ def sampling_params(cfg: DictConfig, seed: int, n: int = 1):
         n=n, seed=seed, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k or -1,
         max_tokens=r.max_tokens, logprobs=0,
     )
+
+
+def close_engine(llm) -> None:
+    """Shuts an in-process vLLM engine down fully, so another (e.g. an MoE after a dense one) can start."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    cleanup_dist_env_and_memory()

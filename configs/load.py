@@ -94,6 +94,10 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
         ("data.max_operand", cfg.data.max_operand >= 1, "must be >= 1"),
         ("model.max_model_len", cfg.model.max_model_len >= 16, "must be >= 16"),
     ]
+    batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    rules.append(("learner.micro_batch_size", batch % (cfg.learner.micro_batch_size * cfg.learner.num_ranks) == 0,
+                  f"times learner.num_ranks must divide the step's {batch} trajectories "
+                  "(rollout.prompts_per_step x rollout.group_size)"))
     for key, ok, why in rules:
         if not ok:
             raise ConfigError(f"{path}: key '{key}' = {OmegaConf.select(cfg, key)!r} {why}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from actor.engine import close_engine
 from tasks.arithmetic import ArithmeticTask
 from tasks.reward import score
 
@@ -28,4 +29,5 @@ def accuracy_by_difficulty(model_dir: Path, per_split: int, max_operand: int = A
     for split, problems in splits.items():
         outputs = llm.generate([p.prompt for p in problems], params, use_tqdm=False)
         result[split] = sum(score(o.outputs[0].text, p.answer).correct for o, p in zip(outputs, problems)) / len(problems)
+    close_engine(llm)
     return result

@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers
 
+from actor.engine import close_engine
 from models.recipe import Recipe, SftSpec
 from models.zoo import ModelNotFoundError, builtin_dir, resolve
 
@@ -18,8 +19,8 @@ def vllm_greedy(path, prompts, max_tokens):
 
     llm = LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=512,
               kv_cache_memory_bytes=64 << 20, seed=0)
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    close_engine(llm)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -31,8 +32,8 @@ def test_vllm_and_transformers_agree_on_greedy_continuations(name):
     expected = []
     for prompt in PROMPTS:
         ids = tok(prompt, return_tensors="pt").input_ids
-        out = model.generate(ids, max_new_tokens=24, do_sample=False, min_new_tokens=24)
-        expected.append(out[0, ids.shape[1]:].tolist())
+        out = model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
+        expected.append(out[: out.index(tok.eos_token_id) + 1] if tok.eos_token_id in out else out)
     assert vllm_greedy(path, PROMPTS, 24) == expected
 
 

@@ -1,0 +1,150 @@
+"""The rollout actor: a vLLM engine stepped by hand so weights can change between steps.
+
+It admits GRPO groups (one request per sample, seeds `group_seed + i`) while the group's learner step is at
+most `algorithm.max_staleness` versions ahead of the weights it holds, streams each trajectory as soon as its
+group completes, and applies a new weight version between two engine steps with requests in flight
+(reload, re-pack the tied CPU lm_head, reset the prefix cache). Every token records the version it was
+sampled under.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+from omegaconf import DictConfig
+
+from actor.engine import engine_kwargs, group_seed, sampling_params
+from tasks.dataset import open_dataset
+from tasks.reward import score
+from transport.messages import SCHEMA_VERSION, Trajectory, WeightAck
+from transport.zmq import Outbox, WeightSubscriber
+
+
+@dataclass
+class Sample:
+    cursor: int
+    index: int
+    prompt_ids: list[int]
+    start: float
+    versions: list[int] = field(default_factory=list)
+
+
+def apply_weights(worker, weights) -> None:
+    """Runs inside the vLLM worker (collective_rpc): in-place reload, then the CPU tied-lm_head fix."""
+    runner = worker.model_runner
+    runner.reload_weights(weights_iterator=iter(weights))
+    model = runner.get_model()
+    lm_head = getattr(model, "lm_head", None)
+    if getattr(model.config, "tie_word_embeddings", False) and hasattr(lm_head, "quant_method"):
+        lm_head.quant_method.process_weights_after_loading(lm_head)  # CPU keeps a packed copy of the old embedding
+
+
+class RolloutActor:
+    def __init__(self, cfg: DictConfig, actor_id: int, model_dir: str, inbox: str, weights: str):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        self.cfg, self.actor_id = cfg, actor_id
+        self.llm = LLM(**engine_kwargs(cfg, model_dir))
+        self.engine = self.llm.llm_engine
+        self.tokenizer = self.llm.get_tokenizer()
+        self.dataset = open_dataset(cfg.data, cfg.seed)
+        self.outbox = Outbox(inbox, f"actor-{actor_id}", hwm=cfg.transport.trajectory_queue)
+        self.weights = WeightSubscriber(weights)
+        self.version = 0
+        self.seq = 0
+        self.stopping = threading.Event()
+        self.stats = {"groups": 0, "trajectories": 0, "tokens": 0, "weight_updates": 0, "generate_seconds": 0.0,
+                      "sent_while_generating": 0}  # streamed while other requests were still in the engine
+
+    def step_of(self, k: int) -> tuple[int, int]:
+        """The data cursor of this actor's k-th group and the learner step that consumes it."""
+        cursor = k * self.cfg.rollout.num_actors + self.actor_id
+        return cursor, cursor // self.cfg.rollout.prompts_per_step
+
+    def run(self) -> dict:
+        """Generates until `stop()`; returns counters."""
+        n = self.cfg.rollout.group_size
+        samples: dict[str, Sample] = {}
+        finished: dict[int, list] = {}
+        k = 0
+        while not self.stopping.is_set():
+            self.poll_weights(0)
+            cursor, step = self.step_of(k)
+            while step <= self.version + self.cfg.algorithm.max_staleness:  # bounded asynchrony
+                problem = self.dataset[cursor]
+                prompt_ids = self.tokenizer(problem.prompt, add_special_tokens=False).input_ids
+                for i in range(n):
+                    params = sampling_params(self.cfg, seed=group_seed(self.cfg.seed, cursor, n) + i)
+                    rid = f"{cursor}-{i}"
+                    self.engine.add_request(rid, {"prompt_token_ids": prompt_ids}, params)
+                    samples[rid] = Sample(cursor, i, prompt_ids, time.time())
+                finished[cursor] = []
+                k += 1
+                cursor, step = self.step_of(k)
+            if not self.engine.has_unfinished_requests():
+                self.poll_weights(100)  # ahead of the learner: wait for new weights
+                continue
+            start = time.time()
+            outputs = self.engine.step()
+            self.stats["generate_seconds"] += time.time() - start
+            for out in outputs:
+                sample = samples[out.request_id]
+                completion = out.outputs[0]
+                sample.versions += [self.version] * (len(completion.token_ids) - len(sample.versions))
+                if out.finished:
+                    del samples[out.request_id]
+                    finished[sample.cursor].append((sample, completion))
+                    if len(finished[sample.cursor]) == n:
+                        self.send_group(finished.pop(sample.cursor))
+        self.outbox.close()
+        return {**self.stats, "version": self.version, "dropped_weight_buckets": self.weights.dropped}
+
+    def send_group(self, group: list) -> None:
+        problem = self.dataset[group[0][0].cursor]
+        for sample, completion in sorted(group, key=lambda sc: sc[0].index):
+            ids = list(completion.token_ids)
+            logprobs = [completion.logprobs[j][t].logprob for j, t in enumerate(ids)]
+            self.outbox.send(Trajectory(
+                SCHEMA_VERSION, self.actor_id, self.seq, sample.cursor, len(group), sample.index,
+                sample.prompt_ids, ids, logprobs, sample.versions, score(completion.text, problem.answer).reward,
+                completion.finish_reason or "length", time.time() - sample.start,
+            ))
+            self.seq += 1
+            self.stats["trajectories"] += 1
+            self.stats["tokens"] += len(ids)
+        self.stats["groups"] += 1
+        if self.engine.has_unfinished_requests():
+            self.stats["sent_while_generating"] += len(group)
+
+    def poll_weights(self, timeout_ms: int) -> None:
+        update = self.weights.poll(timeout_ms)
+        if update is None:
+            return
+        version, tensors = update
+        start = time.time()
+        self.llm.collective_rpc(apply_weights, args=(tensors,))
+        self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
+        self.version = version
+        self.stats["weight_updates"] += 1
+        self.outbox.send(WeightAck(SCHEMA_VERSION, self.actor_id, version, time.time() - start))
+
+    def greedy(self, prompts: list[str], max_tokens: int) -> list[list[int]]:
+        """Greedy continuations under the current weights; call only while `run` is not running."""
+        from vllm import SamplingParams
+
+        outs = self.llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def wait_for_version(self, version: int, timeout_s: float) -> int:
+        """Applies weight updates until `version` is reached or `timeout_s` passes; call only while `run` is not running."""
+        deadline = time.time() + timeout_s
+        while self.version < version and time.time() < deadline:
+            self.poll_weights(100)
+        return self.version

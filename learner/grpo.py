@@ -1,0 +1,51 @@
+"""GRPO-family losses: group-normalised advantages and a clipped ratio against behaviour logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from configs.schema import LossAggregation
+
+
+def group_advantages(rewards: torch.Tensor, normalize_std: bool, eps: float = 1e-6) -> torch.Tensor:
+    """`rewards` is [groups, group_size]; each reward minus its group's mean, over the group's std if asked."""
+    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    return centered / (rewards.std(dim=1, keepdim=True) + eps) if normalize_std else centered
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Log-probabilities of `targets` under softmax(logits / T): the distribution the actor sampled."""
+    logits = logits.float() / (temperature if temperature > 0 else 1.0)
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,  # [B, T] current policy, response tokens
+    behaviour: torch.Tensor,  # [B, T] logprobs recorded at rollout
+    advantages: torch.Tensor,  # [B]
+    mask: torch.Tensor,  # [B, T] 1 on response tokens
+    clip_low: float,
+    clip_high: float,
+    aggregation: LossAggregation,
+    max_tokens: int,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    ratio = torch.exp(logprobs - behaviour)
+    adv = advantages.unsqueeze(1)
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
+    if ref_logprobs is not None and kl_coef > 0:
+        log_r = ref_logprobs - logprobs
+        per_token = per_token + kl_coef * (torch.exp(log_r) - log_r - 1)  # k3 estimator of KL(pi || ref)
+    mask = mask.float()
+    if aggregation == LossAggregation.token_mean:
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
+    elif aggregation == LossAggregation.seq_mean_token_mean:
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+    else:  # Dr.GRPO: a constant normaliser, no length bias
+        loss = ((per_token * mask).sum(1) / max_tokens).mean()
+    with torch.no_grad():
+        clipped = ((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).float()
+        stats = {"clip_fraction": ((clipped * mask).sum() / mask.sum().clamp(min=1)).item(),
+                 "ratio_max": (ratio * mask).max().item()}
+    return loss, stats

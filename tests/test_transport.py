@@ -1,0 +1,88 @@
+"""Malformed, truncated, wrong-version and oversized messages are counted and dropped; good ones keep flowing."""
+
+import os
+import time
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+from transport.messages import SCHEMA_VERSION, Trajectory, WeightAck
+from transport.zmq import Inbox, Outbox, WeightPublisher, WeightSubscriber, pack_buckets
+
+
+def trajectory(seq, schema=SCHEMA_VERSION, n=3):
+    return Trajectory(schema, actor_id=0, seq=seq, group_id=seq, group_size=2, sample_index=0,
+                      prompt_ids=[1, 2], response_ids=list(range(n)), behaviour_logprobs=[-0.5] * n,
+                      policy_versions=[0] * n, reward=1.0, finish_reason="stop", generate_seconds=0.1)
+
+
+@pytest.fixture
+def inbox():
+    box = Inbox("127.0.0.1", max_bytes=4096)
+    yield box
+    box.close()
+
+
+def test_bad_messages_are_counted_and_dropped_while_good_ones_flow(inbox, caplog):
+    good = Outbox(inbox.endpoint, "actor-0", hwm=16)
+    raw = zmq.Context.instance().socket(zmq.PUSH)
+    raw.connect(inbox.endpoint)
+    valid = msgspec.msgpack.encode(trajectory(99))
+    bad = [
+        [b"evil", os.urandom(64)],  # random bytes
+        [b"evil", valid[: len(valid) // 2]],  # truncated
+        [b"evil", msgspec.msgpack.encode(trajectory(5, schema=SCHEMA_VERSION + 1))],  # wrong version
+        [b"evil", msgspec.msgpack.encode(trajectory(6, n=2000))],  # oversized
+        [b"just one frame"],
+        [b"evil", msgspec.msgpack.encode({"type": "trajectory", "schema": 1})],  # missing fields
+    ]
+    for i, frames in enumerate(bad):
+        good.send(trajectory(i))
+        raw.send_multipart(frames)
+        raw.send_multipart(frames)  # twice: logged once, counted twice
+    good.send(WeightAck(SCHEMA_VERSION, actor_id=0, version=3, apply_seconds=0.01))
+    received = [inbox.recv(2000) for _ in range(len(bad) + 1)]
+    assert [m.seq for m in received[:-1]] == list(range(len(bad)))
+    assert received[-1] == WeightAck(SCHEMA_VERSION, 0, 3, 0.01)
+    assert inbox.recv(200) is None
+    assert inbox.dropped == {"malformed": 6, "schema_version": 2, "oversized": 2, "frames": 2}
+    warnings = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(warnings) == 4 and all("evil" in w or "unknown" in w for w in warnings)
+    raw.close(0)
+    good.close()
+
+
+def test_outbox_applies_back_pressure():
+    inbox = Inbox("127.0.0.1", max_bytes=1 << 20, hwm=2)
+    out = Outbox(inbox.endpoint, "actor-0", hwm=2)
+    sent = 0
+    while sent < 2000 and out.send(trajectory(sent, n=8000), timeout_ms=300):  # ~70 kB each
+        sent += 1
+    assert 4 <= sent < 2000  # the sender stopped: only the bounded queues and socket buffers hold messages
+    assert inbox.recv(1000).seq == 0
+    assert out.send(trajectory(sent, n=8000), timeout_ms=2000)  # space again once the receiver reads
+    out.close()
+    inbox.close()
+
+
+def test_weight_buckets_arrive_whole_and_bounded():
+    pub = WeightPublisher("127.0.0.1")
+    sub = WeightSubscriber(pub.endpoint)
+    weights = [(f"layer{i}.weight", torch.randn(64, 32)) for i in range(5)] + [("big", torch.randn(1000, 10))]
+    buckets = pack_buckets(iter(weights), bucket_bytes=3 * 64 * 32 * 4)
+    assert [len(b) for b in buckets] == [3, 2, 1]  # size-bounded; a larger tensor alone
+
+    deadline = time.time() + 5
+    result = None
+    while result is None and time.time() < deadline:  # PUB/SUB: resend until the subscription is live
+        pub.publish(7, buckets)
+        result = sub.poll(200)
+    version, received = result
+    assert version == 7
+    assert [n for n, _ in received] == [n for n, _ in weights]
+    for (_, a), (_, b) in zip(received, weights):
+        assert torch.equal(a, b)
+    pub.close()
+    sub.close()

@@ -1,0 +1,170 @@
+"""ZeroMQ channels for the message types in `transport/messages.py`.
+
+- `Inbox`: a PULL socket the receiver binds on a random port (its endpoint is advertised through Ray);
+  senders `Outbox.send` to it. Frames are `[sender, msgpack]`. A message that is not two frames, not
+  decodable as a `Message`, of another schema version or over `max_bytes` is counted under its reason,
+  logged once per (sender, reason), and dropped; the socket keeps serving good messages.
+- `Outbox`: a PUSH socket with a bounded send queue (`hwm`): when the receiver falls behind, `send` blocks,
+  which is the back-pressure on rollout actors.
+- `WeightPublisher` / `WeightSubscriber`: PUB/SUB for weight updates. Each bucket is one multipart message:
+  a `WeightBucket` header, then one zero-copy frame per tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterator
+
+import msgspec
+import torch
+import zmq
+
+from transport.messages import SCHEMA_VERSION, Message, TensorSpec, WeightBucket
+
+log = logging.getLogger(__name__)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class Inbox:
+    def __init__(self, host: str, max_bytes: int, hwm: int = 1000, context: zmq.Context | None = None):
+        self.socket = (context or zmq.Context.instance()).socket(zmq.PULL)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.RCVHWM, hwm)
+        port = self.socket.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
+        self.max_bytes = max_bytes
+        self.dropped: Counter[str] = Counter()
+        self._decoder = msgspec.msgpack.Decoder(Message)
+        self._logged: set[tuple[str, str]] = set()
+
+    def recv(self, timeout_ms: int) -> Message | None:
+        """The next good message, or None once `timeout_ms` passes without one."""
+        while self.socket.poll(timeout_ms):
+            frames = self.socket.recv_multipart()
+            message = self._decode(frames)
+            if message is not None:
+                return message
+            timeout_ms = 0 if timeout_ms == 0 else max(1, timeout_ms // 2)
+        return None
+
+    def _decode(self, frames: list[bytes]) -> Message | None:
+        sender = frames[0].decode(errors="replace")[:64] if len(frames) == 2 else "unknown"
+        if len(frames) != 2:
+            return self._drop(sender, "frames", f"{len(frames)} frames, expected 2")
+        if len(frames[1]) > self.max_bytes:
+            return self._drop(sender, "oversized", f"{len(frames[1])} bytes > limit {self.max_bytes}")
+        try:
+            message = self._decoder.decode(frames[1])
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            return self._drop(sender, "malformed", str(e))
+        if message.schema != SCHEMA_VERSION:
+            return self._drop(sender, "schema_version", f"schema {message.schema}, expected {SCHEMA_VERSION}")
+        return message
+
+    def _drop(self, sender: str, reason: str, detail: str) -> None:
+        self.dropped[reason] += 1
+        if (sender, reason) not in self._logged:
+            self._logged.add((sender, reason))
+            log.warning("dropped a %s message from %s: %s (further ones are only counted)", reason, sender, detail)
+        return None
+
+    def close(self) -> None:
+        self.socket.close(0)
+
+
+class Outbox:
+    def __init__(self, endpoint: str, sender: str, hwm: int, context: zmq.Context | None = None):
+        self.socket = (context or zmq.Context.instance()).socket(zmq.PUSH)
+        self.socket.setsockopt(zmq.SNDHWM, hwm)
+        self.socket.setsockopt(zmq.LINGER, 5000)
+        self.socket.connect(endpoint)
+        self.sender = sender.encode()
+
+    def send(self, message: Message, timeout_ms: int | None = None) -> bool:
+        """Blocks while the receiver's queue is full; False if `timeout_ms` passed first."""
+        if timeout_ms is not None and not self.socket.poll(timeout_ms, zmq.POLLOUT):
+            return False
+        self.socket.send_multipart([self.sender, _encoder.encode(message)])
+        return True
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+def pack_buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Groups tensors into buckets of at most `bucket_bytes` (a larger tensor gets a bucket of its own)."""
+    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, tensor.detach().contiguous().cpu()))
+        size += nbytes
+    return buckets
+
+
+class WeightPublisher:
+    def __init__(self, host: str, context: zmq.Context | None = None):
+        self.socket = (context or zmq.Context.instance()).socket(zmq.PUB)
+        self.socket.setsockopt(zmq.SNDHWM, 0)  # never drop a bucket
+        self.socket.setsockopt(zmq.LINGER, 0)
+        port = self.socket.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
+
+    def publish(self, version: int, buckets: list[list[tuple[str, torch.Tensor]]]) -> int:
+        """Sends each bucket once to every subscriber; returns the bytes sent."""
+        sent = 0
+        for index, bucket in enumerate(buckets):
+            specs = [TensorSpec(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in bucket]
+            header = WeightBucket(SCHEMA_VERSION, version, index, len(buckets), specs)
+            frames = [_encoder.encode(header)] + [t.view(torch.uint8).reshape(-1).numpy() for _, t in bucket]
+            self.socket.send_multipart(frames, copy=False)
+            sent += sum(t.numel() * t.element_size() for _, t in bucket)
+        return sent
+
+    def close(self) -> None:
+        self.socket.close(0)
+
+
+class WeightSubscriber:
+    def __init__(self, endpoint: str, context: zmq.Context | None = None):
+        self.socket = (context or zmq.Context.instance()).socket(zmq.SUB)
+        self.socket.setsockopt(zmq.RCVHWM, 0)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self.socket.connect(endpoint)
+        self._decoder = msgspec.msgpack.Decoder(WeightBucket)
+        self._pending: dict[int, dict[int, list[tuple[str, torch.Tensor]]]] = {}
+        self.dropped = 0
+
+    def poll(self, timeout_ms: int = 0) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
+        """The newest complete weight version received so far, or None. Older partial versions are discarded."""
+        complete = None
+        while self.socket.poll(timeout_ms):
+            timeout_ms = 0
+            frames = self.socket.recv_multipart(copy=False)
+            try:
+                header = self._decoder.decode(frames[0].buffer)
+                if header.schema != SCHEMA_VERSION or len(frames) != len(header.tensors) + 1:
+                    raise ValueError(f"schema {header.schema}, {len(frames) - 1} tensor frames")
+                tensors = [
+                    (spec.name, torch.frombuffer(bytearray(frame.buffer), dtype=getattr(torch, spec.dtype))
+                     .reshape(spec.shape))
+                    for spec, frame in zip(header.tensors, frames[1:])
+                ]
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError, AttributeError, RuntimeError) as e:
+                self.dropped += 1
+                log.warning("dropped a malformed weight bucket: %s", e)
+                continue
+            buckets = self._pending.setdefault(header.version, {})
+            buckets[header.bucket] = tensors
+            if len(buckets) == header.num_buckets:
+                complete = (header.version, [t for i in sorted(buckets) for t in buckets[i]])
+                self._pending = {v: b for v, b in self._pending.items() if v > header.version}
+        return complete
+
+    def close(self) -> None:
+        self.socket.close(0)
