@@ -3,8 +3,8 @@
 It admits GRPO groups (one request per sample, seeds `group_seed + i`) while the group's learner step is at
 most `algorithm.max_staleness` versions ahead of the weights it holds, streams each trajectory as soon as its
 group completes, and applies a new weight version between two engine steps with requests in flight
-(reload, re-pack the tied CPU lm_head, reset the prefix cache). Every token records the version it was
-sampled under.
+(reload, re-pack the tied CPU lm_head, reset the prefix cache and recompute running requests' context under
+the new weights). Every token records the version it was sampled under.
 """
 
 from __future__ import annotations
@@ -100,8 +100,9 @@ class RolloutActor:
                     finished[sample.cursor].append((sample, completion))
                     if len(finished[sample.cursor]) == n:
                         self.send_group(finished.pop(sample.cursor))
+        self.engine.abort_request(list(samples))  # unfinished groups are abandoned, never half-sent
         self.outbox.close()
-        return {**self.stats, "version": self.version, "dropped_weight_buckets": self.weights.dropped}
+        return {**self.stats, "abandoned_requests": len(samples), "version": self.version, "dropped_weight_buckets": self.weights.dropped}
 
     def send_group(self, group: list) -> None:
         problem = self.dataset[group[0][0].cursor]
@@ -127,7 +128,10 @@ class RolloutActor:
         version, tensors = update
         start = time.time()
         self.llm.collective_rpc(apply_weights, args=(tensors,))
-        self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
+        # Cached KV was computed by the old weights: drop it, and preempt running requests so their context is
+        # recomputed, making every later token a sample of exactly the new policy (what the learner's ratio assumes).
+        if not self.llm.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError(f"actor {self.actor_id}: vLLM could not reset its prefix cache after weights v{version}")
         self.version = version
         self.stats["weight_updates"] += 1
         self.outbox.send(WeightAck(SCHEMA_VERSION, self.actor_id, version, time.time() - start))
