@@ -61,7 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for step in (bar := trange(cfg.trainer.steps, desc="GRPO")):
             start = time.time()
-            metrics = ray.get(learner.step.remote())  # pull groups, train, publish weights v+1
+            step_ref = learner.step.remote()  # pull groups, train, publish weights v+1
+            ready, _ = ray.wait([step_ref, *runs], num_returns=1)
+            if ready[0] != step_ref:  # a rollout actor stopped: surface its error instead of waiting forever
+                ray.get(ready[0])
+                raise RuntimeError("a rollout actor stopped before the run ended")
+            metrics = ray.get(step_ref)
             metrics["rollout/tokens_per_s"] = metrics["rollout/tokens"] / (time.time() - start)
             for tag, value in metrics.items():
                 writer.add_scalar(tag, value, step)

