@@ -101,7 +101,6 @@ class RolloutActor:
                     if len(finished[sample.cursor]) == n:
                         self.send_group(finished.pop(sample.cursor))
         self.engine.abort_request(list(samples))  # unfinished groups are abandoned, never half-sent
-        self.outbox.close()
         return {**self.stats, "abandoned_requests": len(samples), "version": self.version, "dropped_weight_buckets": self.weights.dropped}
 
     def send_group(self, group: list) -> None:

@@ -142,20 +142,27 @@ class Learner:
         return policy_loss(logprobs, behaviour, advantages, mask, algo.clip_low, algo.clip_high,
                            algo.loss_aggregation, self.cfg.rollout.max_tokens)
 
-    def named_weights(self):
-        """Full parameters (gathered under ZeRO-3), as the checkpoint names them."""
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Full parameters (gathered under ZeRO-3) as the in-memory model names them."""
         import deepspeed
 
         params = list(self.engine.module.named_parameters())
         with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=self.cfg.learner.zero_stage == 3):
-            return [(name, p.detach().float().clone()) for name, p in params]
+            return {name: p.detach().float().clone() for name, p in params}
+
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """Named and shaped as the checkpoint has them (transformers fuses MoE experts in memory; vLLM
+        reloads per-expert checkpoint tensors)."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return list(revert_weight_conversion(self.engine.module, self.full_state()).items())
 
     def publish(self) -> int:
         buckets = pack_buckets(iter(self.named_weights()), self.cfg.transport.weight_bucket_mib << 20)
         return self.publisher.publish(self.version, buckets)
 
     def save_pretrained(self, path: str) -> None:
-        self.engine.module.save_pretrained(path, state_dict=dict(self.named_weights()))
+        self.engine.module.save_pretrained(path, state_dict=self.full_state())
 
     def summary(self) -> dict:
         return {**self.counts, "version": self.version, "pending": sum(len(g) for g in self.pending.values()),
