@@ -18,11 +18,29 @@ def engine_kwargs(cfg: DictConfig, model_dir: Path) -> dict:
         # happens when a weight update preempts many running requests at once; never split a prefill.
         enable_chunked_prefill=False, max_num_batched_tokens=max(8192, cfg.model.max_model_len),
     )
+    if cfg.speculation.method != "none":  # drafts come from a drafters/ plugin through actor/vllm_hooks.py
+        kwargs["speculative_config"] = {"method": "custom_class", "model": "actor.vllm_hooks.DrafterBridge",
+                                        "num_speculative_tokens": cfg.speculation.num_speculative_tokens}
     if cfg.cluster.device == Device.cpu:
         kwargs.update(enforce_eager=True, kv_cache_memory_bytes=cfg.rollout.kv_cache_mib << 20)
     else:
         kwargs.update(tensor_parallel_size=cfg.rollout.tensor_parallel_size)
     return kwargs
+
+
+def make_engine(cfg: DictConfig, model_dir: Path):
+    """A vLLM engine whose every token comes from the coupled sampler, drafting with the configured drafter."""
+    import os
+
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the hooks target the V1 runner (GPU default is V2)
+    from vllm import LLM
+
+    from actor.vllm_hooks import install
+
+    llm = LLM(**engine_kwargs(cfg, model_dir))
+    method = cfg.speculation.method
+    llm.collective_rpc(install, args=(None if method == "none" else method, dict(cfg.speculation.options)))
+    return llm
 
 
 def group_seed(run_seed: int, cursor: int, group_size: int) -> int:

@@ -8,7 +8,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from configs.schema import Config, SpecMethod
+from configs.schema import Config
+from drafters.base import DrafterLoadError, drafter_class
 from models.zoo import BUILTIN_NAMES, BUILTIN_PREFIX
 
 CONFIG_DIR = Path(__file__).resolve().parent
@@ -102,11 +103,21 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
         if not ok:
             raise ConfigError(f"{path}: key '{key}' = {OmegaConf.select(cfg, key)!r} {why}")
     _check_model(path, "model.path", cfg.model.path)
-    if cfg.speculation.method == SpecMethod.draft_lm:
-        _check_model(path, "speculation.draft_model", cfg.speculation.draft_model)
+    _check_drafter(path, cfg.speculation)
     source = cfg.data.source
     if source != "arithmetic" and not Path(source).is_file():
         raise ConfigError(f"{path}: key 'data.source' = {source!r} is neither 'arithmetic' nor an existing JSONL file")
+
+
+def _check_drafter(path: Path, spec: DictConfig) -> None:
+    if spec.method == "none":
+        return
+    try:
+        drafter_class(spec.method)
+    except DrafterLoadError as e:
+        raise ConfigError(f"{path}: key 'speculation.method': {e}") from None
+    if spec.method == "draft_lm":
+        _check_model(path, "speculation.options.model", spec.options.get("model", "builtin:draft"))
 
 
 def _check_model(path: Path, key: str, spec: str) -> None:

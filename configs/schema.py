@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from omegaconf import MISSING
 
@@ -24,12 +24,6 @@ class Dtype(Enum):
 class Device(Enum):
     cpu = "cpu"
     cuda = "cuda"
-
-
-class SpecMethod(Enum):
-    none = "none"
-    ngram = "ngram"
-    draft_lm = "draft_lm"
 
 
 class LossAggregation(Enum):
@@ -67,9 +61,11 @@ class RolloutConfig:
 
 @dataclass
 class SpeculationConfig:
-    method: SpecMethod = SpecMethod.none
+    # "none", or the drafter that proposes tokens for coupled verification: a built-in (ngram, draft_lm), a
+    # dotted path to a drafters.base.Drafter subclass, or the name of a `specactor.drafters` entry point
+    method: str = "none"
     num_speculative_tokens: int = 4
-    draft_model: str = "builtin:draft"
+    options: Dict[str, Any] = field(default_factory=dict)  # keyword arguments of the drafter's constructor
 
 
 @dataclass

@@ -1,26 +1,38 @@
 """Contract of `drafters/`: what a drafter plugin is.
 
 A drafter proposes up to `k` next tokens for each request of a batch, from the request's id, sampling seed,
-output position and token history. The verifier (the target model, in `actor/`) decides what is kept; a drafter
-never changes a trajectory, it only changes how fast it is produced. After every verify step the drafter is
-told what was committed, and it may keep state per request until the request is removed.
+output position, sampling settings and token history. The verifier (the target model, in `actor/`) decides what
+is kept; a drafter never changes a trajectory, it only changes how fast it is produced. After every verify
+step the drafter is told what was committed, and it may keep state per request until the request is removed.
+Requests may arrive in any order and any subset from one call to the next; `token_ids` is always the whole
+truth, so a drafter that lost or never had state for a request must still answer.
 
-A plugin is a plain class implementing `Drafter`, named in a config by dotted path (`pkg.mod.Class`) or by
-the name of a `specactor.drafters` entry point.
+A plugin is a plain class implementing `Drafter`, constructed with keyword options from the config
+(`speculation.options`) and named by a built-in name (`ngram`, `draft_lm`), a dotted path (`pkg.mod.Class`) or
+the name of a `specactor.drafters` entry point. `tests/plugin_contracts/` checks every built-in drafter and the
+example under `examples/`; run it on yours.
 """
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from importlib.metadata import entry_points
+
+BUILTIN = {"ngram": "drafters.ngram.NgramDrafter", "draft_lm": "drafters.draft_lm.DraftLM"}
+ENTRY_POINT_GROUP = "specactor.drafters"
 
 
 @dataclass(frozen=True)
 class DraftRequest:
     request_id: str
     seed: int  # the coupled sampler's seed for this request
-    position: int  # output position of the next token to be sampled
+    position: int  # output position of the next token to be sampled (0 = first response token)
     token_ids: list[int]  # prompt followed by every committed output token
+    temperature: float = 0.0  # the target's sampling settings, for drafters that sample with the coupled noise
+    top_k: int = 0  # <= 0: no top-k
+    top_p: float = 1.0
 
 
 class Drafter(ABC):
@@ -35,3 +47,34 @@ class Drafter(ABC):
     @abstractmethod
     def remove(self, request_id: str) -> None:
         """The request finished or was aborted; drop its state."""
+
+
+class DrafterLoadError(ValueError):
+    pass
+
+
+def drafter_class(name: str) -> type[Drafter]:
+    """The class a built-in name, dotted path or `specactor.drafters` entry point names."""
+    path = BUILTIN.get(name)
+    if path is None:
+        found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+        if found:
+            cls = found[0].load()
+        elif "." in name:
+            path = name
+        else:
+            raise DrafterLoadError(f"drafter '{name}': not a built-in ({', '.join(BUILTIN)}), not a dotted path "
+                                   f"and no '{ENTRY_POINT_GROUP}' entry point of that name")
+    if path is not None:
+        module, _, attr = path.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise DrafterLoadError(f"drafter '{name}': cannot import {path}: {e}") from e
+    if not (isinstance(cls, type) and issubclass(cls, Drafter)):
+        raise DrafterLoadError(f"drafter '{name}': {cls!r} is not a subclass of drafters.base.Drafter")
+    return cls
+
+
+def load_drafter(name: str, options: dict) -> Drafter:
+    return drafter_class(name)(**options)

@@ -1,0 +1,109 @@
+"""The coupled sampler (DESIGN.md, "The invariant"): every token is
+
+    argmax_v ( z[v] / T + G(seed, position, v) )      (argmax_v z[v] when T = 0)
+
+with `z` the target's logits after top-k/top-p and `G` Gumbel noise from a counter-based integer hash of
+(seed, output position, token id). Pure torch integer ops, so the noise is the same on CPU and GPU and needs
+no per-request generators. Verification accepts a draft token only where it equals the target's own coupled
+sample and emits the target's sample at the first mismatch (or the bonus token), so a speculative rollout
+emits exactly the tokens of plain decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (vLLM's _SAMPLING_EPS)
+PLACEHOLDER = -1  # vLLM's padding for rejected positions in a verify output
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_MUL1, _MUL2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)  # splitmix64 finaliser
+_SEED_KEY, _POSITION_KEY = _signed(0x9E3779B97F4A7C15), _signed(0xD1B54A32D192ED03)
+
+
+def _shift_right(x: torch.Tensor, s: int) -> torch.Tensor:
+    return (x >> s) & ((1 << (64 - s)) - 1)  # logical shift on int64 (torch shifts arithmetically)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    z = (z ^ _shift_right(z, 30)) * _MUL1  # int64 products wrap identically on CPU and GPU
+    z = (z ^ _shift_right(z, 27)) * _MUL2
+    return z ^ _shift_right(z, 31)
+
+
+def gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, vocab] float64 Gumbel(0, 1) noise; row r depends only on (seeds[r], positions[r])."""
+    row = _mix(_mix(seeds.long() * _SEED_KEY) ^ (positions.long() * _POSITION_KEY))
+    tokens = torch.arange(vocab_size, device=seeds.device, dtype=torch.long)
+    bits = _shift_right(_mix(row.unsqueeze(1) ^ tokens.unsqueeze(0)), 11)  # 53 uniform bits
+    u = (bits.double() + 0.5) * 2.0**-53
+    return -torch.log(-torch.log(u))
+
+
+def mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Keeps each row's `top_k` largest logits (k <= 0 or >= vocab: all), then the smallest set whose probability
+    reaches `top_p`; the rest become -inf. Same rule as vLLM's `apply_top_k_top_p_pytorch`."""
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        k = torch.where((top_k <= 0) | (top_k > vocab), vocab, top_k).long()
+        threshold = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < threshold, float("-inf"))
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= 1 - top_p.unsqueeze(1).to(cumulative.dtype)
+        drop[:, -1] = False  # always keep the most likely token
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def coupled_sample(
+    logits: torch.Tensor,  # [rows, vocab]
+    seeds: torch.Tensor,  # [rows] int64
+    positions: torch.Tensor,  # [rows] output position of the token each row samples
+    temperature: torch.Tensor,  # [rows]
+    top_k: torch.Tensor | None = None,  # [rows]
+    top_p: torch.Tensor | None = None,  # [rows]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [rows] and the processed log-probabilities [rows, vocab] of the distribution they were drawn from
+    (softmax of the masked z / T; of z itself for greedy rows)."""
+    logits = logits.float()
+    greedy = temperature < GREEDY_BELOW
+    scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1).to(logits.dtype)
+    masked = torch.where(greedy.unsqueeze(1), scaled, mask_top_k_top_p(scaled, top_k, top_p))
+    logprobs = masked.log_softmax(dim=-1)
+    if bool(greedy.all()):
+        return masked.argmax(dim=-1), logprobs
+    noisy = masked.double() + gumbel(seeds, positions, logits.shape[-1])
+    tokens = torch.where(greedy, masked.argmax(dim=-1), noisy.argmax(dim=-1))
+    return tokens, logprobs
+
+
+def verify(target: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, max_drafts: int) -> torch.Tensor:
+    """Coupled verification of a flat batch of draft chains.
+
+    `target` [sum(num_drafts + 1)]: the target's coupled samples, per request its draft rows then its bonus row.
+    `drafts` [sum(num_drafts)]: the draft tokens. Returns [requests, max_drafts + 1]: per request the target's
+    samples up to and including the first position where the draft disagrees (or the bonus), then PLACEHOLDER.
+    """
+    requests = num_drafts.shape[0]
+    device = target.device
+    column = torch.arange(max_drafts + 1, device=device)
+    rows_per_request = num_drafts + 1
+    starts = torch.cumsum(rows_per_request, 0) - rows_per_request
+    valid = column.unsqueeze(0) < rows_per_request.unsqueeze(1)  # [requests, max_drafts + 1]
+    flat_index = (starts.unsqueeze(1) + column.unsqueeze(0)).clamp(max=target.shape[0] - 1)
+    samples = torch.where(valid, target[flat_index], PLACEHOLDER)
+    draft_starts = starts - torch.arange(requests, device=device)  # drafts have no bonus row
+    draft_valid = column[:max_drafts].unsqueeze(0) < num_drafts.unsqueeze(1)
+    draft_index = (draft_starts.unsqueeze(1) + column[:max_drafts].unsqueeze(0)).clamp(max=max(drafts.shape[0] - 1, 0))
+    padded_drafts = drafts[draft_index] if drafts.numel() else torch.full_like(draft_index, PLACEHOLDER)
+    agree = draft_valid & (padded_drafts == samples[:, :max_drafts])
+    accepted = torch.cumprod(agree.long(), dim=1).sum(dim=1)  # leading agreements per request
+    return torch.where(column.unsqueeze(0) <= accepted.unsqueeze(1), samples, PLACEHOLDER)

@@ -1,0 +1,88 @@
+"""The contract every drafter plugin must pass (drafters/base.py), run over each built-in drafter and the
+documented example. Add yours to DRAFTERS."""
+
+import json
+import random
+
+import pytest
+
+from drafters.base import Drafter, DrafterLoadError, DraftRequest, drafter_class, load_drafter
+from models.zoo import resolve
+
+DRAFTERS = ["ngram", "draft_lm", "examples.drafters.bigram.BigramDrafter"]
+K = 4
+VOCAB = json.loads((resolve("builtin:draft") / "config.json").read_text())["vocab_size"]  # the built-in models'
+
+
+def request(rid: str, history: list[int], seed: int = 7, temperature: float = 1.0) -> DraftRequest:
+    return DraftRequest(request_id=rid, seed=seed, position=max(len(history) - 5, 0), token_ids=history,
+                        temperature=temperature)
+
+
+def histories(n: int, length: int = 40) -> list[list[int]]:
+    rng = random.Random(0)
+    motif = [rng.randrange(VOCAB) for _ in range(6)]
+    # repetitive histories, so that every drafter has something to propose
+    return [[rng.randrange(VOCAB) for _ in range(3)] + motif * (length // 6) + motif[: i % 5] for i in range(n)]
+
+
+@pytest.fixture(params=DRAFTERS, scope="module")
+def make(request):
+    return lambda: load_drafter(request.param, {})
+
+
+def check_shape(proposals, requests, k=K):
+    assert isinstance(proposals, list) and len(proposals) == len(requests)
+    for p in proposals:
+        assert len(p) <= k and all(isinstance(int(t), int) and 0 <= int(t) < VOCAB for t in p)
+
+
+def test_is_a_drafter_and_proposes_at_most_k_valid_tokens(make):
+    drafter = make()
+    assert isinstance(drafter, Drafter)
+    reqs = [request(f"r{i}", h) for i, h in enumerate(histories(5))]
+    proposals = drafter.propose(reqs, K)
+    check_shape(proposals, reqs)
+    assert any(proposals), "no drafts at all on repetitive histories"
+    check_shape(drafter.propose(reqs, 1), reqs, k=1)
+
+
+def test_empty_batch_and_empty_proposals(make):
+    drafter = make()
+    assert drafter.propose([], K) == []
+    reqs = [request("short", [5])]  # one token of context: a drafter may propose nothing, but must answer
+    check_shape(drafter.propose(reqs, K), reqs)
+
+
+def test_batch_order_does_not_change_a_requests_drafts(make):
+    reqs = [request(f"r{i}", h, seed=i) for i, h in enumerate(histories(6))]
+    forward = make().propose(reqs, K)
+    order = [3, 0, 5, 1, 4, 2]
+    shuffled = make().propose([reqs[i] for i in order], K)
+    assert shuffled == [forward[i] for i in order]
+
+
+def test_state_follows_the_history_after_commits_rollbacks_and_removal(make):
+    history = histories(1, length=60)[0]
+    drafter = make()
+    first = drafter.propose([request("a", history[:30])], K)[0]
+    drafter.commit("a", history[30:33])
+    # the verifier kept 3 tokens which may differ from the drafts: answer as a fresh drafter would
+    assert drafter.propose([request("a", history[:33])], K) == make().propose([request("a", history[:33])], K)
+    drafter.remove("a")
+    drafter.remove("never-seen")  # removing an unknown request is not an error
+    # the id is reused for another request: nothing of the old one may leak
+    other = list(reversed(history[:20]))
+    assert drafter.propose([request("a", other)], K) == make().propose([request("a", other)], K)
+    drafter.commit("unknown", [1, 2])  # a commit for a request never proposed for is not an error
+    assert len(first) <= K
+
+
+def test_loading_by_name_and_clear_errors():
+    assert drafter_class("ngram").__name__ == "NgramDrafter"
+    with pytest.raises(DrafterLoadError, match="no_such_drafter"):
+        drafter_class("no_such_drafter")
+    with pytest.raises(DrafterLoadError, match="cannot import"):
+        drafter_class("drafters.nowhere.Missing")
+    with pytest.raises(DrafterLoadError, match="not a subclass"):
+        drafter_class("collections.OrderedDict")

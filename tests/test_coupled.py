@@ -1,0 +1,83 @@
+"""The coupled sampler's maths, without vLLM: exact marginals, noise keyed only by (seed, position, token),
+and the verification rule."""
+
+import pytest
+import torch
+
+from actor.coupled import PLACEHOLDER, coupled_sample, gumbel, mask_top_k_top_p, verify
+
+VOCAB = 8
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = probs > 0
+    chi2 = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), chi2.double() / 2).item()
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 5, 1.0), (0.7, 6, 0.8)])
+def test_marginal_matches_softmax_after_top_k_top_p(temperature, top_k, top_p):
+    draws = 200_000
+    seeds = torch.full((draws,), 1234)
+    positions = torch.arange(draws)  # one seed, many positions: the noise must be independent across them
+    logits = LOGITS.expand(draws, VOCAB)
+    tokens, logprobs = coupled_sample(logits, seeds, positions, torch.full((draws,), temperature),
+                                      torch.full((draws,), top_k) if top_k else None,
+                                      torch.full((draws,), top_p) if top_p < 1 else None)
+    probs = mask_top_k_top_p((LOGITS / temperature).unsqueeze(0), torch.tensor([top_k]) if top_k else None,
+                             torch.tensor([top_p]) if top_p < 1 else None).softmax(-1)[0]
+    assert torch.allclose(logprobs[0].exp(), probs, atol=1e-6)
+    counts = torch.bincount(tokens, minlength=VOCAB).double()
+    assert counts[probs == 0].sum() == 0, "a masked token was sampled"
+    assert chi_square_p_value(counts, probs.double()) > 1e-3
+
+
+def test_a_wrong_distribution_fails_the_same_check():
+    draws = 200_000
+    tokens, _ = coupled_sample(LOGITS.expand(draws, VOCAB), torch.zeros(draws, dtype=torch.long),
+                               torch.arange(draws), torch.full((draws,), 1.0))
+    counts = torch.bincount(tokens, minlength=VOCAB).double()
+    assert chi_square_p_value(counts, (LOGITS / 1.1).softmax(-1).double()) < 1e-6
+
+
+def test_masking_keeps_the_smallest_set_reaching_top_p():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    kept = mask_top_k_top_p(probs.log(), None, torch.tensor([0.75])).isfinite()[0].tolist()
+    assert kept == [True, True, False, False]
+    kept = mask_top_k_top_p(probs.log(), torch.tensor([3]), torch.tensor([0.9])).isfinite()[0].tolist()
+    assert kept == [True, True, True, False]
+    assert mask_top_k_top_p(probs.log(), torch.tensor([0]), None).isfinite().all()  # k = 0: off
+
+
+def test_noise_depends_only_on_seed_position_and_token():
+    seeds, positions = torch.tensor([1, 2, 3, 1]), torch.tensor([0, 5, 7, 0])
+    g = gumbel(seeds, positions, 300)
+    assert torch.equal(g[0], g[3])  # same key, same noise, wherever the row sits
+    assert not torch.equal(g[0], g[1])
+    order = torch.tensor([2, 0, 1])
+    assert torch.equal(gumbel(seeds[order], positions[order], 300), g[order])
+    assert torch.equal(gumbel(seeds[:1], positions[:1], 100), g[:1, :100])  # token id keys, not vocab size
+    seed_of_big = torch.tensor([2**62 + 17])  # 64-bit seeds are fine
+    assert torch.isfinite(gumbel(seed_of_big, torch.tensor([3]), 10)).all()
+
+
+def test_greedy_rows_take_the_argmax_whatever_the_noise():
+    logits = torch.randn(16, 50)
+    tokens, _ = coupled_sample(logits, torch.arange(16), torch.zeros(16, dtype=torch.long), torch.zeros(16))
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_verify_accepts_the_agreeing_prefix_and_emits_the_target_sample():
+    # request 0: 3 drafts, 2 agree then a mismatch -> 2 accepted + the target's token at the mismatch
+    # request 1: 2 drafts, both agree -> both + bonus; request 2: no drafts -> its one sampled token
+    target = torch.tensor([10, 11, 12, 13, 20, 21, 22, 30])
+    drafts = torch.tensor([10, 11, 99, 20, 21])
+    out = verify(target, drafts, torch.tensor([3, 2, 0]), max_drafts=3)
+    P = PLACEHOLDER
+    assert out.tolist() == [[10, 11, 12, P], [20, 21, 22, P], [30, P, P, P]]
+    first_wrong = verify(torch.tensor([5, 6]), torch.tensor([7]), torch.tensor([1]), max_drafts=1)
+    assert first_wrong.tolist() == [[5, P]]
+    assert verify(torch.tensor([4, 8]), torch.empty(0, dtype=torch.long), torch.tensor([0, 0]), 0).tolist() == [[4], [8]]
