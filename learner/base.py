@@ -3,9 +3,16 @@
 The learner trains on `transport.messages.Trajectory` groups. A trajectory sampled (in part) under policy
 version `v` may be trained on at learner version `V` only while `V - v <= max_staleness`, where `v` is the
 oldest version among its tokens; older ones are dropped and counted, never trained on and never lost silently.
+
+A checkpoint is a directory `checkpoints/step_N/` of a run: `deepspeed/` (weights and optimizer), `hf/` (the
+weights as a Hugging Face checkpoint, what resumed actors load) and `state.json` (`version` = step counter,
+`data_cursor` = one past the newest prompt trained on, counters), written last. A resumed run continues at
+that step and that cursor; prompts in flight but untrained at checkpoint time are skipped, not repeated.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 
 def staleness(policy_versions: list[int], learner_version: int) -> int:
@@ -15,3 +22,15 @@ def staleness(policy_versions: list[int], learner_version: int) -> int:
 
 def admissible(policy_versions: list[int], learner_version: int, max_staleness: int) -> bool:
     return staleness(policy_versions, learner_version) <= max_staleness
+
+
+def find_checkpoint(path: str) -> Path:
+    """`path` is a checkpoint (holds state.json) or a run directory (its newest checkpoints/step_N)."""
+    root = Path(path).expanduser()
+    if (root / "state.json").is_file():
+        return root
+    steps = sorted(root.glob("checkpoints/step_*/state.json"), key=lambda p: int(p.parent.name.split("_")[1]))
+    if not steps:
+        raise FileNotFoundError(f"{root}: neither a checkpoint (no state.json) nor a run directory with "
+                                "checkpoints/step_N/state.json")
+    return steps[-1].parent

@@ -3,16 +3,19 @@ publishes the new weights in size-bounded buckets."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
 from configs.schema import Dtype
-from learner.base import admissible, staleness
+from learner.base import admissible, find_checkpoint, staleness
 from learner.grpo import group_advantages, policy_loss, token_logprobs
 from transport.messages import Trajectory, WeightAck
 from transport.zmq import Inbox, WeightPublisher, pack_buckets
@@ -24,8 +27,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
 class Learner:
-    def __init__(self, cfg: DictConfig, model_dir: str, rank: int = 0, master: str | None = None):
+    def __init__(self, cfg: DictConfig, model_dir: str, rank: int = 0, master: str | None = None,
+                 resume: str | None = None):
         import deepspeed
         from transformers import AutoModelForCausalLM
 
@@ -50,12 +57,17 @@ class Learner:
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.micro = micro
+        self.model_dir = model_dir
         self.inbox = Inbox(cfg.transport.host, cfg.transport.max_message_mib << 20, cfg.transport.trajectory_queue)
         self.publisher = WeightPublisher(cfg.transport.host)
         self.version = 0
         self.pending: dict[int, list[Trajectory]] = defaultdict(list)
         self.counts = {"received": 0, "trained": 0, "dropped_stale": 0}
         self.acks: list[WeightAck] = []
+        self.data_cursor = 0  # one past the newest prompt (group id) trained on: where a resumed run starts
+        self.trained_groups = [1 << 62, -1]  # lowest and highest group id trained on by this process
+        if resume is not None:
+            self.load_checkpoint(resume)
 
     def endpoints(self) -> tuple[str, str]:
         return self.inbox.endpoint, self.publisher.endpoint
@@ -79,6 +91,9 @@ class Learner:
                 del self.pending[message.group_id]
                 if all(admissible(t.policy_versions, self.version, self.cfg.algorithm.max_staleness) for t in group):
                     groups.append(sorted(group, key=lambda t: t.sample_index))
+                    self.data_cursor = max(self.data_cursor, message.group_id + 1)
+                    low, high = self.trained_groups
+                    self.trained_groups = [min(low, message.group_id), max(high, message.group_id)]
                 else:
                     self.counts["dropped_stale"] += n
         return groups, time.time() - start
@@ -102,6 +117,9 @@ class Learner:
         self.counts["trained"] += len(trajectories)
         sync_start = time.time()
         sent = self.publish()
+        verify_steps = sum(t.verify_steps for t in trajectories)
+        drafted = sum(t.draft_tokens for t in trajectories)
+        accepted = sum(t.accepted_tokens for t in trajectories)
         return {
             "rl/reward_mean": rewards.mean().item(),
             "rl/loss": sum(losses) / len(losses),
@@ -116,6 +134,10 @@ class Learner:
             "rollout/tokens": float(sum(len(t.response_ids) for t in trajectories)),
             "rollout/dropped_stale": float(self.counts["dropped_stale"]),
             "rollout/generate_seconds_max": max(t.generate_seconds for t in trajectories),
+            # tokens emitted per verify step that carried drafts (1 = nothing accepted); 0 when not speculating
+            "spec/acceptance_length": (accepted + verify_steps) / verify_steps if verify_steps else 0.0,
+            "spec/draft_tokens": float(drafted),
+            "spec/accepted_tokens": float(accepted),
         }
 
     def micro_batch_loss(self, batch: list[Trajectory], advantages: torch.Tensor):
@@ -163,7 +185,28 @@ class Learner:
 
     def save_pretrained(self, path: str) -> None:
         self.engine.module.save_pretrained(path, state_dict=self.full_state())
+        for name in TOKENIZER_FILES:  # a checkpoint vLLM can serve as it is
+            if (Path(self.model_dir) / name).is_file():
+                shutil.copy(Path(self.model_dir) / name, Path(path) / name)
+
+    def save_checkpoint(self, root: str) -> str:
+        """`root/step_<version>/`: DeepSpeed state (weights, optimizer), the weights as a Hugging Face checkpoint
+        (what resumed actors load) and state.json (version, data cursor, counters)."""
+        path = Path(root) / f"step_{self.version}"
+        self.engine.save_checkpoint(str(path / "deepspeed"), tag="state")
+        self.save_pretrained(str(path / "hf"))
+        state = {"version": self.version, "data_cursor": self.data_cursor, "counts": self.counts}
+        (path / "state.json").write_text(json.dumps(state, indent=2))  # written last: marks the checkpoint complete
+        return str(path)
+
+    def load_checkpoint(self, path: str) -> None:
+        path = find_checkpoint(path)
+        self.engine.load_checkpoint(str(path / "deepspeed"), tag="state")
+        state = json.loads((path / "state.json").read_text())
+        self.version, self.data_cursor, self.counts = state["version"], state["data_cursor"], state["counts"]
 
     def summary(self) -> dict:
-        return {**self.counts, "version": self.version, "pending": sum(len(g) for g in self.pending.values()),
+        return {**self.counts, "version": self.version, "data_cursor": self.data_cursor,
+                "trained_groups": self.trained_groups,
+                "pending": sum(len(g) for g in self.pending.values()),
                 "dropped_messages": dict(self.inbox.dropped), "acks": len(self.acks)}

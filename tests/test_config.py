@@ -89,3 +89,21 @@ def test_launcher_fails_fast_and_names_the_key(override):
     assert proc.returncode == 2, proc.stderr
     assert override.split("=")[0] in proc.stderr and "grpo_tiny.yaml" in proc.stderr
     assert time.time() - start < 30  # no cluster, engine or model build was started
+
+
+def test_resume_from_must_name_a_checkpoint_that_is_behind_trainer_steps(tmp_path):
+    with pytest.raises(ConfigError, match="trainer.resume_from.*no state.json"):
+        load_config("grpo_tiny", [f"trainer.resume_from={tmp_path}"])
+    checkpoint = tmp_path / "checkpoints" / "step_30"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "state.json").write_text('{"version": 30, "data_cursor": 120, "counts": {}}')
+    with pytest.raises(ConfigError, match="at step 30 but trainer.steps = 30"):
+        load_config("grpo_tiny", [f"trainer.resume_from={tmp_path}"])
+    assert load_config("grpo_tiny", [f"trainer.resume_from={tmp_path}", "trainer.steps=40"]).trainer.steps == 40
+
+
+def test_speculation_method_must_name_a_drafter():
+    with pytest.raises(ConfigError, match="speculation.method.*no_such"):
+        load_config("grpo_tiny", ["speculation.method=no_such"])
+    with pytest.raises(ConfigError, match="speculation.options.model"):
+        load_config("grpo_tiny", ["speculation.method=draft_lm", "+speculation.options.model=/nowhere"])

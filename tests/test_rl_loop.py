@@ -36,6 +36,35 @@ def test_launch_runs_logs_and_loses_nothing(tmp_path):
     assert all(e.value > 0 for e in events.Scalars("sync/weight_bytes"))
 
 
+def test_a_resumed_run_continues_step_counter_data_cursor_and_logs(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert launch.main(["--config", "grpo_tiny", "trainer.steps=2", f"logging.dir={first}", *SMALL]) == 0
+    state = json.loads((first / "checkpoints" / "step_2" / "state.json").read_text())
+    assert state["version"] == 2 and state["data_cursor"] >= 2 * 2 and state["counts"]["trained"] == 2 * 2 * 4
+    assert launch.main(["--config", "grpo_tiny", "trainer.steps=4", f"trainer.resume_from={first}",
+                        f"logging.dir={second}", *SMALL]) == 0
+    learner = json.loads((second / "summary.json").read_text())["learner"]
+    assert learner["version"] == 4 and learner["trained"] == 4 * 2 * 4  # counters carried over
+    assert learner["trained_groups"][0] >= state["data_cursor"]  # no prompt of the first run is trained again
+    events = EventAccumulator(str(second)).Reload()
+    assert [e.step for e in events.Scalars("rl/reward_mean")] == [2, 3]
+    assert (second / "checkpoints" / "step_4" / "state.json").is_file()
+
+
+def test_speculative_run_logs_acceptance(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logdir = tmp_path / "spec"
+    assert launch.main(["--config", "grpo_tiny", "trainer.steps=2", f"logging.dir={logdir}", *SMALL,
+                        "speculation.method=draft_lm"]) == 0
+    events = EventAccumulator(str(logdir)).Reload()
+    assert all(e.value > 1 for e in events.Scalars("spec/acceptance_length"))  # drafts were accepted
+    assert all(e.value > 0 for e in events.Scalars("spec/draft_tokens"))
+    assert "spec/accepted_tokens" in events.Tags()["scalars"]
+
+
 @pytest.mark.parametrize("model", ["builtin:dense", pytest.param("builtin:moe", marks=pytest.mark.xfail(
     strict=True, reason="known bug: vLLM-CPU MoE experts are garbage after reload_weights (needs re-packing)"))])
 def test_actor_after_sync_matches_learner_weights_in_transformers(tmp_path, model):

@@ -28,6 +28,9 @@ class Trajectory(msgspec.Struct, tag="trajectory", frozen=True):
     reward: float
     finish_reason: str  # "stop" or "length"
     generate_seconds: float
+    verify_steps: int = 0  # speculation: verify steps that carried drafts for this sequence
+    draft_tokens: int = 0  # draft tokens proposed for it
+    accepted_tokens: int = 0  # of which the verifier accepted
 
 
 class TensorSpec(msgspec.Struct, frozen=True):

@@ -1,0 +1,94 @@
+"""A "cost-padded" target for rollout benchmarks on small machines (issue 4, STACK-NOTES).
+
+A model big enough for speculation to matter cannot be trained here, and a sub-million-parameter policy is
+overhead-bound. So the benchmark's target is the trained Qwen3 policy made expensive without changing what it
+computes:
+- `zero_layers` extra decoder layers are put *in front* of the trained ones; their attention and MLP weights are
+  random (every matmul is computed) but their output projections (`o_proj`, `down_proj`) are exactly zero, so
+  the residual stream leaves them unchanged (in front, not behind: vLLM's fused add+RMSNorm would round it);
+- every layer is widened to `num_heads` attention heads (key/value heads in the same ratio) and
+  `intermediate_size` MLP units; the trained layers' extra heads and units have zero output columns.
+The trained part's tokens are therefore reproduced up to fp32 summation order in the wider matmuls;
+`python -m bench.rollout` measures and reports how often the padded target's greedy tokens equal the policy's.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def build_padded_target(src: Path, dst: Path, zero_layers: int, num_heads: int, intermediate_size: int,
+                        seed: int = 0) -> dict:
+    """Writes the padded checkpoint to `dst` (a Hugging Face directory) and returns its config."""
+    config = json.loads((src / "config.json").read_text())
+    if config.get("model_type") != "qwen3":
+        raise ValueError(f"{src}: cost padding is written for Qwen3 dense checkpoints, got {config.get('model_type')}")
+    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    hidden, layers, inter = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]
+    if num_heads % heads or intermediate_size < inter:
+        raise ValueError(f"num_heads must be a multiple of {heads} and intermediate_size >= {inter}")
+    new_kv = kv_heads * num_heads // heads  # keeps every trained query head on its own key/value head
+    gen = torch.Generator().manual_seed(seed)
+    weights = load_file(str(src / "model.safetensors"))
+
+    def random(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * shape[-1] ** -0.5
+
+    def padded(t: torch.Tensor, rows: int, cols: int, zero: bool) -> torch.Tensor:
+        out = torch.zeros(rows, cols) if zero else random(rows, cols)
+        out[: t.shape[0], : t.shape[1]] = t
+        return out
+
+    def layer(i: int, trained: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        p = f"model.layers.{i}."
+        if trained is None:  # an expensive no-op: random everywhere except exactly-zero output projections
+            t = {"self_attn.q_proj.weight": random(num_heads * head_dim, hidden),
+                 "self_attn.k_proj.weight": random(new_kv * head_dim, hidden),
+                 "self_attn.v_proj.weight": random(new_kv * head_dim, hidden),
+                 "self_attn.o_proj.weight": torch.zeros(hidden, num_heads * head_dim),
+                 "self_attn.q_norm.weight": torch.ones(head_dim), "self_attn.k_norm.weight": torch.ones(head_dim),
+                 "mlp.gate_proj.weight": random(intermediate_size, hidden),
+                 "mlp.up_proj.weight": random(intermediate_size, hidden),
+                 "mlp.down_proj.weight": torch.zeros(hidden, intermediate_size),
+                 "input_layernorm.weight": torch.ones(hidden), "post_attention_layernorm.weight": torch.ones(hidden)}
+        else:
+            t = dict(trained)
+            t["self_attn.q_proj.weight"] = padded(t["self_attn.q_proj.weight"], num_heads * head_dim, hidden, False)
+            t["self_attn.k_proj.weight"] = padded(t["self_attn.k_proj.weight"], new_kv * head_dim, hidden, False)
+            t["self_attn.v_proj.weight"] = padded(t["self_attn.v_proj.weight"], new_kv * head_dim, hidden, False)
+            t["self_attn.o_proj.weight"] = padded(t["self_attn.o_proj.weight"], hidden, num_heads * head_dim, True)
+            t["mlp.gate_proj.weight"] = padded(t["mlp.gate_proj.weight"], intermediate_size, hidden, False)
+            t["mlp.up_proj.weight"] = padded(t["mlp.up_proj.weight"], intermediate_size, hidden, False)
+            t["mlp.down_proj.weight"] = padded(t["mlp.down_proj.weight"], hidden, intermediate_size, True)
+        return {p + k: v.contiguous() for k, v in t.items()}
+
+    out = {k: v for k, v in weights.items() if not k.startswith("model.layers.")}
+    for i in range(zero_layers):
+        out.update(layer(i, None))
+    for i in range(layers):
+        prefix = f"model.layers.{i}."
+        trained = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+        out.update(layer(zero_layers + i, trained))
+    config.update(num_hidden_layers=zero_layers + layers, num_attention_heads=num_heads,
+                  num_key_value_heads=new_kv, intermediate_size=intermediate_size,
+                  max_window_layers=zero_layers + layers, layer_types=None)
+    config = {k: v for k, v in config.items() if v is not None}
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, dst / name)
+    return config
+
+
+def parameter_count(config: dict) -> int:
+    h, v, hd = config["hidden_size"], config["vocab_size"], config["head_dim"]
+    q, kv, inter = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd, config["intermediate_size"]
+    per_layer = h * (2 * q + 2 * kv) + 3 * h * inter + 2 * h + 2 * hd
+    return v * h + config["num_hidden_layers"] * per_layer + h
