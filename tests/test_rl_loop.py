@@ -65,8 +65,7 @@ def test_speculative_run_logs_acceptance(tmp_path):
     assert "spec/accepted_tokens" in events.Tags()["scalars"]
 
 
-@pytest.mark.parametrize("model", ["builtin:dense", pytest.param("builtin:moe", marks=pytest.mark.xfail(
-    strict=True, reason="known bug: vLLM-CPU MoE experts are garbage after reload_weights (needs re-packing)"))])
+@pytest.mark.parametrize("model", ["builtin:dense", "builtin:moe"])
 def test_actor_after_sync_matches_learner_weights_in_transformers(tmp_path, model):
     import ray
 
