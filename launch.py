@@ -58,13 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, include_dashboard=False,
              runtime_env={"env_vars": {k: os.environ[k] for k in env}, "working_dir": None}, log_to_driver=True)
     gpus = 1 if cfg.cluster.device.value == "cuda" else 0
-    learner = ray.remote(num_cpus=1, num_gpus=gpus)(Learner).remote(
+    learner = ray.remote(num_cpus=1, num_gpus=gpus, max_concurrency=2)(Learner).remote(
         cfg, model_dir, resume=None if checkpoint is None else str(checkpoint))
     inbox, weights = ray.get(learner.endpoints.remote())
     actor_cls = ray.remote(num_cpus=1, num_gpus=gpus * cfg.rollout.tensor_parallel_size, max_concurrency=2)(RolloutActor)
-    actors = [actor_cls.remote(cfg, i, model_dir, inbox, weights, state["version"], state["data_cursor"])
-              for i in range(cfg.rollout.num_actors)]
+    actors = [actor_cls.options(name=f"rollout-{i}").remote(cfg, i, model_dir, inbox, weights, state["version"],
+                                                            state["data_cursor"]) for i in range(cfg.rollout.num_actors)]
     runs = [a.run.remote() for a in actors]
+    restarts = 0
     writer = SummaryWriter(cfg.logging.dir)
 
     try:
@@ -72,10 +73,26 @@ def main(argv: list[str] | None = None) -> int:
         for step in (bar := trange(first, cfg.trainer.steps, initial=first, total=cfg.trainer.steps, desc="GRPO")):
             start = time.time()
             step_ref = learner.step.remote()  # pull groups, train, publish weights v+1
-            ready, _ = ray.wait([step_ref, *runs], num_returns=1)
-            if ready[0] != step_ref:  # a rollout actor stopped: surface its error instead of waiting forever
-                ray.get(ready[0])
-                raise RuntimeError("a rollout actor stopped before the run ended")
+            while (ready := ray.wait([step_ref, *runs], num_returns=1)[0][0]) != step_ref:
+                i = runs.index(ready)  # rollout actor i died: replace it and re-issue its unfinished groups
+                try:
+                    ray.get(ready)
+                    error = "its run() returned"
+                except Exception as e:  # noqa: BLE001 -- any failure of the actor is handled the same way
+                    error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+                if restarts == cfg.rollout.max_restarts:
+                    raise RuntimeError(f"rollout actor {i} stopped ({error}) after {restarts} restarts "
+                                       "(rollout.max_restarts)")
+                restarts += 1
+                ray.kill(actors[i])
+                cursor = ray.get(learner.reissue.remote(i))
+                weights_dir = os.path.join(cfg.logging.dir, "restarts", f"actor{i}-{restarts}")
+                version = ray.get(learner.snapshot.remote(weights_dir))
+                print(f"rollout actor {i} stopped ({error}); replacement {restarts} starts at weights v{version}, "
+                      f"data cursor {cursor + i}", file=sys.stderr)
+                actors[i] = actor_cls.options(name=f"rollout-{i}-r{restarts}").remote(
+                    cfg, i, weights_dir, inbox, weights, version, cursor)
+                runs[i] = actors[i].run.remote()
             metrics = ray.get(step_ref)
             metrics["rollout/tokens_per_s"] = metrics["rollout/tokens"] / (time.time() - start)
             for tag, value in metrics.items():
@@ -89,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         for a in actors:
             a.stop.remote()
         stats = ray.get(runs, timeout=120)
-        summary = ray.get(learner.summary.remote())
+        summary = {**ray.get(learner.summary.remote()), "actor_restarts": restarts}
         writer.close()
         ray.shutdown()
     with open(os.path.join(cfg.logging.dir, "summary.json"), "w") as f:

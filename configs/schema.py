@@ -57,6 +57,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     kv_cache_mib: int = 256
+    max_restarts: int = 3  # a rollout actor that dies is replaced (its unfinished groups re-issued) this often per run
 
 
 @dataclass

@@ -25,7 +25,8 @@ def test_launch_runs_logs_and_loses_nothing(tmp_path):
     learner, actors = summary["learner"], summary["actors"]
     sent = sum(a["trajectories"] for a in actors)
     # every trajectory sent was trained on, dropped for staleness, or is still waiting for its group
-    assert sent >= learner["received"] == learner["trained"] + learner["dropped_stale"] + learner["pending"]
+    assert sent >= learner["received"] == (learner["trained"] + learner["dropped_stale"] + learner["pending"]
+                                           + learner["dropped_duplicate"] + learner["dropped_reissued"])
     assert learner["trained"] == 3 * 2 * 4 and learner["dropped_messages"] == {}
     events = EventAccumulator(str(logdir)).Reload()
     tags = set(events.Tags()["scalars"])
@@ -51,6 +52,33 @@ def test_a_resumed_run_continues_step_counter_data_cursor_and_logs(tmp_path):
     events = EventAccumulator(str(second)).Reload()
     assert [e.step for e in events.Scalars("rl/reward_mean")] == [2, 3]
     assert (second / "checkpoints" / "step_4" / "state.json").is_file()
+
+
+def test_a_dead_rollout_actor_is_replaced_and_its_work_reissued(tmp_path):
+    import threading
+    import time
+
+    import ray
+
+    logdir = tmp_path / "run"
+
+    def kill_after_step_two():
+        deadline = time.time() + 300
+        while not (logdir / "checkpoints" / "step_2" / "state.json").is_file() and time.time() < deadline:
+            time.sleep(0.2)
+        ray.kill(ray.get_actor("rollout-0"))
+
+    killer = threading.Thread(target=kill_after_step_two, daemon=True)
+    killer.start()
+    assert launch.main(["--config", "grpo_tiny", "trainer.steps=5", "trainer.checkpoint_every=1",
+                        f"logging.dir={logdir}", *SMALL]) == 0
+    killer.join()
+    learner = json.loads((logdir / "summary.json").read_text())["learner"]
+    assert learner["actor_restarts"] == 1 and learner["version"] == 5
+    assert learner["trained"] == 5 * 2 * 4  # every step still got its groups
+    assert learner["received"] == (learner["trained"] + learner["dropped_stale"] + learner["pending"]
+                                   + learner["dropped_duplicate"] + learner["dropped_reissued"])
+    assert (logdir / "restarts" / "actor0-1" / "config.json").is_file()  # the replacement's starting weights
 
 
 def test_speculative_run_logs_acceptance(tmp_path):
