@@ -62,6 +62,7 @@ class RolloutActor:
     def run(self) -> dict:
         """Generates until `stop()`; returns counters."""
         n = self.cfg.rollout.group_size
+        self.stats["start_version"] = self.version  # a replacement actor first catches up with the learner
         samples: dict[str, Sample] = {}
         finished: dict[int, list] = {}
         k = 0
@@ -122,7 +123,7 @@ class RolloutActor:
 
     def poll_weights(self, timeout_ms: int) -> None:
         update = self.weights.poll(timeout_ms)
-        if update is None:
+        if update is None or update[0] <= self.version:  # a re-send for a replacement actor: already applied
             return
         version, tensors = update
         start = time.time()

@@ -96,6 +96,9 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
         ("transport.weight_bucket_mib", cfg.transport.weight_bucket_mib >= 1, "must be >= 1"),
         ("data.max_ops", cfg.data.max_ops >= 1, "must be >= 1"),
         ("data.max_operand", cfg.data.max_operand >= 1, "must be >= 1"),
+        ("data.tail_exponent", cfg.data.tail_exponent >= 0, "must be >= 0 (0: every difficulty equally often)"),
+        ("data.size", cfg.data.size >= 0, "must be >= 0 (0: a new problem per prompt)"),
+        ("learner.warmup_steps", cfg.learner.warmup_steps >= 0, "must be >= 0"),
         ("model.max_model_len", cfg.model.max_model_len >= 16, "must be >= 16"),
     ]
     batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size

@@ -44,6 +44,8 @@ class DataConfig:
     source: str = "arithmetic"  # the built-in task, or the path of a GSM8K-style JSONL file
     max_ops: int = ArithmeticTask.max_ops  # arithmetic task: the longest problems have this many operations
     max_operand: int = ArithmeticTask.max_operand  # arithmetic task: operands are drawn from 1..max_operand
+    tail_exponent: float = ArithmeticTask.tail_exponent  # arithmetic task: P(ops = k) ~ k^-tail_exponent (0: uniform)
+    size: int = ArithmeticTask.size  # arithmetic task: > 0: that many problems, repeated in epochs; 0: endless
 
 
 @dataclass
@@ -78,6 +80,7 @@ class LearnerConfig:
     zero_stage: int = 0
     dtype: Dtype = Dtype.float32
     lr: float = 1e-5
+    warmup_steps: int = 0  # linear learning-rate warmup over this many learner steps (lets Adam's moments settle)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     micro_batch_size: int = 8
@@ -112,7 +115,7 @@ class TransportConfig:
 class ClusterConfig:
     address: Optional[str] = None  # None: start an embedded local Ray; else join this Ray cluster
     device: Device = Device.cpu  # cuda: each rollout engine and learner rank gets dedicated GPUs
-    num_cpus: Optional[int] = None  # embedded Ray only; None: all cores
+    num_cpus: Optional[int] = None  # embedded Ray only; None: all cores; at least one per learner rank and actor
 
 
 @dataclass

@@ -4,6 +4,10 @@ The learner trains on `transport.messages.Trajectory` groups. A trajectory sampl
 version `v` may be trained on at learner version `V` only while `V - v <= max_staleness`, where `v` is the
 oldest version among its tokens; older ones are dropped and counted, never trained on and never lost silently.
 
+The learner is `learner.num_ranks` DeepSpeed ranks, each a Ray actor (`group.LearnerGroup`): rank 0 owns the
+trajectory inbox and the weight publisher, collects each step's groups and broadcasts them; every rank trains on
+its share and DeepSpeed all-reduces the gradients, so a step over R ranks is the step one rank would take.
+
 A checkpoint is a directory `checkpoints/step_N/` of a run: `deepspeed/` (weights and optimizer), `hf/` (the
 weights as a Hugging Face checkpoint, what resumed actors load) and `state.json` (`version` = step counter,
 `data_cursor` = one past the newest prompt trained on, counters), written last. A resumed run continues at

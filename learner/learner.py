@@ -32,35 +32,18 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 
 
 class Learner:
-    def __init__(self, cfg: DictConfig, model_dir: str, rank: int = 0, master: str | None = None,
-                 resume: str | None = None):
-        import deepspeed
-        from transformers import AutoModelForCausalLM
+    """One DeepSpeed rank. Rank 0 also owns the trajectory inbox and the weight publisher: it collects the step's
+    groups and hands them to every rank, each of which trains on its share (DeepSpeed all-reduces gradients).
+    Built in two phases, since every rank must know where rank 0 meets them before any joins the process group:
+    `__init__` on every rank, then `start(master)` on every rank with rank 0's `master_address()`."""
 
-        world = cfg.learner.num_ranks
-        os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=master or str(free_port()))
-        deepspeed.init_distributed(dist_backend="gloo" if cfg.cluster.device.value == "cpu" else "nccl")
-        self.cfg = cfg
-        torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-        micro = cfg.learner.micro_batch_size
-        ds_config = {
-            "train_batch_size": batch,
-            "train_micro_batch_size_per_gpu": micro,
-            "gradient_accumulation_steps": batch // (micro * world),
-            "gradient_clipping": cfg.learner.grad_clip,
-            "zero_optimization": {"stage": cfg.learner.zero_stage},
-            "bf16": {"enabled": cfg.learner.dtype == Dtype.bfloat16},
-            "steps_per_print": 1 << 30,
-        }
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay)
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-        self.micro = micro
-        self.model_dir = model_dir
-        self.inbox = Inbox(cfg.transport.host, cfg.transport.max_message_mib << 20, cfg.transport.trajectory_queue)
-        self.publisher = WeightPublisher(cfg.transport.host)
+    def __init__(self, cfg: DictConfig, model_dir: str, rank: int = 0):
+        self.cfg, self.model_dir, self.rank, self.world = cfg, model_dir, rank, cfg.learner.num_ranks
+        self.micro = cfg.learner.micro_batch_size
+        if rank == 0:
+            self.inbox = Inbox(cfg.transport.host, cfg.transport.max_message_mib << 20, cfg.transport.trajectory_queue)
+            self.publisher = WeightPublisher(cfg.transport.host)
+        self.published: list | None = None  # rank 0: the newest weight buckets sent, for a replacement actor
         self.version = 0
         self.pending: dict[int, list[Trajectory]] = defaultdict(list)
         self.counts = {"received": 0, "trained": 0, "dropped_stale": 0, "dropped_duplicate": 0, "dropped_reissued": 0}
@@ -69,12 +52,47 @@ class Learner:
         self.start_cursor = 0  # where this process's actors started
         self.trained_groups = [1 << 62, -1]  # lowest and highest group id trained on by this process
         self.completed: set[int] = set()  # group ids delivered whole (trained or dropped stale) by this process
-        self.lock = threading.Lock()  # step() and a replacement actor's reissue()/snapshot() may run concurrently
-        if resume is not None:
-            self.load_checkpoint(resume)
+        self.lock = threading.Lock()  # step() and a replacement actor's reissue()/republish() may run concurrently
 
     def endpoints(self) -> tuple[str, str]:
         return self.inbox.endpoint, self.publisher.endpoint
+
+    def master_address(self) -> str:
+        """Rank 0: where the other ranks meet it (torch.distributed rendezvous)."""
+        import ray
+
+        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        return f"{host}:{free_port()}"
+
+    def start(self, master: str | None = None, resume: str | None = None) -> None:
+        """Joins the process group and builds the DeepSpeed engine (every rank at once); loads `resume` if given."""
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        cfg, world = self.cfg, self.world
+        host, port = (master or self.master_address()).rsplit(":", 1)
+        os.environ.update(RANK=str(self.rank), LOCAL_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR=host,
+                          MASTER_PORT=port)
+        deepspeed.init_distributed(dist_backend="gloo" if cfg.cluster.device.value == "cpu" else "nccl")
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+        ds_config = {
+            "train_batch_size": batch,
+            "train_micro_batch_size_per_gpu": self.micro,
+            "gradient_accumulation_steps": batch // (self.micro * world),
+            "gradient_clipping": cfg.learner.grad_clip,
+            "zero_optimization": {"stage": cfg.learner.zero_stage},
+            "bf16": {"enabled": cfg.learner.dtype == Dtype.bfloat16},
+            "steps_per_print": 1 << 30,
+        }
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay)
+        warmup = cfg.learner.warmup_steps
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
+                                               config=ds_config)
+        if resume is not None:
+            self.load_checkpoint(resume)
 
     def collect(self) -> tuple[list[list[Trajectory]], float]:
         """The next `prompts_per_step` complete groups that are fresh enough; stale ones are counted and dropped."""
@@ -111,7 +129,12 @@ class Learner:
             self.counts["dropped_stale"] += n
 
     def step(self) -> dict[str, float]:
-        groups, wait_seconds = self.collect()
+        """One GRPO step on every rank (rank 0 collects); rank 0's metrics, {} on the others."""
+        groups, wait_seconds = self.collect() if self.rank == 0 else (None, 0.0)
+        if self.world > 1:  # every rank gets the step's groups and trains on its share
+            box = [groups, wait_seconds]
+            torch.distributed.broadcast_object_list(box, src=0)
+            groups, wait_seconds = box
         with self.lock:
             return self.train(groups, wait_seconds)
 
@@ -120,26 +143,33 @@ class Learner:
         trajectories = [t for g in groups for t in g]
         rewards = torch.tensor([[t.reward for t in g] for g in groups])
         advantages = group_advantages(rewards, algo.normalize_advantage_std).flatten()
+        share = len(trajectories) // self.world
+        mine = range(self.rank * share, (self.rank + 1) * share)
         self.engine.train()
-        start, losses, clip = time.time(), [], []
-        for i in range(0, len(trajectories), self.micro):
-            batch = trajectories[i : i + self.micro]
-            loss, stats = self.micro_batch_loss(batch, advantages[i : i + self.micro])
+        start, totals = time.time(), torch.zeros(3)  # loss, clip fraction, micro-batches
+        for i in range(mine.start, mine.stop, self.micro):
+            loss, stats = self.micro_batch_loss(trajectories[i : i + self.micro], advantages[i : i + self.micro])
             self.engine.backward(loss)
             self.engine.step()
-            losses.append(loss.item())
-            clip.append(stats["clip_fraction"])
+            totals += torch.tensor([loss.item(), stats["clip_fraction"], 1.0])
+        if self.world > 1:
+            totals = totals.to(self.engine.device)
+            torch.distributed.all_reduce(totals)
+            totals = totals.cpu()
         self.version += 1
         self.counts["trained"] += len(trajectories)
         sync_start = time.time()
         sent = self.publish()
+        if self.rank != 0:
+            return {}
         verify_steps = sum(t.verify_steps for t in trajectories)
         drafted = sum(t.draft_tokens for t in trajectories)
         accepted = sum(t.accepted_tokens for t in trajectories)
         return {
             "rl/reward_mean": rewards.mean().item(),
-            "rl/loss": sum(losses) / len(losses),
-            "rl/clip_fraction": sum(clip) / len(clip),
+            "rl/loss": (totals[0] / totals[2]).item(),
+            "rl/clip_fraction": (totals[1] / totals[2]).item(),
+            "rl/lr": self.engine.get_lr()[0],
             "rl/staleness_max": max(staleness(t.policy_versions, self.version - 1) for t in trajectories),
             "rl/response_length": sum(len(t.response_ids) for t in trajectories) / len(trajectories),
             "rl/wait_seconds": wait_seconds,
@@ -195,24 +225,49 @@ class Learner:
 
         return list(revert_weight_conversion(self.engine.module, self.full_state()).items())
 
+    def gathered(self) -> bool:
+        """Whether this rank must take part in gathering the full weights (ZeRO-3 shards them over all ranks)."""
+        return self.rank == 0 or self.cfg.learner.zero_stage == 3
+
     def publish(self) -> int:
-        buckets = pack_buckets(iter(self.named_weights()), self.cfg.transport.weight_bucket_mib << 20)
-        return self.publisher.publish(self.version, buckets)
+        """Every rank: sends the new weights (rank 0), each bucket once to all actors; returns the bytes sent."""
+        if not self.gathered():
+            return 0
+        weights = self.named_weights()
+        if self.rank != 0:
+            return 0
+        self.published = pack_buckets(iter(weights), self.cfg.transport.weight_bucket_mib << 20)
+        return self.publisher.publish(self.version, self.published)
+
+    def republish(self) -> int:
+        """Rank 0: sends the newest weights again (a replacement actor joined); returns their version. Before the
+        first step there is nothing to send: the actors' starting weights are that version."""
+        with self.lock:
+            if self.published is not None:
+                self.publisher.publish(self.version, self.published)
+            return self.version
 
     def save_pretrained(self, path: str) -> None:
-        self.engine.module.save_pretrained(path, state_dict=self.full_state())
-        for name in TOKENIZER_FILES:  # a checkpoint vLLM can serve as it is
+        """Every rank: the weights as a Hugging Face checkpoint that vLLM can serve (written by rank 0)."""
+        if not self.gathered():
+            return
+        state = self.full_state()
+        if self.rank != 0:
+            return
+        self.engine.module.save_pretrained(path, state_dict=state)
+        for name in TOKENIZER_FILES:
             if (Path(self.model_dir) / name).is_file():
                 shutil.copy(Path(self.model_dir) / name, Path(path) / name)
 
     def save_checkpoint(self, root: str) -> str:
-        """`root/step_<version>/`: DeepSpeed state (weights, optimizer), the weights as a Hugging Face checkpoint
-        (what resumed actors load) and state.json (version, data cursor, counters)."""
+        """Every rank: `root/step_<version>/` with the DeepSpeed state (weights, optimizer), the weights as a Hugging
+        Face checkpoint (what resumed actors load) and state.json (version, data cursor, counters)."""
         path = Path(root) / f"step_{self.version}"
         self.engine.save_checkpoint(str(path / "deepspeed"), tag="state")
         self.save_pretrained(str(path / "hf"))
-        state = {"version": self.version, "data_cursor": self.data_cursor, "counts": self.counts}
-        (path / "state.json").write_text(json.dumps(state, indent=2))  # written last: marks the checkpoint complete
+        if self.rank == 0:
+            state = {"version": self.version, "data_cursor": self.data_cursor, "counts": self.counts}
+            (path / "state.json").write_text(json.dumps(state, indent=2))  # written last: marks it complete
         return str(path)
 
     def load_checkpoint(self, path: str) -> None:
@@ -222,12 +277,6 @@ class Learner:
         self.version, self.data_cursor = state["version"], state["data_cursor"]
         self.counts.update(state["counts"])
         self.start_cursor = self.data_cursor
-
-    def snapshot(self, path: str) -> int:
-        """Saves the current weights as a Hugging Face checkpoint (for a replacement actor); returns their version."""
-        with self.lock:
-            self.save_pretrained(path)
-            return self.version
 
     def reissue(self, actor_id: int) -> int:
         """A rollout actor died: forget its partial groups and return the data cursor a replacement starts from,

@@ -13,10 +13,18 @@ tail of generation lengths that RL rollouts have on real reasoning data.
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 
 from tasks.base import ANSWER_MARK, Problem
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(seed: int, size: int, epoch: int) -> list[int]:
+    order = list(range(size))
+    random.Random(f"arithmetic-epoch:{seed}:{epoch}").shuffle(order)
+    return order
 
 
 @dataclass(frozen=True)
@@ -25,10 +33,13 @@ class ArithmeticTask:
     max_ops: int = 24  # the longest problems have this many operations
     tail_exponent: float = 1.5  # P(ops = k) is proportional to k ** -tail_exponent
     max_operand: int = 9  # one-digit operands: a small model learns the scratchpad in ~1000 SFT steps
+    size: int = 0  # > 0: a training set of this many problems, repeated in epochs; 0: a new problem per cursor
 
     def __post_init__(self) -> None:
         if self.max_ops < 1:
             raise ValueError(f"max_ops must be >= 1, got {self.max_ops}")
+        if self.size < 0:
+            raise ValueError(f"size must be >= 0, got {self.size}")
         if self.max_operand < 1:
             raise ValueError(f"max_operand must be >= 1, got {self.max_operand}")
 
@@ -38,6 +49,9 @@ class ArithmeticTask:
     def __getitem__(self, cursor: int) -> Problem:
         if cursor < 0:
             raise IndexError(f"cursor must be >= 0, got {cursor}")
+        if self.size:  # a finite training set: cursor walks epochs, each a fresh shuffle of the same problems
+            epoch, offset = divmod(cursor, self.size)
+            cursor = epoch_order(self.seed, self.size, epoch)[offset]
         rng = random.Random(f"arithmetic:{self.seed}:{cursor}")
         ops = rng.choices(range(1, self.max_ops + 1), weights=self.num_ops_weights())[0]
         return self.make(ops, rng, f"arith-{self.seed}-{cursor}")

@@ -11,5 +11,6 @@ from tasks.jsonl import JsonlDataset
 
 def open_dataset(data: DictConfig, seed: int) -> Dataset:
     if data.source == "arithmetic":
-        return ArithmeticTask(seed=seed, max_ops=data.max_ops, max_operand=data.max_operand)
+        return ArithmeticTask(seed=seed, max_ops=data.max_ops, max_operand=data.max_operand,
+                              tail_exponent=data.tail_exponent, size=data.size)
     return JsonlDataset(data.source, seed=seed)

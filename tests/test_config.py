@@ -98,7 +98,7 @@ def test_resume_from_must_name_a_checkpoint_that_is_behind_trainer_steps(tmp_pat
     checkpoint.mkdir(parents=True)
     (checkpoint / "state.json").write_text('{"version": 30, "data_cursor": 120, "counts": {}}')
     with pytest.raises(ConfigError, match="at step 30 but trainer.steps = 30"):
-        load_config("grpo_tiny", [f"trainer.resume_from={tmp_path}"])
+        load_config("grpo_tiny", [f"trainer.resume_from={tmp_path}", "trainer.steps=30"])
     assert load_config("grpo_tiny", [f"trainer.resume_from={tmp_path}", "trainer.steps=40"]).trainer.steps == 40
 
 

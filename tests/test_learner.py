@@ -1,5 +1,6 @@
 """The learner's GRPO step moves the policy the right way: after a few steps on one batch, the rewarded
-response of each group is more likely and the unrewarded ones less likely (real DeepSpeed, built-in policy)."""
+response of each group is more likely and the unrewarded ones less likely (real DeepSpeed, built-in policy); and
+a step split over several ranks is the step one rank takes."""
 
 import pytest
 import torch
@@ -14,6 +15,23 @@ GROUPS = [("Question: 3+4=?\nAnswer:", [" 3+4=7\n#### 7", " 3+4=8\n#### 8", " 3+
           ("Question: 9-2=?\nAnswer:", [" 9-2=7\n#### 7", " 9-2=6\n#### 6", " 9-2=5\n#### 5", " 9-2=8\n#### 8"])]
 
 
+def sequence_logprob(model, prompt: list[int], response: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0]
+    return token_logprobs(logits[len(prompt) - 1 : -1], torch.tensor(response), 1.0).tolist()
+
+
+def make_groups(model, tok) -> list[list[Trajectory]]:
+    """GROUPS as trajectories sampled under `model`; the first response of each group is the rewarded one."""
+    groups = []
+    for g, (prompt, responses) in enumerate(GROUPS):
+        p = tok(prompt, add_special_tokens=False).input_ids
+        rs = [tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id] for text in responses]
+        groups.append([Trajectory(SCHEMA_VERSION, 0, i, g, 4, i, p, r, sequence_logprob(model, p, r), [0] * len(r),
+                                  1.0 if i == 0 else 0.0, "stop", 0.1) for i, r in enumerate(rs)])
+    return groups
+
+
 def test_grpo_steps_raise_rewarded_and_lower_unrewarded_responses(monkeypatch):
     from learner.learner import Learner
 
@@ -21,32 +39,63 @@ def test_grpo_steps_raise_rewarded_and_lower_unrewarded_responses(monkeypatch):
     cfg = load_config("grpo_tiny", ["rollout.prompts_per_step=2", "rollout.group_size=4",
                                     "learner.micro_batch_size=4", "learner.lr=1e-5"])
     learner = Learner(cfg, str(model_dir))
-    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-
-    def logprob(prompt: list[int], response: list[int]) -> float:
-        with torch.no_grad():
-            logits = learner.engine.module(input_ids=torch.tensor([prompt + response])).logits[0]
-        return token_logprobs(logits[len(prompt) - 1 : -1], torch.tensor(response), 1.0).sum().item()
-
-    groups = []
-    for g, (prompt, responses) in enumerate(GROUPS):
-        p = tok(prompt, add_special_tokens=False).input_ids
-        group = []
-        for i, text in enumerate(responses):  # the first response of each group is the correct one
-            r = tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id]
-            with torch.no_grad():
-                logits = learner.engine.module(input_ids=torch.tensor([p + r])).logits[0]
-            behaviour = token_logprobs(logits[len(p) - 1 : -1], torch.tensor(r), 1.0).tolist()
-            group.append(Trajectory(SCHEMA_VERSION, 0, i, g, 4, i, p, r, behaviour, [0] * len(r),
-                                    1.0 if i == 0 else 0.0, "stop", 0.1))
-        groups.append(group)
-    before = [[logprob(t.prompt_ids, t.response_ids) for t in g] for g in groups]
+    learner.start()
+    groups = make_groups(learner.engine.module, transformers.AutoTokenizer.from_pretrained(model_dir))
+    before = [[sum(sequence_logprob(learner.engine.module, t.prompt_ids, t.response_ids)) for t in g] for g in groups]
     monkeypatch.setattr(learner, "collect", lambda: (groups, 0.0))
     monkeypatch.setattr(learner, "publish", lambda: 0)
     for _ in range(3):
         metrics = learner.step()
-    after = [[logprob(t.prompt_ids, t.response_ids) for t in g] for g in groups]
+    after = [[sum(sequence_logprob(learner.engine.module, t.prompt_ids, t.response_ids)) for t in g] for g in groups]
     assert metrics["rl/reward_mean"] == pytest.approx(0.25)
     for b, a in zip(before, after):
         assert a[0] > b[0]  # rewarded: more likely
         assert sum(a[1:]) < sum(b[1:])  # unrewarded: less likely overall
+
+
+LR = 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks,zero_stage", [(2, 0), (2, 3)])
+def test_ranks_share_a_step_and_take_the_same_step_as_one_rank(tmp_path, ranks, zero_stage):
+    """Data parallelism is exact: two ranks (each training half the groups, gradients all-reduced; ZeRO-3 with
+    sharded weights) end a step with the weights one rank gets from the same groups sent over the inbox."""
+    import os
+
+    import ray
+    from safetensors.torch import load_file
+
+    from learner.group import LearnerGroup
+    from transport.zmq import Outbox
+
+    model_dir = str(resolve("builtin:dense"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    trajectories = [t for g in make_groups(model, transformers.AutoTokenizer.from_pretrained(model_dir)) for t in g]
+    env = {k: os.environ[k] for k in ("DS_ACCELERATOR", "OMP_NUM_THREADS")}
+    weights = {}
+    for world, stage in [(1, 0), (ranks, zero_stage)]:
+        cfg = load_config("grpo_tiny", ["rollout.prompts_per_step=2", "rollout.group_size=4", f"learner.lr={LR}",
+                                        "learner.warmup_steps=0",
+                                        "learner.micro_batch_size=2", f"learner.num_ranks={world}",
+                                        f"learner.zero_stage={stage}"])
+        ray.init(num_cpus=world, include_dashboard=False, runtime_env={"env_vars": env})
+        try:
+            learner = LearnerGroup(cfg, model_dir, resume=None, num_gpus=0)
+            outbox = Outbox(learner.endpoints[0], "test", hwm=64)
+            for t in trajectories:
+                outbox.send(t)
+            metrics = ray.get(learner.all("step"))
+            ray.get(learner.all("save_pretrained", str(tmp_path / f"{world}-{stage}")))
+            outbox.close()
+        finally:
+            ray.shutdown()
+        assert metrics[0]["rollout/trajectories"] == 8 and all(m == {} for m in metrics[1:])
+        weights[world] = load_file(tmp_path / f"{world}-{stage}" / "model.safetensors")
+    base = load_file(os.path.join(model_dir, "model.safetensors"))
+    assert all(not torch.equal(w, base[name]) for name, w in weights[1].items())  # the step moved every tensor
+    # Adam's first step moves each weight by lr * g / (|g| + eps): equal gradients give equal weights, except where
+    # g is ~0 and the all-reduce's summation order shows through (1 weight in 820k here); a wrong share of the
+    # groups or a missing all-reduce changes most of them
+    differ = sum(((weights[ranks][n] - w).abs() > 0.01 * LR).sum().item() for n, w in weights[1].items())
+    assert differ <= 1e-4 * sum(w.numel() for w in weights[1].values()), differ

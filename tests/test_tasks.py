@@ -38,6 +38,23 @@ def test_solution_lengths_have_a_long_tail():
     assert sum(x <= 2 * median for x in lengths) >= 0.6 * len(lengths)  # most answers are short
 
 
+def test_a_sized_task_repeats_its_problems_each_epoch_in_a_new_order():
+    task = ArithmeticTask(seed=0, size=50)
+    first, second = [task[i] for i in range(50)], [task[i] for i in range(50, 100)]
+    assert len({p.id for p in first}) == 50  # an epoch is every problem once
+    assert sorted(p.id for p in second) == sorted(p.id for p in first)
+    assert [p.id for p in second] != [p.id for p in first]
+    assert set(first) == {ArithmeticTask(seed=0)[i] for i in range(50)}  # the endless stream's first 50
+    with pytest.raises(ValueError, match="size"):
+        ArithmeticTask(size=-1)
+
+
+def test_tail_exponent_zero_draws_every_difficulty_equally():
+    task = ArithmeticTask(seed=0, max_ops=3, tail_exponent=0.0)
+    counts = [sum(task[i].difficulty == k for i in range(3000)) for k in (1, 2, 3)]
+    assert all(900 < c < 1100 for c in counts), counts
+
+
 def test_with_ops_fixes_difficulty():
     task = ArithmeticTask(seed=0)
     assert {task.with_ops(5, i).difficulty for i in range(20)} == {5}

@@ -1,0 +1,59 @@
+"""The rollout actors of a run as Ray actors, each generating until stopped; one that dies is replaced and its
+unfinished groups are re-issued (the learner forgets their partial trajectories and names the data cursor to
+restart from; a replacement catches up to the newest weights before it admits a prompt)."""
+
+from __future__ import annotations
+
+import sys
+
+import ray
+from omegaconf import DictConfig
+
+from actor.rollout import RolloutActor
+from learner.group import LearnerGroup
+
+
+class RolloutPool:
+    def __init__(self, cfg: DictConfig, model_dir: str, learner: LearnerGroup, version: int, data_cursor: int,
+                 num_gpus: int):
+        self.cfg, self.model_dir, self.learner, self.version = cfg, model_dir, learner, version
+        self.cls = ray.remote(num_cpus=1, num_gpus=num_gpus, max_concurrency=2)(RolloutActor)
+        inbox, weights = learner.endpoints
+        self.actors = [self.cls.options(name=f"rollout-{i}").remote(cfg, i, model_dir, inbox, weights, version,
+                                                                    data_cursor)
+                       for i in range(cfg.rollout.num_actors)]
+        self.runs = [a.run.remote() for a in self.actors]
+        self.restarts = 0
+
+    def wait(self, ref: ray.ObjectRef):
+        """`ray.get(ref)`, replacing every rollout actor that stops meanwhile."""
+        while (ready := ray.wait([ref, *self.runs], num_returns=1)[0][0]) != ref:
+            self.replace(self.runs.index(ready))
+        return ray.get(ref)
+
+    def replace(self, i: int) -> None:
+        try:
+            ray.get(self.runs[i])
+            error = "its run() returned"
+        except Exception as e:  # noqa: BLE001 -- any failure of the actor is handled the same way
+            error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+        if self.restarts == self.cfg.rollout.max_restarts:
+            raise RuntimeError(f"rollout actor {i} stopped ({error}) after {self.restarts} restarts "
+                               "(rollout.max_restarts)")
+        self.restarts += 1
+        ray.kill(self.actors[i])
+        cursor = ray.get(self.learner.rank0.reissue.remote(i))
+        inbox, weights = self.learner.endpoints
+        actor = self.cls.options(name=f"rollout-{i}-r{self.restarts}").remote(
+            self.cfg, i, self.model_dir, inbox, weights, self.version, cursor)
+        target = ray.get(self.learner.rank0.republish.remote())
+        while ray.get(actor.wait_for_version.remote(target, 2.0)) < target:  # its subscription may miss a send
+            target = ray.get(self.learner.rank0.republish.remote())
+        print(f"rollout actor {i} stopped ({error}); replacement {self.restarts} runs weights v{target} from data "
+              f"cursor {cursor + i}", file=sys.stderr)
+        self.actors[i], self.runs[i] = actor, actor.run.remote()
+
+    def stop(self, timeout_s: float) -> list[dict]:
+        for a in self.actors:
+            a.stop.remote()
+        return ray.get(self.runs, timeout=timeout_s)
