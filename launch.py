@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     rollout = RolloutPool(cfg, model_dir, learner, state["version"], state["data_cursor"],
                           num_gpus=gpus * cfg.rollout.tensor_parallel_size)
     writer = SummaryWriter(cfg.logging.dir)
+    interrupted = False
 
     try:
         first = state["version"]
@@ -78,14 +79,21 @@ def main(argv: list[str] | None = None) -> int:
             if (every and (step + 1) % every == 0) or step + 1 == cfg.trainer.steps:
                 ray.get(learner.all("save_checkpoint", os.path.join(cfg.logging.dir, "checkpoints")))
         ray.get(learner.all("save_pretrained", os.path.join(cfg.logging.dir, "final")))
+    except KeyboardInterrupt:  # Ctrl-C: stop every actor and rank, keep the counters and the last checkpoint
+        interrupted = True
     finally:
-        stats = rollout.stop(timeout_s=120)
-        summary = {**ray.get(learner.rank0.summary.remote()), "actor_restarts": rollout.restarts}
-        writer.close()
-        ray.shutdown()
+        try:
+            stats = rollout.stop(timeout_s=120)
+            summary = {**ray.get(learner.rank0.summary.remote()), "actor_restarts": rollout.restarts}
+        finally:
+            writer.close()
+            ray.shutdown()
     with open(os.path.join(cfg.logging.dir, "summary.json"), "w") as f:
         json.dump({"learner": summary, "actors": stats}, f, indent=2)
     print(f"learner: {summary}\nactors: {stats}\nTensorBoard: tensorboard --logdir {cfg.logging.dir}")
+    if interrupted:
+        print(f"interrupted at step {summary['version']}; every process is shut down", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -132,3 +132,26 @@ def test_actor_after_sync_matches_learner_weights_in_transformers(tmp_path, mode
         out = model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
         expected.append(out[: out.index(tok.eos_token_id) + 1] if tok.eos_token_id in out else out)
     assert got == expected
+
+
+def test_ctrl_c_stops_every_process_and_keeps_the_counters(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    logdir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "launch.py", "--config", "grpo_tiny", "trainer.steps=1000",
+                             "trainer.checkpoint_every=1", f"logging.dir={logdir}", *SMALL],
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (logdir / "checkpoints" / "step_1" / "state.json").is_file() and time.time() < deadline:
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground process group
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "interrupted at step" in stderr
+    assert json.loads((logdir / "summary.json").read_text())["learner"]["version"] >= 1
+    time.sleep(2)
+    with pytest.raises(ProcessLookupError):  # nothing of the run is left: no learner, actor, raylet or GCS
+        os.killpg(proc.pid, 0)
