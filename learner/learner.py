@@ -211,12 +211,24 @@ class Learner:
                            algo.loss_aggregation, self.cfg.rollout.max_tokens)
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """Full parameters (gathered under ZeRO-3) as the in-memory model names them."""
+        """Full parameters on the CPU in the training dtype, as the in-memory model names them. Under ZeRO-3 they
+        are gathered a weight bucket's worth at a time, so no device ever holds more than its shard and one bucket."""
         import deepspeed
 
-        params = list(self.engine.module.named_parameters())
-        with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=self.cfg.learner.zero_stage == 3):
-            return {name: p.detach().float().clone() for name, p in params}
+        limit = self.cfg.transport.weight_bucket_mib << 20
+        chunks: list[list] = [[]]
+        size = 0
+        for name, p in self.engine.module.named_parameters():
+            if chunks[-1] and size >= limit:
+                chunks.append([])
+                size = 0
+            chunks[-1].append((name, p))
+            size += getattr(p, "ds_numel", p.numel()) * p.element_size()  # ds_numel: the full size of a shard
+        state = {}
+        for chunk in chunks:
+            with deepspeed.zero.GatheredParameters([p for _, p in chunk], enabled=self.cfg.learner.zero_stage == 3):
+                state.update((name, p.detach().to("cpu", copy=True)) for name, p in chunk)
+        return state
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """Named and shaped as the checkpoint has them (transformers fuses MoE experts in memory; vLLM

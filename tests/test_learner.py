@@ -76,7 +76,7 @@ def test_ranks_share_a_step_and_take_the_same_step_as_one_rank(tmp_path, ranks, 
     weights = {}
     for world, stage in [(1, 0), (ranks, zero_stage)]:
         cfg = load_config("grpo_tiny", ["rollout.prompts_per_step=2", "rollout.group_size=4", f"learner.lr={LR}",
-                                        "learner.warmup_steps=0",
+                                        "learner.warmup_steps=0", "transport.weight_bucket_mib=1",  # 4 gathers
                                         "learner.micro_batch_size=2", f"learner.num_ranks={world}",
                                         f"learner.zero_stage={stage}"])
         ray.init(num_cpus=world, include_dashboard=False, runtime_env={"env_vars": env})
