@@ -69,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         for step in (bar := trange(first, cfg.trainer.steps, initial=first, total=cfg.trainer.steps, desc="GRPO")):
             start = time.time()
             steps = learner.all("step")  # rank 0 pulls groups; every rank trains its share; weights v+1 go out
-            metrics = rollout.wait(steps[0])  # a rollout actor that dies meanwhile is replaced
-            ray.get(steps)
+            metrics = rollout.wait(steps)[0]  # a rollout actor that dies meanwhile is replaced; a rank's error raised
             metrics["rollout/tokens_per_s"] = metrics["rollout/tokens"] / (time.time() - start)
             for tag, value in metrics.items():
                 writer.add_scalar(tag, value, step)
@@ -84,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         try:
             stats = rollout.stop(timeout_s=120)
-            summary = {**ray.get(learner.rank0.summary.remote()), "actor_restarts": rollout.restarts}
+            summary = {**ray.get(learner.rank0.summary.remote(), timeout=60), "actor_restarts": rollout.restarts}
         finally:
             writer.close()
             ray.shutdown()

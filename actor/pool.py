@@ -25,11 +25,18 @@ class RolloutPool:
         self.runs = [a.run.remote() for a in self.actors]
         self.restarts = 0
 
-    def wait(self, ref: ray.ObjectRef):
-        """`ray.get(ref)`, replacing every rollout actor that stops meanwhile."""
-        while (ready := ray.wait([ref, *self.runs], num_returns=1)[0][0]) != ref:
-            self.replace(self.runs.index(ready))
-        return ray.get(ref)
+    def wait(self, refs: list[ray.ObjectRef]) -> list:
+        """`ray.get(refs)`, replacing every rollout actor that stops meanwhile; the first error among `refs` is raised
+        as soon as it happens (a failed learner rank would otherwise leave the others waiting in a collective)."""
+        pending = list(refs)
+        while pending:
+            ready = ray.wait([*pending, *self.runs], num_returns=1)[0][0]
+            if ready in pending:
+                ray.get(ready)
+                pending.remove(ready)
+            else:
+                self.replace(self.runs.index(ready))
+        return ray.get(refs)
 
     def replace(self, i: int) -> None:
         try:

@@ -3,6 +3,7 @@ publishes the new weights in size-bounded buckets."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -73,7 +74,10 @@ class Learner:
         host, port = (master or self.master_address()).rsplit(":", 1)
         os.environ.update(RANK=str(self.rank), LOCAL_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR=host,
                           MASTER_PORT=port)
-        deepspeed.init_distributed(dist_backend="gloo" if cfg.cluster.device.value == "cpu" else "nccl")
+        # ranks > 0 wait in a broadcast while rank 0 collects a step's groups, which may take long (a first step, a
+        # replaced actor's start); a rank that dies is reported to the driver, which then stops the run
+        deepspeed.init_distributed(dist_backend="gloo" if cfg.cluster.device.value == "cpu" else "nccl",
+                                   timeout=datetime.timedelta(hours=24))
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
@@ -111,6 +115,9 @@ class Learner:
             return
         self.counts["received"] += 1
         group = self.pending[message.group_id]
+        if any(t.sample_index == message.sample_index for t in group):  # a dead actor's, still in flight
+            self.counts["dropped_duplicate"] += 1
+            return
         group.append(message)
         n = self.cfg.rollout.group_size
         if len(group) < n:
@@ -146,6 +153,7 @@ class Learner:
         share = len(trajectories) // self.world
         mine = range(self.rank * share, (self.rank + 1) * share)
         self.engine.train()
+        lr = self.engine.get_lr()[0]  # this step's (the scheduler moves on with the optimizer step)
         start, totals = time.time(), torch.zeros(3)  # loss, clip fraction, micro-batches
         for i in range(mine.start, mine.stop, self.micro):
             loss, stats = self.micro_batch_loss(trajectories[i : i + self.micro], advantages[i : i + self.micro])
@@ -169,7 +177,7 @@ class Learner:
             "rl/reward_mean": rewards.mean().item(),
             "rl/loss": (totals[0] / totals[2]).item(),
             "rl/clip_fraction": (totals[1] / totals[2]).item(),
-            "rl/lr": self.engine.get_lr()[0],
+            "rl/lr": lr,
             "rl/staleness_max": max(staleness(t.policy_versions, self.version - 1) for t in trajectories),
             "rl/response_length": sum(len(t.response_ids) for t in trajectories) / len(trajectories),
             "rl/wait_seconds": wait_seconds,
@@ -212,7 +220,7 @@ class Learner:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Full parameters on the CPU in the training dtype, as the in-memory model names them. Under ZeRO-3 they
-        are gathered a weight bucket's worth at a time, so no device ever holds more than its shard and one bucket."""
+        are gathered about a weight bucket's worth at a time, so a device holds little more than its own shard."""
         import deepspeed
 
         limit = self.cfg.transport.weight_bucket_mib << 20
@@ -230,13 +238,6 @@ class Learner:
                 state.update((name, p.detach().to("cpu", copy=True)) for name, p in chunk)
         return state
 
-    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """Named and shaped as the checkpoint has them (transformers fuses MoE experts in memory; vLLM
-        reloads per-expert checkpoint tensors)."""
-        from transformers.core_model_loading import revert_weight_conversion
-
-        return list(revert_weight_conversion(self.engine.module, self.full_state()).items())
-
     def gathered(self) -> bool:
         """Whether this rank must take part in gathering the full weights (ZeRO-3 shards them over all ranks)."""
         return self.rank == 0 or self.cfg.learner.zero_stage == 3
@@ -245,10 +246,15 @@ class Learner:
         """Every rank: sends the new weights (rank 0), each bucket once to all actors; returns the bytes sent."""
         if not self.gathered():
             return 0
-        weights = self.named_weights()
+        from transformers.core_model_loading import revert_weight_conversion
+
+        state = self.full_state()  # a collective under ZeRO-3
         if self.rank != 0:
             return 0
-        self.published = pack_buckets(iter(weights), self.cfg.transport.weight_bucket_mib << 20)
+        # named and shaped as the checkpoint has them: transformers fuses MoE experts in memory, vLLM reloads
+        # per-expert checkpoint tensors
+        named = revert_weight_conversion(self.engine.module, state).items()
+        self.published = pack_buckets(iter(named), self.cfg.transport.weight_bucket_mib << 20)
         return self.publisher.publish(self.version, self.published)
 
     def republish(self) -> int:
@@ -284,9 +290,12 @@ class Learner:
 
     def load_checkpoint(self, path: str) -> None:
         path = find_checkpoint(path)
-        self.engine.load_checkpoint(str(path / "deepspeed"), tag="state")
+        # the schedule follows this config (a changed learner.lr applies), fast-forwarded to the checkpoint's step
+        self.engine.load_checkpoint(str(path / "deepspeed"), tag="state", load_lr_scheduler_states=False)
         state = json.loads((path / "state.json").read_text())
         self.version, self.data_cursor = state["version"], state["data_cursor"]
+        self.engine.lr_scheduler.last_epoch = self.version - 1
+        self.engine.lr_scheduler.step()
         self.counts.update(state["counts"])
         self.start_cursor = self.data_cursor
 
@@ -304,7 +313,7 @@ class Learner:
             return cursor - actor_id
 
     def summary(self) -> dict:
-        return {**self.counts, "version": self.version, "data_cursor": self.data_cursor,
-                "trained_groups": self.trained_groups,
-                "pending": sum(len(g) for g in self.pending.values()),
-                "dropped_messages": dict(self.inbox.dropped), "acks": len(self.acks)}
+        with self.lock:  # step() may still be taking messages (Ctrl-C, an error elsewhere)
+            return {**self.counts, "version": self.version, "data_cursor": self.data_cursor,
+                    "trained_groups": self.trained_groups, "pending": sum(len(g) for g in self.pending.values()),
+                    "dropped_messages": dict(self.inbox.dropped), "acks": len(self.acks)}

@@ -1,8 +1,9 @@
 """The built-in task: multi-step integer arithmetic with a worked scratchpad.
 
-Problem `cursor` under seed `s` is a pure function of (s, cursor). The number of operations follows a
-truncated power law, so most solutions are a line or two long and a few are many times longer: the long
-tail of generation lengths that RL rollouts have on real reasoning data.
+Problem `cursor` under seed `s` is a pure function of (s, cursor), or of (s, size, cursor) for a training set
+of `size` problems visited in epochs. The number of operations follows a truncated power law, so most solutions
+are a line or two long and a few are many times longer: the long tail of generation lengths that RL rollouts
+have on real reasoning data.
 
     Question: 12+7+30-5=?
     Answer: 12+7=19

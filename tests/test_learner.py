@@ -53,6 +53,20 @@ def test_grpo_steps_raise_rewarded_and_lower_unrewarded_responses(monkeypatch):
         assert sum(a[1:]) < sum(b[1:])  # unrewarded: less likely overall
 
 
+def test_a_group_never_holds_one_sample_twice():
+    """A dead actor's trajectories still in flight may arrive after its replacement regenerated them."""
+    from learner.learner import Learner
+
+    cfg = load_config("grpo_tiny", ["rollout.prompts_per_step=1", "rollout.group_size=4", "learner.micro_batch_size=4"])
+    learner = Learner(cfg, str(resolve("builtin:dense")))  # no DeepSpeed needed to take messages
+    sample = lambda i: Trajectory(SCHEMA_VERSION, 0, i, 7, 4, i, [1], [2], [-0.1], [0], 1.0, "stop", 0.1)  # noqa: E731
+    groups: list = []
+    for i in [0, 1, 1, 2, 0, 3]:
+        learner.take(sample(i), groups)
+    assert [t.sample_index for t in groups[0]] == [0, 1, 2, 3]
+    assert learner.counts["received"] == 6 and learner.counts["dropped_duplicate"] == 2
+
+
 LR = 1e-3
 
 

@@ -47,12 +47,14 @@ def test_a_resumed_run_continues_step_counter_data_cursor_and_logs(tmp_path):
     state = json.loads((first / "checkpoints" / "step_2" / "state.json").read_text())
     assert state["version"] == 2 and state["data_cursor"] >= 2 * 2 and state["counts"]["trained"] == 2 * 2 * 4
     assert launch.main(["--config", "grpo_tiny", "trainer.steps=4", f"trainer.resume_from={first}",
-                        f"logging.dir={second}", *SMALL]) == 0
+                        f"logging.dir={second}", *SMALL, "learner.lr=5e-4", "learner.warmup_steps=10"]) == 0
     learner = json.loads((second / "summary.json").read_text())["learner"]
     assert learner["version"] == 4 and learner["trained"] == 4 * 2 * 4  # counters carried over
     assert learner["trained_groups"][0] >= state["data_cursor"]  # no prompt of the first run is trained again
     events = EventAccumulator(str(second)).Reload()
     assert [e.step for e in events.Scalars("rl/reward_mean")] == [2, 3]
+    # the warmup goes on where it stopped (lr x (step + 1) / (warmup + 1)), under the resumed run's learner.lr
+    assert [e.value for e in events.Scalars("rl/lr")] == pytest.approx([5e-4 * 3 / 11, 5e-4 * 4 / 11])
     assert (second / "checkpoints" / "step_4" / "state.json").is_file()
 
 
