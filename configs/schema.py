@@ -105,7 +105,7 @@ class TrainerConfig:
 
 @dataclass
 class TransportConfig:
-    host: str = "127.0.0.1"  # the address receivers bind and advertise
+    host: str = "127.0.0.1"  # the address receivers bind; 0.0.0.0 binds all and advertises the outward address
     trajectory_queue: int = 64  # ZeroMQ high-water mark: back-pressure on rollout actors
     max_message_mib: int = 64
     weight_bucket_mib: int = 32

@@ -87,3 +87,14 @@ def test_weight_buckets_arrive_whole_and_bounded():
         assert torch.equal(a, b)
     pub.close()
     sub.close()
+
+
+def test_a_wildcard_bind_advertises_an_address_peers_can_dial():
+    box = Inbox("0.0.0.0", max_bytes=4096)  # what a multi-node config sets (transport.host)
+    assert "0.0.0.0" not in box.endpoint
+    out = Outbox(box.endpoint, "actor-0", hwm=4)
+    out.send(trajectory(1))
+    got = box.recv(5000)
+    assert got is not None and got.seq == 1
+    out.close()
+    box.close()

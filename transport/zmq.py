@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 from collections import Counter
 from collections.abc import Iterator
 
@@ -21,6 +22,19 @@ import torch
 import zmq
 
 from transport.messages import SCHEMA_VERSION, Message, TensorSpec, WeightBucket
+
+
+def dialable(host: str) -> str:
+    """The address peers dial for a socket bound to `host`: for a wildcard bind (every interface, what a multi-node
+    run needs), this machine's outward address rather than the wildcard itself."""
+    if host not in ("0.0.0.0", "*"):
+        return host
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))  # picks the outward interface; UDP connect sends nothing
+            return probe.getsockname()[0]
+        except OSError:  # no route at all: only this machine can dial it
+            return "127.0.0.1"
 
 log = logging.getLogger(__name__)
 _encoder = msgspec.msgpack.Encoder()
@@ -32,7 +46,7 @@ class Inbox:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, hwm)
         port = self.socket.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{host}:{port}"
+        self.endpoint = f"tcp://{dialable(host)}:{port}"
         self.max_bytes = max_bytes
         self.dropped: Counter[str] = Counter()
         self._decoder = msgspec.msgpack.Decoder(Message)
@@ -112,7 +126,7 @@ class WeightPublisher:
         self.socket.setsockopt(zmq.SNDHWM, 0)  # never drop a bucket
         self.socket.setsockopt(zmq.LINGER, 0)
         port = self.socket.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{host}:{port}"
+        self.endpoint = f"tcp://{dialable(host)}:{port}"
 
     def publish(self, version: int, buckets: list[list[tuple[str, torch.Tensor]]]) -> int:
         """Sends each bucket once to every subscriber; returns the bytes sent."""
