@@ -14,18 +14,10 @@ have on real reasoning data.
 
 from __future__ import annotations
 
-import functools
 import random
 from dataclasses import dataclass
 
-from tasks.base import ANSWER_MARK, Problem
-
-
-@functools.lru_cache(maxsize=4)
-def epoch_order(seed: int, size: int, epoch: int) -> list[int]:
-    order = list(range(size))
-    random.Random(f"arithmetic-epoch:{seed}:{epoch}").shuffle(order)
-    return order
+from tasks.base import ANSWER_MARK, Problem, epoch_index
 
 
 @dataclass(frozen=True)
@@ -51,8 +43,7 @@ class ArithmeticTask:
         if cursor < 0:
             raise IndexError(f"cursor must be >= 0, got {cursor}")
         if self.size:  # a finite training set: cursor walks epochs, each a fresh shuffle of the same problems
-            epoch, offset = divmod(cursor, self.size)
-            cursor = epoch_order(self.seed, self.size, epoch)[offset]
+            cursor = epoch_index(cursor, self.size, f"arithmetic-epoch:{self.seed}")
         rng = random.Random(f"arithmetic:{self.seed}:{cursor}")
         ops = rng.choices(range(1, self.max_ops + 1), weights=self.num_ops_weights())[0]
         return self.make(ops, rng, f"arith-{self.seed}-{cursor}")

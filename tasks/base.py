@@ -6,6 +6,8 @@ is one integer that a checkpoint can store and a resumed run can continue from.
 
 from __future__ import annotations
 
+import functools
+import random
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,3 +39,17 @@ def format_completion(solution: str) -> str:
 
 class Dataset(Protocol):
     def __getitem__(self, cursor: int) -> Problem: ...
+
+
+def epoch_index(cursor: int, size: int, key: str) -> int:
+    """Which of a finite dataset's `size` items `cursor` names when the data is visited in epochs, each in its own
+    seeded order: the order of epoch `e` is a shuffle seeded by f"{key}:{e}"."""
+    epoch, offset = divmod(cursor, size)
+    return _epoch_order(f"{key}:{epoch}", size)[offset]
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(shuffle_seed: str, size: int) -> list[int]:
+    order = list(range(size))
+    random.Random(shuffle_seed).shuffle(order)
+    return order

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tasks.base import ANSWER_MARK, Problem
+from tasks.base import ANSWER_MARK, Problem, epoch_index
 from tasks.reward import normalize_number
 
 
@@ -60,7 +59,6 @@ class JsonlDataset:
     path: str
     seed: int = 0
     problems: list[Problem] = field(init=False)
-    _epoch_order: tuple[int, list[int]] = field(init=False, default=(-1, []))
 
     def __post_init__(self) -> None:
         self.problems = load_jsonl(self.path)
@@ -68,9 +66,4 @@ class JsonlDataset:
     def __getitem__(self, cursor: int) -> Problem:
         if cursor < 0:
             raise IndexError(f"cursor must be >= 0, got {cursor}")
-        epoch, offset = divmod(cursor, len(self.problems))
-        if self._epoch_order[0] != epoch:
-            order = list(range(len(self.problems)))
-            random.Random(f"jsonl:{self.seed}:{epoch}").shuffle(order)
-            self._epoch_order = (epoch, order)
-        return self.problems[self._epoch_order[1][offset]]
+        return self.problems[epoch_index(cursor, len(self.problems), f"jsonl:{self.seed}")]
