@@ -31,11 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "DS_ACCELERATOR": cfg.cluster.device.value,
-           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
-           "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
-    for key, value in env.items():
-        os.environ.setdefault(key, value)
+    from actor.engine import set_env_defaults
+
+    env = set_env_defaults({"DS_ACCELERATOR": cfg.cluster.device.value, "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"})
 
     import ray
     from torch.utils.tensorboard import SummaryWriter

@@ -8,6 +8,21 @@ from omegaconf import DictConfig
 
 from configs.schema import Device
 
+# What a process that runs an engine needs before vLLM or torch start threads: the engine steps in the caller's
+# process, one thread per math library (no OpenMP busy-waiting; STACK-NOTES).
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
+              "TOKENIZERS_PARALLELISM": "false"}
+
+
+def set_env_defaults(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Sets ENGINE_ENV (and `extra`) in os.environ where not set already; returns the variables set."""
+    import os
+
+    env = {**ENGINE_ENV, **(extra or {})}
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+    return env
+
 
 def engine_kwargs(cfg: DictConfig, model_dir: Path) -> dict:
     """Keyword arguments for `vllm.LLM` / `AsyncEngineArgs` (see STACK-NOTES for the CPU choices)."""

@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+from actor.engine import set_env_defaults
 
 SETTINGS = {"T=0": (0.0, 1.0), "T=0.7,top_p=0.9": (0.7, 0.9), "T=1": (1.0, 1.0)}
 DRAFTERS = ["ngram", "draft_lm"]
@@ -50,9 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/bench/exactness.json")
     args = parser.parse_args(argv)
-    for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
-                       "TOKENIZERS_PARALLELISM": "false"}.items():
-        os.environ.setdefault(key, value)
+    set_env_defaults()
     runs = {}
     for method in ["none", *DRAFTERS]:  # a fresh process per engine
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:

@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+from actor.engine import set_env_defaults
 
 PRESETS = {
     # prompts x group_size sequences from the built-in task; the target's padding sets its cost
@@ -131,9 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=SYSTEMS,
                         help="a subset to run (vanilla always runs: it is the reference)")
     args = parser.parse_args(argv)
-    for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
-                       "TOKENIZERS_PARALLELISM": "false"}.items():
-        os.environ.setdefault(key, value)  # one engine thread, no OpenMP busy-waiting (STACK-NOTES)
+    set_env_defaults()  # one engine thread, no OpenMP busy-waiting (STACK-NOTES)
 
     from bench.padded_target import build_padded_target, parameter_count
     from models.zoo import resolve
