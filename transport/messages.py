@@ -3,6 +3,9 @@
 Every message carries `schema`; a receiver decodes with a typed decoder and drops (and counts) anything
 malformed, truncated, oversized or of another schema version. Tensor bytes never travel inside a Struct:
 a `WeightBucket` header is followed by one zero-copy frame per tensor, in `tensors` order.
+
+`schema` changes when a field changes meaning or a required field is added; a new field with a default (the
+speculation counts of `Trajectory`) keeps it, since msgspec decoders skip unknown fields and fill defaults.
 """
 
 from __future__ import annotations
