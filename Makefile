@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 models: setup
-	$(PY) -m models.build
+	$(PY) -m models
 
 run: models
 	$(PY) launch.py --config $(CONFIG) $(ARGS)

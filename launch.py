@@ -1,18 +1,16 @@
 """SpecActor launcher:  python launch.py --config NAME_OR_PATH [section.key=value ...]
 
-The whole algorithm, top to bottom: validate the config, start Ray, place L learner ranks and R rollout actors,
-let the actors stream GRPO groups while the learner takes `trainer.steps` steps (each one pulls fresh-enough
-groups, trains on them across its ranks, publishes weights that the actors apply between engine steps), log to
-TensorBoard, checkpoint, shut down.
+The whole algorithm, top to bottom: validate the config, start the run's processes (Ray, L learner ranks, R
+rollout actors that stream GRPO groups from the moment they start), then `trainer.steps` times: collect the
+step's fresh-enough groups, train on them across the ranks, publish the new weights (the actors apply them between
+engine steps, requests in flight), log to TensorBoard and checkpoint when due. The processes, their supervision and
+the summary live in `driver/`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import time
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -31,67 +29,26 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    from actor.engine import set_env_defaults
-
-    env = set_env_defaults({"DS_ACCELERATOR": cfg.cluster.device.value, "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"})
-
-    import ray
-    from torch.utils.tensorboard import SummaryWriter
     from tqdm import trange
 
-    from actor.pool import RolloutPool
-    from learner.base import find_checkpoint
-    from learner.group import LearnerGroup
-    from models.zoo import resolve
+    from driver.run import Run
 
-    model_dir = str(resolve(cfg.model.path))  # builds the built-in models on first use
-    checkpoint, state = None, {"version": 0, "data_cursor": 0}
-    if cfg.trainer.resume_from:  # continue: same step counter, same data cursor, optimizer state restored
-        checkpoint = find_checkpoint(cfg.trainer.resume_from)
-        state = json.loads((checkpoint / "state.json").read_text())
-        model_dir = str(checkpoint / "hf")
-        print(f"resuming from {checkpoint}: step {state['version']}, data cursor {state['data_cursor']}")
-    processes = cfg.learner.num_ranks + cfg.rollout.num_actors
-    ray.init(address=cfg.cluster.address, include_dashboard=False, log_to_driver=True,
-             num_cpus=None if cfg.cluster.address else max(cfg.cluster.num_cpus or os.cpu_count(), processes),
-             runtime_env={"env_vars": {k: os.environ[k] for k in env}, "working_dir": None})
-    gpus = 1 if cfg.cluster.device.value == "cuda" else 0
-    learner = LearnerGroup(cfg, model_dir, None if checkpoint is None else str(checkpoint), num_gpus=gpus)
-    rollout = RolloutPool(cfg, model_dir, learner, state["version"], state["data_cursor"],
-                          num_gpus=gpus * cfg.rollout.tensor_parallel_size)
-    writer = SummaryWriter(cfg.logging.dir)
-    interrupted = False
-
+    run = Run(cfg)  # Ray, learner ranks (rank 0: trajectory inbox + weight publisher), rollout actors generating
     try:
-        first = state["version"]
-        for step in (bar := trange(first, cfg.trainer.steps, initial=first, total=cfg.trainer.steps, desc="GRPO")):
-            start = time.time()
-            steps = learner.all("step")  # rank 0 pulls groups; every rank trains its share; weights v+1 go out
-            metrics = rollout.wait(steps)[0]  # a rollout actor that dies meanwhile is replaced; a rank's error raised
-            metrics["rollout/tokens_per_s"] = metrics["rollout/tokens"] / (time.time() - start)
-            for tag, value in metrics.items():
-                writer.add_scalar(tag, value, step)
+        steps = cfg.trainer.steps
+        for step in (bar := trange(run.first_step, steps, initial=run.first_step, total=steps, desc="GRPO")):
+            metrics = run.collect()  # rank 0: the next prompts_per_step whole groups within max_staleness
+            metrics |= run.train()  # every rank: GRPO on its share, gradients all-reduced (weights v -> v+1)
+            metrics |= run.publish()  # weights v+1 to every actor in size-bounded buckets
+            run.log(step, metrics)
             bar.set_postfix(reward=f"{metrics['rl/reward_mean']:.3f}", loss=f"{metrics['rl/loss']:.4f}")
-            every = cfg.trainer.checkpoint_every
-            if (every and (step + 1) % every == 0) or step + 1 == cfg.trainer.steps:
-                ray.get(learner.all("save_checkpoint", os.path.join(cfg.logging.dir, "checkpoints")))
-        ray.get(learner.all("save_pretrained", os.path.join(cfg.logging.dir, "final")))
+            run.checkpoint_if_due(step)
+        run.save_final()
     except KeyboardInterrupt:  # Ctrl-C: stop every actor and rank, keep the counters and the last checkpoint
-        interrupted = True
+        run.interrupted = True
     finally:
-        try:
-            stats = rollout.stop(timeout_s=120)
-            summary = {**ray.get(learner.rank0.summary.remote(), timeout=60), "actor_restarts": rollout.restarts}
-        finally:
-            writer.close()
-            ray.shutdown()
-    with open(os.path.join(cfg.logging.dir, "summary.json"), "w") as f:
-        json.dump({"learner": summary, "actors": stats}, f, indent=2)
-    print(f"learner: {summary}\nactors: {stats}\nTensorBoard: tensorboard --logdir {cfg.logging.dir}")
-    if interrupted:
-        print(f"interrupted at step {summary['version']}; every process is shut down", file=sys.stderr)
-        return 130
-    return 0
+        run.close()  # every process stopped, summary.json written, however the loop ended
+    return 130 if run.interrupted else 0
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -16,7 +17,6 @@ ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "NU
 
 def set_env_defaults(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Sets ENGINE_ENV (and `extra`) in os.environ where not set already; returns the variables set."""
-    import os
 
     env = {**ENGINE_ENV, **(extra or {})}
     for key, value in env.items():
@@ -44,11 +44,14 @@ def engine_kwargs(cfg: DictConfig, model_dir: Path) -> dict:
 
 
 def make_engine(cfg: DictConfig, model_dir: Path):
-    """A vLLM engine whose every token comes from the coupled sampler, drafting with the configured drafter."""
+    """A vLLM engine whose every token comes from the coupled sampler, drafting with the configured drafter. Fails
+    loudly, never falls back to vLLM's own sampler: the runner must be the one the hooks target, and a one-token
+    warm-up must have been sampled by the coupled sampler."""
     import os
 
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the hooks target the V1 runner (GPU default is V2)
-    from vllm import LLM
+    if os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0") != "0":  # the GPU default is V2, which has no _sample
+        raise RuntimeError("VLLM_USE_V2_MODEL_RUNNER must be 0: the coupled sampler hooks vLLM's V1 model runner")
+    from vllm import LLM, SamplingParams
 
     from actor.vllm_hooks import install
 
@@ -56,12 +59,29 @@ def make_engine(cfg: DictConfig, model_dir: Path):
     method = cfg.speculation.method
     llm.collective_rpc(install, args=(None if method == "none" else method, dict(cfg.speculation.options),
                                       cfg.speculation.max_batch))
+    llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=1, seed=0), use_tqdm=False)
+    check_coupled(llm)
     return llm
+
+
+def check_coupled(llm) -> None:
+    """Raises unless the coupled sampler has served the engine's sampling steps (on every worker)."""
+    from actor.vllm_hooks import coupled_calls
+
+    try:
+        calls = llm.collective_rpc(coupled_calls)
+    except AttributeError as e:
+        raise RuntimeError(f"the coupled sampler is not installed in this vLLM engine ({e})") from None
+    if not all(calls):
+        raise RuntimeError(f"vLLM sampled without the coupled sampler (coupled steps per worker: {calls})")
+
+
+SEED_STRIDE = 1_000_003  # runs with seeds s and s + 1 share no request seed for their first ~10^6 samples
 
 
 def group_seed(run_seed: int, cursor: int, group_size: int) -> int:
     """Sample `i` of the group for data cursor `cursor` samples with seed `group_seed(...) + i`."""
-    return run_seed * 1_000_003 + cursor * group_size
+    return run_seed * SEED_STRIDE + cursor * group_size
 
 
 def sampling_params(cfg: DictConfig, seed: int, n: int = 1):

@@ -5,13 +5,12 @@ most `algorithm.max_staleness` versions ahead of the weights it holds, streams e
 group completes, and applies a new weight version between two engine steps with requests in flight
 (reload, re-pack the tied CPU lm_head, reset the prefix cache and recompute running requests' context under
 the new weights). Every token records the version it was sampled under and comes from the coupled sampler
-(actor/coupled.py), speculating with the configured drafter or not; per-sequence draft/accept counts ride
-along in each trajectory.
+(sampling/coupled.py), speculating with the configured drafter or not; per-sequence draft/accept counts ride
+along in each trajectory. Which prompts it takes is `tasks.schedule.CursorPlan`'s rule.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,9 +18,10 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from actor.engine import group_seed, make_engine, sampling_params
-from actor.vllm_hooks import apply_weights, take_stats
+from actor.vllm_hooks import SpecCounts, apply_weights, take_spec_counts
 from tasks.dataset import open_dataset
 from tasks.reward import score
+from tasks.schedule import CursorPlan
 from transport.messages import SCHEMA_VERSION, Trajectory, WeightAck
 from transport.zmq import Outbox, WeightSubscriber
 
@@ -35,29 +35,26 @@ class Sample:
     versions: list[int] = field(default_factory=list)
 
 
+INCARNATION_SHIFT = 32  # a replacement actor numbers its messages from incarnation << 32 (learner/intake.py)
+
+
 class RolloutActor:
-    def __init__(self, cfg: DictConfig, actor_id: int, model_dir: str, inbox: str, weights: str,
-                 version: int = 0, data_cursor: int = 0):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        self.cfg, self.actor_id = cfg, actor_id
+    def __init__(self, cfg: DictConfig, actor_id: int, model_dir: str, trajectory_endpoint: str,
+                 weight_endpoint: str, version: int, plan: CursorPlan, first_k: int = 0, incarnation: int = 0):
+        self.cfg, self.actor_id, self.plan = cfg, actor_id, plan
         self.llm = make_engine(cfg, model_dir)  # coupled sampler installed; drafting if speculation.method is set
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
         self.dataset = open_dataset(cfg.data, cfg.seed)
-        self.outbox = Outbox(inbox, f"actor-{actor_id}", hwm=cfg.transport.trajectory_queue)
-        self.weights = WeightSubscriber(weights)
+        self.outbox = Outbox(trajectory_endpoint, f"actor-{actor_id}", hwm=cfg.transport.trajectory_queue)
+        self.weights = WeightSubscriber(weight_endpoint)
         self.version = version  # of the weights in model_dir
-        self.data_cursor = data_cursor  # the first prompt this actor's run may take (a resumed run skips the rest)
-        self.seq = 0
+        self.first_k = first_k  # this actor's first group (a replacement resumes where the dead actor stopped)
+        self.seq = incarnation << INCARNATION_SHIFT
         self.stopping = threading.Event()
         self.stats = {"groups": 0, "trajectories": 0, "tokens": 0, "weight_updates": 0, "generate_seconds": 0.0,
                       "sent_while_generating": 0,  # streamed while other requests were still in the engine
-                      "draft_tokens": 0, "accepted_tokens": 0, "verify_steps": 0}
-
-    def step_of(self, k: int) -> tuple[int, int]:
-        """The data cursor of this actor's k-th group and the learner step that consumes it."""
-        cursor = self.data_cursor + k * self.cfg.rollout.num_actors + self.actor_id
-        return cursor, cursor // self.cfg.rollout.prompts_per_step
+                      "draft_tokens": 0, "accepted_tokens": 0, "verify_steps": 0, "invalid_drafts": 0}
 
     def run(self) -> dict:
         """Generates until `stop()`; returns counters."""
@@ -65,11 +62,11 @@ class RolloutActor:
         self.stats["start_version"] = self.version  # a replacement actor first catches up with the learner
         samples: dict[str, Sample] = {}
         finished: dict[int, list] = {}
-        k = 0
+        k = self.first_k
         while not self.stopping.is_set():
             self.poll_weights(0)
-            cursor, step = self.step_of(k)
-            while step <= self.version + self.cfg.algorithm.max_staleness:  # bounded asynchrony
+            cursor = self.plan.cursor(self.actor_id, k)
+            while self.plan.step(cursor) <= self.version + self.cfg.algorithm.max_staleness:  # bounded asynchrony
                 problem = self.dataset[cursor]
                 prompt_ids = self.tokenizer(problem.prompt, add_special_tokens=False).input_ids
                 for i in range(n):
@@ -79,7 +76,7 @@ class RolloutActor:
                     samples[rid] = Sample(cursor, i, prompt_ids, time.time())
                 finished[cursor] = []
                 k += 1
-                cursor, step = self.step_of(k)
+                cursor = self.plan.cursor(self.actor_id, k)
             if not self.engine.has_unfinished_requests():
                 self.poll_weights(100)  # ahead of the learner: wait for new weights
                 continue
@@ -101,19 +98,20 @@ class RolloutActor:
     def send_group(self, group: list) -> None:
         problem = self.dataset[group[0][0].cursor]
         group = sorted(group, key=lambda sc: sc[0].index)
-        spec = self.llm.collective_rpc(take_stats, args=([f"{s.cursor}-{s.index}" for s, _ in group],))[0]
+        ids = [f"{s.cursor}-{s.index}" for s, _ in group]
+        counts: dict[str, SpecCounts] = self.llm.collective_rpc(take_spec_counts, args=(ids,))[0]
         for sample, completion in group:
-            verify_steps, drafted, accepted = spec[f"{sample.cursor}-{sample.index}"]
+            spec = counts[f"{sample.cursor}-{sample.index}"]
             ids = list(completion.token_ids)
             logprobs = [completion.logprobs[j][t].logprob for j, t in enumerate(ids)]
             self.outbox.send(Trajectory(
                 SCHEMA_VERSION, self.actor_id, self.seq, sample.cursor, len(group), sample.index,
                 sample.prompt_ids, ids, logprobs, sample.versions, score(completion.text, problem.answer).reward,
-                completion.finish_reason or "length", time.time() - sample.start, verify_steps, drafted, accepted,
+                completion.finish_reason or "length", time.time() - sample.start, spec.verify_steps,
+                spec.draft_tokens, spec.accepted_tokens,
             ))
-            self.stats["verify_steps"] += verify_steps
-            self.stats["draft_tokens"] += drafted
-            self.stats["accepted_tokens"] += accepted
+            for key in ("verify_steps", "draft_tokens", "accepted_tokens", "invalid_drafts"):
+                self.stats[key] += getattr(spec, key)
             self.seq += 1
             self.stats["trajectories"] += 1
             self.stats["tokens"] += len(ids)
@@ -135,13 +133,6 @@ class RolloutActor:
         self.version = version
         self.stats["weight_updates"] += 1
         self.outbox.send(WeightAck(SCHEMA_VERSION, self.actor_id, version, time.time() - start))
-
-    def greedy(self, prompts: list[str], max_tokens: int) -> list[list[int]]:
-        """Greedy continuations under the current weights; call only while `run` is not running."""
-        from vllm import SamplingParams
-
-        outs = self.llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
 
     def stop(self) -> None:
         self.stopping.set()

@@ -3,19 +3,38 @@ which the CPU runner subclasses; on GPUs set VLLM_USE_V2_MODEL_RUNNER=0, see act
 
 Everything here runs inside the vLLM worker (through `collective_rpc`). `install`
 - replaces the runner's `_sample` with `CoupledSampling`: the plain sampling path and speculative verification
-  both draw the coupled sample of `actor/coupled.py`, keyed by each row's request seed and output position;
+  both draw the coupled sample of `sampling/coupled.py`, keyed by each row's request seed and output position;
   vLLM's per-request torch generators are never used (which also avoids vLLM-CPU's seeded chunked-prefill crash);
 - binds a `Drafter` plugin to the `custom_class` proposer `DrafterBridge`, which vLLM calls once per step.
-`apply_weights` updates weights in place with the CPU re-packing fixes; `take_stats` returns per-request
+`apply_weights` updates weights in place with the CPU re-packing fixes; `take_spec_counts` returns per-request
 speculation counts; `fix_cpu_rejection_sampler` repairs vLLM's own rejection sampler for the benchmark baseline.
 """
 
 from __future__ import annotations
 
+import operator
+from dataclasses import dataclass
+
 import torch
 
-from actor.coupled import PLACEHOLDER, coupled_sample, verify
 from drafters.base import DraftRequest, Drafter
+from sampling.coupled import PLACEHOLDER, coupled_sample, verify
+
+
+@dataclass
+class SpecCounts:
+    """Speculation on one request: verify steps that carried drafts, tokens drafted and accepted, and proposals
+    dropped as invalid (token ids outside the vocabulary)."""
+
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    invalid_drafts: int = 0
+
+
+def caller_id(req_id: str) -> str:
+    """vLLM's internal request id is the caller's id plus "-" and 8 random characters."""
+    return req_id.rsplit("-", 1)[0]
 
 
 def _request_seed(runner, req_id: str, assigned: dict[str, int]) -> int:
@@ -25,17 +44,34 @@ def _request_seed(runner, req_id: str, assigned: dict[str, int]) -> int:
     return seed
 
 
+def unsupported_sampling(params) -> str | None:
+    """The first sampling parameter of a request that the coupled sampler (and the learner's logprobs) would not
+    honour, as `name=value`; None when every one is supported (temperature, top_k, top_p, seed, lengths, stops)."""
+    unsupported = [("min_p", params.min_p, 0.0), ("logit_bias", params.logit_bias, None),
+                   ("presence_penalty", params.presence_penalty, 0.0),
+                   ("frequency_penalty", params.frequency_penalty, 0.0),
+                   ("repetition_penalty", params.repetition_penalty, 1.0), ("min_tokens", params.min_tokens, 0),
+                   ("bad_words", params.bad_words, None), ("allowed_token_ids", params.allowed_token_ids, None)]
+    for name, value, off in unsupported:
+        if value not in (off, None, [], {}):
+            return f"{name}={value!r}"
+    return None
+
+
 class CoupledSampling:
     """Drop-in for `GPUModelRunner._sample(logits, spec_decode_metadata) -> SamplerOutput`."""
 
     def __init__(self, runner):
         self.runner = runner
         self.unseeded: dict[str, int] = {}
-        self.stats: dict[str, list[int]] = {}  # request id -> [verify steps, drafted tokens, accepted tokens]
+        self.counts: dict[str, SpecCounts] = {}  # by the caller's request id
+        self.calls = 0  # sampling steps served: proof that this sampler, not vLLM's, ran
+        self.checked: set[str] = set()  # requests whose sampling parameters were checked (the current batch's)
 
     def __call__(self, logits: torch.Tensor, spec) -> object:
         from vllm.v1.outputs import SamplerOutput
 
+        self.calls += 1
         runner, batch = self.runner, self.runner.input_batch
         meta = batch.sampling_metadata
         batch.update_async_output_token_ids()
@@ -43,6 +79,7 @@ class CoupledSampling:
         meta.generators.clear()
         n = batch.num_reqs
         req_ids = batch.req_ids[:n]
+        self._check_parameters(req_ids)
         device = logits.device
         if spec is None:
             rows_per_request = torch.ones(n, dtype=torch.long)
@@ -90,15 +127,24 @@ class CoupledSampling:
             logprobs_tensors = runner.sampler.gather_logprobs(logprob_rows, meta.max_num_logprobs, logprob_tokens)
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
 
+    def _check_parameters(self, req_ids: list[str]) -> None:
+        for req_id in set(req_ids) - self.checked:
+            bad = unsupported_sampling(self.runner.requests[req_id].sampling_params)
+            if bad is not None:  # honoured by vLLM's sampler, not by the coupled one: refuse, never drift silently
+                raise ValueError(f"request {caller_id(req_id)}: sampling parameter {bad} is not supported by the "
+                                 "coupled sampler (supported: temperature, top_k, top_p, seed, lengths, stops)")
+        self.checked = set(req_ids)
+
     def _count(self, req_ids: list[str], drafted: list[int], accepted: list[int]) -> None:
         for req_id, d, a in zip(req_ids, drafted, accepted):
-            if d > 0:  # vLLM's internal id is the caller's id plus "-" and 8 random characters
-                s = self.stats.setdefault(req_id.rsplit("-", 1)[0], [0, 0, 0])
-                s[0], s[1], s[2] = s[0] + 1, s[1] + d, s[2] + a
+            if d > 0:
+                c = self.counts.setdefault(caller_id(req_id), SpecCounts())
+                c.verify_steps, c.draft_tokens, c.accepted_tokens = c.verify_steps + 1, c.draft_tokens + d, \
+                    c.accepted_tokens + a
 
-    def take_stats(self, req_ids: list[str]) -> dict[str, list[int]]:
-        """[verify steps with drafts, drafted, accepted] per finished request, by the caller's request id."""
-        return {r: self.stats.pop(r, [0, 0, 0]) for r in req_ids}
+    def take_counts(self, req_ids: list[str]) -> dict[str, SpecCounts]:
+        """Speculation counts per finished request, by the caller's request id."""
+        return {r: self.counts.pop(r, SpecCounts()) for r in req_ids}
 
 
 class DrafterBridge:
@@ -117,6 +163,7 @@ class DrafterBridge:
 
     def bind(self, runner, drafter: Drafter, max_batch: int) -> None:
         self.runner, self.drafter, self.max_batch = runner, drafter, max_batch
+        self.vocab_size = runner.model_config.get_vocab_size()
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
         if self.drafter is None:
@@ -126,32 +173,56 @@ class DrafterBridge:
         for gone in self.live - set(req_ids):
             self.drafter.remove(gone)
         self.live = set(req_ids)
+        committed_rows = [row for row, committed in enumerate(sampled_token_ids[: len(req_ids)]) if committed]
+        for row in committed_rows:  # the drafter always hears what was committed, drafting or not
+            self.drafter.commit(req_ids[row], list(sampled_token_ids[row]))
+        drafts: list[list[int]] = [[] for _ in req_ids]
         if self.max_batch and len(req_ids) > self.max_batch:  # a large batch is compute-bound: verify cannot pay
-            return [[] for _ in req_ids]
-        rows, requests = [], []
-        for row, (req_id, committed) in enumerate(zip(req_ids, sampled_token_ids)):
-            if not committed:  # partial prefill or discarded: nothing to draft from yet
-                continue
-            self.drafter.commit(req_id, list(committed))
+            return drafts
+        requests = []
+        for row in committed_rows:  # rows without a committed token (partial prefill) have nothing to draft from
+            req_id = req_ids[row]
             length, prompt = int(num_tokens_no_spec[row]), int(batch.num_prompt_tokens[row])
             params = runner.requests[req_id].sampling_params
-            rows.append(row)
             requests.append(DraftRequest(
                 request_id=req_id, seed=_request_seed(runner, req_id, runner._sample.unseeded),
                 position=length - prompt, token_ids=token_ids_cpu[row, :length].tolist(),
                 temperature=params.temperature, top_k=params.top_k, top_p=params.top_p))
-        drafts: list[list[int]] = [[] for _ in req_ids]
-        if requests:
-            for row, proposal in zip(rows, self.drafter.propose(requests, self.k)):
-                drafts[row] = [int(t) for t in proposal[: self.k]]
+        if not requests:
+            return drafts
+        proposals = self.drafter.propose(requests, self.k)
+        if len(proposals) != len(requests):
+            raise RuntimeError(f"drafter {type(self.drafter).__name__} returned {len(proposals)} proposals for "
+                               f"{len(requests)} requests (drafters/base.py: one list per request)")
+        for row, proposal in zip(committed_rows, proposals):
+            valid = token_ids_within(proposal[: self.k], self.vocab_size)
+            if valid is None:  # a plugin's bad ids must not reach the engine: no draft this step, counted
+                self.runner._sample.counts.setdefault(caller_id(req_ids[row]), SpecCounts()).invalid_drafts += 1
+            else:
+                drafts[row] = valid
         return drafts
 
 
+def token_ids_within(proposal, vocab_size: int) -> list[int] | None:
+    """`proposal` as plain ints when every one is an integer id in [0, vocab_size); None otherwise."""
+    try:
+        ids = [operator.index(t) for t in proposal]
+    except TypeError:
+        return None
+    return ids if all(0 <= t < vocab_size for t in ids) else None
+
+
 def install(worker, drafter_path: str | None = None, drafter_options: dict | None = None, max_batch: int = 0) -> None:
-    """Runs inside the worker: coupled sampling always; a drafter when the engine speculates."""
+    """Runs inside the worker: coupled sampling always; a drafter when the engine speculates. Refuses a runner
+    that is not the V1 runner these hooks replace parts of (vLLM's V2 runner has no `_sample`)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
     from drafters.base import load_drafter
 
     runner = worker.model_runner
+    if not isinstance(runner, GPUModelRunner) or not hasattr(runner, "_sample"):
+        raise RuntimeError(f"the coupled sampler hooks vLLM's V1 model runner, but this engine runs "
+                           f"{type(runner).__module__}.{type(runner).__name__}; set VLLM_USE_V2_MODEL_RUNNER=0")
     runner._sample = CoupledSampling(runner)
     if drafter_path is not None:
         if not isinstance(getattr(runner, "drafter", None), DrafterBridge):
@@ -194,5 +265,10 @@ def fix_cpu_rejection_sampler(worker) -> None:
     rejection_sampler.expand_batch_to_tokens = _expand_batch_to_tokens
 
 
-def take_stats(worker, req_ids: list[str]) -> dict[str, list[int]]:
-    return worker.model_runner._sample.take_stats(req_ids)
+def take_spec_counts(worker, req_ids: list[str]) -> dict[str, SpecCounts]:
+    return worker.model_runner._sample.take_counts(req_ids)
+
+
+def coupled_calls(worker) -> int:
+    """How many sampling steps the coupled sampler served (0, or an AttributeError, if vLLM sampled by itself)."""
+    return worker.model_runner._sample.calls

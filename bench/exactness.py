@@ -22,7 +22,7 @@ DRAFTERS = ["ngram", "draft_lm"]
 def rollouts(method: str, sequences: int, max_tokens: int, seed: int) -> dict:
     from vllm import SamplingParams
 
-    from actor.engine import close_engine, make_engine
+    from actor.engine import close_engine, group_seed, make_engine
     from configs.load import load_config
     from models.zoo import resolve
     from tasks.arithmetic import ArithmeticTask
@@ -33,7 +33,7 @@ def rollouts(method: str, sequences: int, max_tokens: int, seed: int) -> dict:
     results = {}
     try:
         for name, (temperature, top_p) in SETTINGS.items():
-            params = [SamplingParams(seed=seed * 1_000_003 + i, temperature=temperature, top_p=top_p,
+            params = [SamplingParams(seed=group_seed(seed, i, 1), temperature=temperature, top_p=top_p,
                                      max_tokens=max_tokens, logprobs=0) for i in range(sequences)]
             outputs = llm.generate([task[i].prompt for i in range(sequences)], params, use_tqdm=False)
             results[name] = [(list(o.outputs[0].token_ids),

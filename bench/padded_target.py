@@ -15,11 +15,12 @@ The trained part's tokens are therefore reproduced up to fp32 summation order in
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from models.zoo import copy_tokenizer
 
 
 def build_padded_target(src: Path, dst: Path, zero_layers: int, num_heads: int, intermediate_size: int,
@@ -81,9 +82,7 @@ def build_padded_target(src: Path, dst: Path, zero_layers: int, num_heads: int, 
     dst.mkdir(parents=True, exist_ok=True)
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     (dst / "config.json").write_text(json.dumps(config, indent=2))
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if (src / name).exists():
-            shutil.copy(src / name, dst / name)
+    copy_tokenizer(src, dst)
     return config
 
 

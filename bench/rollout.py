@@ -59,7 +59,7 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
     from vllm import LLM, SamplingParams
 
     from actor.engine import close_engine, engine_kwargs, make_engine
-    from actor.vllm_hooks import fix_cpu_rejection_sampler, take_stats
+    from actor.vllm_hooks import fix_cpu_rejection_sampler, take_spec_counts
     from configs.load import load_config
 
     drafter = name.removeprefix("specactor_") if name.startswith("specactor_") else "none"
@@ -90,8 +90,8 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
             counters = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
             steps, accepted = counters["vllm:spec_decode_num_drafts"], counters["vllm:spec_decode_num_accepted_tokens"]
         elif drafter != "none":
-            stats = llm.collective_rpc(take_stats, args=([o.request_id for o in outputs],))[0].values()
-            steps, accepted = sum(s[0] for s in stats), sum(s[2] for s in stats)
+            counts = llm.collective_rpc(take_spec_counts, args=([o.request_id for o in outputs],))[0].values()
+            steps, accepted = sum(c.verify_steps for c in counts), sum(c.accepted_tokens for c in counts)
         else:
             steps = accepted = 0
     finally:

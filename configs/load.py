@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import yaml
@@ -111,10 +110,10 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
     _check_model(path, "model.path", cfg.model.path)
     _check_drafter(path, cfg.speculation)
     if cfg.trainer.resume_from:
-        from learner.base import find_checkpoint
+        from learner.base import checkpoint_state
 
         try:
-            step = json.loads((find_checkpoint(cfg.trainer.resume_from) / "state.json").read_text())["version"]
+            step = checkpoint_state(cfg.trainer.resume_from)[1]["version"]
         except (FileNotFoundError, KeyError, ValueError) as e:
             raise ConfigError(f"{path}: key 'trainer.resume_from': {e}") from None
         if step >= cfg.trainer.steps:

@@ -91,7 +91,7 @@ class AlgorithmConfig:
     max_staleness: int = 1  # never train on a trajectory more than this many policy versions old
     clip_low: float = 0.2
     clip_high: float = 0.2  # > clip_low: DAPO's clip-higher
-    kl_coef: float = 0.0  # > 0: KL penalty to a frozen reference policy
+    kl_coef: float = 0.0  # > 0: k3 KL penalty to a frozen reference policy (the run's starting weights); rl/kl
     normalize_advantage_std: bool = True  # False: Dr.GRPO's unscaled group advantages
     loss_aggregation: LossAggregation = LossAggregation.seq_mean_token_mean
 
@@ -120,8 +120,7 @@ class ClusterConfig:
 
 @dataclass
 class LoggingConfig:
-    dir: str = "runs/default"  # TensorBoard event files, checkpoints and the resolved config go here
-    tensorboard: bool = True
+    dir: str = "runs/default"  # TensorBoard event files, config.yaml (resolved), checkpoints, summary.json
 
 
 @dataclass

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from actor.coupled import coupled_sample
 from drafters.base import Drafter, DraftRequest
+from sampling.coupled import coupled_sample
 
 
 @dataclass

@@ -4,9 +4,11 @@ The learner trains on `transport.messages.Trajectory` groups. A trajectory sampl
 version `v` may be trained on at learner version `V` only while `V - v <= max_staleness`, where `v` is the
 oldest version among its tokens; older ones are dropped and counted, never trained on and never lost silently.
 
-The learner is `learner.num_ranks` DeepSpeed ranks, each a Ray actor (`group.LearnerGroup`): rank 0 owns the
-trajectory inbox and the weight publisher, collects each step's groups and broadcasts them; every rank trains on
-its share and DeepSpeed all-reduces the gradients, so a step over R ranks is the step one rank would take.
+The learner is `learner.num_ranks` DeepSpeed ranks (`learner.Learner`, placed by `driver/`): rank 0 owns the
+trajectory inbox, its bookkeeping (`intake.Intake`) and the weight publisher, collects each step's groups and
+broadcasts them; every rank trains on its share and DeepSpeed all-reduces the gradients, so a step over R ranks is
+the step one rank would take. With `algorithm.kl_coef > 0` every rank also holds a frozen reference policy (the
+run's starting weights, sharded like the policy under ZeRO-3) and the loss adds a k3 KL penalty to it.
 
 A checkpoint is a directory `checkpoints/step_N/` of a run: `deepspeed/` (weights and optimizer), `hf/` (the
 weights as a Hugging Face checkpoint, what resumed actors load) and `state.json` (`version` = step counter,
@@ -16,6 +18,7 @@ that step and that cursor; prompts in flight but untrained at checkpoint time ar
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -38,3 +41,9 @@ def find_checkpoint(path: str) -> Path:
         raise FileNotFoundError(f"{root}: neither a checkpoint (no state.json) nor a run directory with "
                                 "checkpoints/step_N/state.json")
     return steps[-1].parent
+
+
+def checkpoint_state(path: str) -> tuple[Path, dict]:
+    """The checkpoint `path` names (see `find_checkpoint`) and its state.json: version, data_cursor, counts."""
+    checkpoint = find_checkpoint(path)
+    return checkpoint, json.loads((checkpoint / "state.json").read_text())

@@ -13,12 +13,6 @@ def group_advantages(rewards: torch.Tensor, normalize_std: bool, eps: float = 1e
     return centered / (rewards.std(dim=1, keepdim=True) + eps) if normalize_std else centered
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Log-probabilities of `targets` under softmax(logits / T): the distribution the actor sampled."""
-    logits = logits.float() / (temperature if temperature > 0 else 1.0)
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
 def policy_loss(
     logprobs: torch.Tensor,  # [B, T] current policy, response tokens
     behaviour: torch.Tensor,  # [B, T] logprobs recorded at rollout
@@ -31,13 +25,17 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
+    # a token outside the current top-k/top-p set has logprob -inf: a zero ratio with a zero gradient, never NaN
+    logprobs = logprobs.clamp(min=-1e4)
     ratio = torch.exp(logprobs - behaviour)
     adv = advantages.unsqueeze(1)
     per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
-    if ref_logprobs is not None and kl_coef > 0:
-        log_r = ref_logprobs - logprobs
-        per_token = per_token + kl_coef * (torch.exp(log_r) - log_r - 1)  # k3 estimator of KL(pi || ref)
     mask = mask.float()
+    kl = torch.zeros_like(per_token)
+    if ref_logprobs is not None and kl_coef > 0:
+        log_r = ref_logprobs.clamp(min=-1e4) - logprobs
+        kl = torch.exp(log_r) - log_r - 1  # k3 estimator of KL(pi || ref), >= 0
+        per_token = per_token + kl_coef * kl
     if aggregation == LossAggregation.token_mean:
         loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
     elif aggregation == LossAggregation.seq_mean_token_mean:
@@ -46,6 +44,9 @@ def policy_loss(
         loss = ((per_token * mask).sum(1) / max_tokens).mean()
     with torch.no_grad():
         clipped = ((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).float()
-        stats = {"clip_fraction": ((clipped * mask).sum() / mask.sum().clamp(min=1)).item(),
-                 "ratio_max": (ratio * mask).max().item()}
+        tokens = mask.sum().clamp(min=1)
+        on = mask > 0
+        stats = {"clip_fraction": ((clipped * mask).sum() / tokens).item(),
+                 "ratio_max": ratio[on].max().item(), "ratio_min": ratio[on].min().item(),
+                 "kl": ((kl * mask).sum() / tokens).item()}
     return loss, stats

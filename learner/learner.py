@@ -1,25 +1,29 @@
-"""The learner: a DeepSpeed engine that pulls trajectory groups, enforces staleness, takes a GRPO step and
-publishes the new weights in size-bounded buckets."""
+"""One learner rank: a DeepSpeed engine that trains on the step's trajectory groups and publishes the new weights
+in size-bounded buckets. Rank 0 also owns the trajectory inbox, its bookkeeping (`intake.Intake`) and the
+weight publisher. A step is three calls, in order, that the driver makes: `collect` (rank 0), `train` and
+`publish` (every rank)."""
 
 from __future__ import annotations
 
 import datetime
 import json
 import os
-import shutil
 import socket
 import threading
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
 from configs.schema import Dtype
-from learner.base import admissible, find_checkpoint, staleness
-from learner.grpo import group_advantages, policy_loss, token_logprobs
-from transport.messages import Trajectory, WeightAck
+from learner.base import checkpoint_state, staleness
+from learner.grpo import group_advantages, policy_loss
+from learner.intake import Intake
+from models.zoo import copy_tokenizer
+from sampling.coupled import processed_logprobs
+from tasks.schedule import CursorPlan
+from transport.messages import Trajectory
 from transport.zmq import Inbox, WeightPublisher, pack_buckets
 
 
@@ -29,33 +33,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
-
-
 class Learner:
-    """One DeepSpeed rank. Rank 0 also owns the trajectory inbox and the weight publisher: it collects the step's
-    groups and hands them to every rank, each of which trains on its share (DeepSpeed all-reduces gradients).
-    Built in two phases, since every rank must know where rank 0 meets them before any joins the process group:
+    """Built in two phases, since every rank must know where rank 0 meets them before any joins the process group:
     `__init__` on every rank, then `start(master)` on every rank with rank 0's `master_address()`."""
 
-    def __init__(self, cfg: DictConfig, model_dir: str, rank: int = 0):
-        self.cfg, self.model_dir, self.rank, self.world = cfg, model_dir, rank, cfg.learner.num_ranks
-        self.micro = cfg.learner.micro_batch_size
+    def __init__(self, cfg: DictConfig, policy_dir: str, reference_dir: str, plan: CursorPlan, rank: int = 0):
+        self.cfg, self.policy_dir, self.reference_dir = cfg, policy_dir, reference_dir
+        self.rank, self.world, self.micro = rank, cfg.learner.num_ranks, cfg.learner.micro_batch_size
         if rank == 0:
             self.inbox = Inbox(cfg.transport.host, cfg.transport.max_message_mib << 20, cfg.transport.trajectory_queue)
             self.publisher = WeightPublisher(cfg.transport.host)
+            self.intake = Intake(cfg.rollout.group_size, cfg.algorithm.max_staleness, plan)
         self.published: list | None = None  # rank 0: the newest weight buckets sent, for a replacement actor
         self.version = 0
-        self.pending: dict[int, list[Trajectory]] = defaultdict(list)
-        self.counts = {"received": 0, "trained": 0, "dropped_stale": 0, "dropped_duplicate": 0, "dropped_reissued": 0}
-        self.acks: list[WeightAck] = []
-        self.data_cursor = 0  # one past the newest prompt (group id) trained on: where a resumed run starts
-        self.start_cursor = 0  # where this process's actors started
-        self.trained_groups = [1 << 62, -1]  # lowest and highest group id trained on by this process
-        self.completed: set[int] = set()  # group ids delivered whole (trained or dropped stale) by this process
-        self.lock = threading.Lock()  # step() and a replacement actor's reissue()/republish() may run concurrently
+        self.groups: list[list[Trajectory]] = []  # rank 0: what `collect` gathered for the next `train`
+        self.reference = None  # the frozen reference policy when algorithm.kl_coef > 0
+        self.lock = threading.Lock()  # collect() and a replacement actor's reissue()/republish() run concurrently
 
     def endpoints(self) -> tuple[str, str]:
+        """Rank 0: (trajectory inbox, weight publisher) endpoints the actors dial."""
         return self.inbox.endpoint, self.publisher.endpoint
 
     def master_address(self) -> str:
@@ -79,7 +75,7 @@ class Learner:
         deepspeed.init_distributed(dist_backend="gloo" if cfg.cluster.device.value == "cpu" else "nccl",
                                    timeout=datetime.timedelta(hours=24))
         torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(self.policy_dir, dtype=torch.float32)
         batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
         ds_config = {
             "train_batch_size": batch,
@@ -95,57 +91,35 @@ class Learner:
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                                config=ds_config)
+        if cfg.algorithm.kl_coef > 0:
+            reference = AutoModelForCausalLM.from_pretrained(self.reference_dir, dtype=torch.float32).eval()
+            reference.requires_grad_(False)
+            # an engine without optimizer: DeepSpeed shards it under ZeRO-3 and casts it like the policy
+            self.reference, *_ = deepspeed.initialize(model=reference, config=ds_config)
         if resume is not None:
             self.load_checkpoint(resume)
 
-    def collect(self) -> tuple[list[list[Trajectory]], float]:
-        """The next `prompts_per_step` complete groups that are fresh enough; stale ones are counted and dropped."""
+    def collect(self) -> dict[str, float]:
+        """Rank 0: pulls the next `prompts_per_step` whole, fresh-enough groups for `train`."""
         groups: list[list[Trajectory]] = []
         start = time.time()
         while len(groups) < self.cfg.rollout.prompts_per_step:
             message = self.inbox.recv(1000)
             if message is not None:
                 with self.lock:
-                    self.take(message, groups)
-        return groups, time.time() - start
+                    group = self.intake.take(message, self.version)
+                if group is not None:
+                    groups.append(group)
+        self.groups = groups
+        return {"rl/wait_seconds": time.time() - start}
 
-    def take(self, message, groups: list[list[Trajectory]]) -> None:
-        if isinstance(message, WeightAck):
-            self.acks.append(message)
-            return
-        self.counts["received"] += 1
-        group = self.pending[message.group_id]
-        if any(t.sample_index == message.sample_index for t in group):  # a dead actor's, still in flight
-            self.counts["dropped_duplicate"] += 1
-            return
-        group.append(message)
-        n = self.cfg.rollout.group_size
-        if len(group) < n:
-            return
-        del self.pending[message.group_id]
-        if message.group_id in self.completed:  # regenerated by a replacement actor, already delivered
-            self.counts["dropped_duplicate"] += n
-            return
-        self.completed.add(message.group_id)
-        if all(admissible(t.policy_versions, self.version, self.cfg.algorithm.max_staleness) for t in group):
-            groups.append(sorted(group, key=lambda t: t.sample_index))
-            self.data_cursor = max(self.data_cursor, message.group_id + 1)
-            low, high = self.trained_groups
-            self.trained_groups = [min(low, message.group_id), max(high, message.group_id)]
-        else:
-            self.counts["dropped_stale"] += n
-
-    def step(self) -> dict[str, float]:
-        """One GRPO step on every rank (rank 0 collects); rank 0's metrics, {} on the others."""
-        groups, wait_seconds = self.collect() if self.rank == 0 else (None, 0.0)
+    def train(self) -> dict[str, float]:
+        """Every rank: one GRPO step on its share of the collected groups; rank 0's metrics, {} on the others."""
+        groups = self.groups
         if self.world > 1:  # every rank gets the step's groups and trains on its share
-            box = [groups, wait_seconds]
+            box = [groups]
             torch.distributed.broadcast_object_list(box, src=0)
-            groups, wait_seconds = box
-        with self.lock:
-            return self.train(groups, wait_seconds)
-
-    def train(self, groups: list[list[Trajectory]], wait_seconds: float) -> dict[str, float]:
+            groups = box[0]
         algo = self.cfg.algorithm
         trajectories = [t for g in groups for t in g]
         rewards = torch.tensor([[t.reward for t in g] for g in groups])
@@ -154,45 +128,65 @@ class Learner:
         mine = range(self.rank * share, (self.rank + 1) * share)
         self.engine.train()
         lr = self.engine.get_lr()[0]  # this step's (the scheduler moves on with the optimizer step)
-        start, totals = time.time(), torch.zeros(3)  # loss, clip fraction, micro-batches
+        start, sums, extremes = time.time(), torch.zeros(6), torch.tensor([float("-inf"), float("-inf")])
         for i in range(mine.start, mine.stop, self.micro):
             loss, stats = self.micro_batch_loss(trajectories[i : i + self.micro], advantages[i : i + self.micro])
             self.engine.backward(loss)
+            boundary = self.engine.is_gradient_accumulation_boundary()  # once per step: the optimizer steps
+            plain = not (self.engine.zero_optimization() or self.engine.bfloat16_enabled())
+            if boundary and plain:  # DeepSpeed clips these (all-reduced) gradients in place and keeps no norm
+                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.engine.module.parameters()
+                                                           if p.grad is not None]).item()
             self.engine.step()
-            totals += torch.tensor([loss.item(), stats["clip_fraction"], 1.0])
+            if boundary and not plain:  # ZeRO and bf16 optimizers record the norm they clipped by
+                grad_norm = float(self.engine.get_global_grad_norm())
+            sums += torch.tensor([loss.item(), stats["clip_fraction"], stats["entropy"], stats["kl"], 1.0, 0.0])
+            extremes = torch.maximum(extremes, torch.tensor([stats["ratio_max"], -stats["ratio_min"]]))
+        sums[5] = grad_norm
         if self.world > 1:
-            totals = totals.to(self.engine.device)
-            torch.distributed.all_reduce(totals)
-            totals = totals.cpu()
+            sums, extremes = sums.to(self.engine.device), extremes.to(self.engine.device)
+            torch.distributed.all_reduce(sums)
+            torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX)
+            sums, extremes = sums.cpu(), extremes.cpu()
         self.version += 1
-        self.counts["trained"] += len(trajectories)
-        sync_start = time.time()
-        sent = self.publish()
         if self.rank != 0:
             return {}
+        loss, clip, entropy, kl, batches, grad_norm = sums.tolist()
+        lengths = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.float32)
         verify_steps = sum(t.verify_steps for t in trajectories)
         drafted = sum(t.draft_tokens for t in trajectories)
         accepted = sum(t.accepted_tokens for t in trajectories)
-        return {
+        metrics = {
             "rl/reward_mean": rewards.mean().item(),
-            "rl/loss": (totals[0] / totals[2]).item(),
-            "rl/clip_fraction": (totals[1] / totals[2]).item(),
+            "rl/loss": loss / batches,
+            "rl/clip_fraction": clip / batches,
+            "rl/entropy": entropy / batches,
+            "rl/grad_norm": grad_norm / self.world,  # every rank computed the same all-reduced norm
+            "rl/ratio_max": extremes[0].item(),
+            "rl/ratio_min": -extremes[1].item(),
             "rl/lr": lr,
             "rl/staleness_max": max(staleness(t.policy_versions, self.version - 1) for t in trajectories),
-            "rl/response_length": sum(len(t.response_ids) for t in trajectories) / len(trajectories),
-            "rl/wait_seconds": wait_seconds,
-            "rl/train_seconds": sync_start - start,
-            "sync/weight_seconds": time.time() - sync_start,
-            "sync/weight_bytes": float(sent),
+            "rl/train_seconds": time.time() - start,
             "rollout/trajectories": float(len(trajectories)),
-            "rollout/tokens": float(sum(len(t.response_ids) for t in trajectories)),
-            "rollout/dropped_stale": float(self.counts["dropped_stale"]),
+            "rollout/tokens": lengths.sum().item(),
+            "rollout/response_length": lengths.mean().item(),
+            "rollout/response_length_max": lengths.max().item(),
+            "rollout/response_length_p50": lengths.quantile(0.5).item(),
+            "rollout/response_length_p90": lengths.quantile(0.9).item(),
+            "rollout/truncated_fraction": sum(t.finish_reason == "length" for t in trajectories) / len(trajectories),
             "rollout/generate_seconds_max": max(t.generate_seconds for t in trajectories),
-            # tokens emitted per verify step that carried drafts (1 = nothing accepted); 0 when not speculating
-            "spec/acceptance_length": (accepted + verify_steps) / verify_steps if verify_steps else 0.0,
+            # tokens emitted per verify step that carried drafts (1 = nothing accepted, or no drafts at all)
+            "spec/acceptance_length": (accepted + verify_steps) / verify_steps if verify_steps else 1.0,
             "spec/draft_tokens": float(drafted),
             "spec/accepted_tokens": float(accepted),
         }
+        if algo.kl_coef > 0:
+            metrics["rl/kl"] = kl / batches
+        with self.lock:
+            summary = self.intake.summary()
+        metrics["rollout/dropped_stale"] = float(summary["dropped_stale"])
+        metrics["transport/lost_trajectories"] = float(summary["lost"])
+        return metrics
 
     def micro_batch_loss(self, batch: list[Trajectory], advantages: torch.Tensor):
         width = max(len(t.prompt_ids) + len(t.response_ids) for t in batch)
@@ -209,14 +203,28 @@ class Learner:
             targets[row, : len(t.response_ids)] = torch.tensor(t.response_ids)
             behaviour[row, : len(t.response_ids)] = torch.tensor(t.behaviour_logprobs)
             mask[row, : len(t.response_ids)] = 1
-        logits = self.engine(input_ids=ids, attention_mask=attention).logits
         # the logit row predicting response token j of row r sits at prompt_len + j - 1
         index = torch.stack([torch.arange(resp_width) + len(t.prompt_ids) - 1 for t in batch]).clamp(max=width - 1)
-        rows = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-        logprobs = token_logprobs(rows, targets, self.cfg.rollout.temperature)
+
+        def response_logprobs(model) -> torch.Tensor:  # [B, T, vocab], the distribution the actor sampled
+            logits = model(input_ids=ids, attention_mask=attention).logits
+            rows = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+            r = self.cfg.rollout
+            return processed_logprobs(rows, r.temperature, r.top_k, r.top_p)
+
+        full = response_logprobs(self.engine)
+        logprobs = full.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        reference = None
+        if self.reference is not None:
+            with torch.no_grad():
+                reference = response_logprobs(self.reference).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         algo = self.cfg.algorithm
-        return policy_loss(logprobs, behaviour, advantages, mask, algo.clip_low, algo.clip_high,
-                           algo.loss_aggregation, self.cfg.rollout.max_tokens)
+        loss, stats = policy_loss(logprobs, behaviour, advantages, mask, algo.clip_low, algo.clip_high,
+                                  algo.loss_aggregation, self.cfg.rollout.max_tokens, reference, algo.kl_coef)
+        with torch.no_grad():  # mean entropy of the sampled distribution over the trained tokens
+            entropy = torch.special.entr(full.detach().exp()).sum(-1)
+            stats["entropy"] = ((entropy * mask).sum() / mask.sum().clamp(min=1)).item()
+        return loss, stats
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
         """Every rank: rank 0 gets the full parameters on the CPU in the training dtype, as the in-memory model
@@ -243,18 +251,23 @@ class Learner:
                     state.update((name, p.detach().to("cpu", copy=True)) for name, p in chunk)
         return state if self.rank == 0 else None
 
-    def publish(self) -> int:
-        """Every rank: sends the new weights (rank 0), each bucket once to all actors; returns the bytes sent."""
+    def publish(self) -> dict[str, float]:
+        """Every rank: sends the new weights (rank 0), each bucket once to all actors; rank 0's sync metrics."""
         from transformers.core_model_loading import revert_weight_conversion
 
+        start = time.time()
         state = self.full_state()
         if state is None:
-            return 0
+            return {}
         # named and shaped as the checkpoint has them: transformers fuses MoE experts in memory, vLLM reloads
         # per-expert checkpoint tensors
         named = revert_weight_conversion(self.engine.module, state).items()
         self.published = pack_buckets(iter(named), self.cfg.transport.weight_bucket_mib << 20)
-        return self.publisher.publish(self.version, self.published)
+        sent = self.publisher.publish(self.version, self.published)
+        with self.lock:
+            applied = self.intake.take_apply_seconds()  # the actors' acknowledgements of earlier versions
+        return {"sync/weight_seconds": time.time() - start, "sync/weight_bytes": float(sent),
+                **({"sync/apply_seconds_max": max(applied)} if applied else {})}
 
     def republish(self) -> int:
         """Rank 0: sends the newest weights again (a replacement actor joined); returns their version. Before the
@@ -270,9 +283,7 @@ class Learner:
         if state is None:
             return
         self.engine.module.save_pretrained(path, state_dict=state)
-        for name in TOKENIZER_FILES:
-            if (Path(self.model_dir) / name).is_file():
-                shutil.copy(Path(self.model_dir) / name, Path(path) / name)
+        copy_tokenizer(self.policy_dir, path)
 
     def save_checkpoint(self, root: str) -> str:
         """Every rank: `root/step_<version>/` with the DeepSpeed state (weights, optimizer), the weights as a Hugging
@@ -281,36 +292,26 @@ class Learner:
         self.engine.save_checkpoint(str(path / "deepspeed"), tag="state")
         self.save_pretrained(str(path / "hf"))
         if self.rank == 0:
-            state = {"version": self.version, "data_cursor": self.data_cursor, "counts": self.counts}
+            with self.lock:
+                state = {"version": self.version, **self.intake.state()}
             (path / "state.json").write_text(json.dumps(state, indent=2))  # written last: marks it complete
         return str(path)
 
     def load_checkpoint(self, path: str) -> None:
-        path = find_checkpoint(path)
+        path, state = checkpoint_state(path)
         # the schedule follows this config (a changed learner.lr applies), fast-forwarded to the checkpoint's step
         self.engine.load_checkpoint(str(path / "deepspeed"), tag="state", load_lr_scheduler_states=False)
-        state = json.loads((path / "state.json").read_text())
-        self.version, self.data_cursor = state["version"], state["data_cursor"]
+        self.version = state["version"]
         self.engine.lr_scheduler.last_epoch = self.version - 1
         self.engine.lr_scheduler.step()
-        self.counts.update(state["counts"])
-        self.start_cursor = self.data_cursor
+        if self.rank == 0:
+            self.intake.restore(state)
 
-    def reissue(self, actor_id: int) -> int:
-        """A rollout actor died: forget its partial groups and return the data cursor a replacement starts from,
-        its first group not delivered whole (groups it delivered after that are regenerated and dropped as
-        duplicates). Actor `a` of `R` owns cursors start + k * R + a."""
-        stride = self.cfg.rollout.num_actors
+    def reissue(self, actor: int) -> int:
+        """Rank 0: a rollout actor died; the k its replacement starts from (see `Intake.reissue`)."""
         with self.lock:
-            for group_id in [g for g in self.pending if (g - self.start_cursor) % stride == actor_id]:
-                self.counts["dropped_reissued"] += len(self.pending.pop(group_id))
-            cursor = self.start_cursor + actor_id
-            while cursor in self.completed:
-                cursor += stride
-            return cursor - actor_id
+            return self.intake.reissue(actor)
 
     def summary(self) -> dict:
-        with self.lock:  # step() may still be taking messages (Ctrl-C, an error elsewhere)
-            return {**self.counts, "version": self.version, "data_cursor": self.data_cursor,
-                    "trained_groups": self.trained_groups, "pending": sum(len(g) for g in self.pending.values()),
-                    "dropped_messages": dict(self.inbox.dropped), "acks": len(self.acks)}
+        with self.lock:  # collect() may still be taking messages (Ctrl-C, an error elsewhere)
+            return {**self.intake.summary(), "version": self.version, "dropped_messages": dict(self.inbox.dropped)}

@@ -1,4 +1,4 @@
-"""Builds the built-in models: `python -m models.build` (prints where they are and how well they solve the task).
+"""Builds the built-in models (`python -m models` runs it through `models.zoo.build`, cached by recipe key).
 
 Tokenizer first (trained on task text), then each model SFT-trained on worked solutions from the
 arithmetic task under the recipe's data seed, saved as safetensors with the tokenizer beside it.
@@ -6,7 +6,6 @@ arithmetic task under the recipe's data seed, saved as safetensors with the toke
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -66,23 +65,3 @@ def build_all(recipe: Recipe, out: Path, log=print) -> dict:
             "loss_first": round(losses[0], 4), "loss_last": round(sum(losses[-20:]) / len(losses[-20:]), 4),
         }
     return report
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--evaluate", type=int, default=0, metavar="N",
-                        help="also report greedy accuracy of each policy on N easy and N hard problems (vLLM)")
-    args = parser.parse_args()
-    from models.zoo import build, builtin_dir
-
-    path = build()
-    print(json.dumps(json.loads((builtin_dir() / "build.json").read_text())["models"], indent=2))
-    if args.evaluate:
-        from models.evaluate import accuracy_by_difficulty
-
-        for name in ("dense", "moe"):
-            print(name, json.dumps(accuracy_by_difficulty(path / name, args.evaluate)))
-
-
-if __name__ == "__main__":
-    main()

@@ -23,6 +23,16 @@ BUILTIN_PREFIX = "builtin:"
 BUILTIN_NAMES = ("dense", "moe", "draft")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def copy_tokenizer(src: str | Path, dst: str | Path) -> None:
+    """Copies the tokenizer (and generation config) files of checkpoint `src` into checkpoint `dst`."""
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copy(Path(src) / name, Path(dst) / name)
+
+
 class ModelNotFoundError(FileNotFoundError):
     pass
 
@@ -47,7 +57,7 @@ def resolve(spec: str, recipe: Recipe | None = None, build_if_missing: bool = Tr
                                      + ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_NAMES))
         if not is_built(recipe):
             if not build_if_missing:
-                raise ModelNotFoundError(f"built-in models are not built yet; run `python -m models.build`")
+                raise ModelNotFoundError(f"built-in models are not built yet; run `python -m models`")
             build(recipe)
         return builtin_dir(recipe) / name
     path = Path(spec).expanduser()

@@ -4,7 +4,8 @@ and the verification rule."""
 import pytest
 import torch
 
-from actor.coupled import PLACEHOLDER, coupled_sample, gumbel, mask_top_k_top_p, verify
+from sampling.coupled import (PLACEHOLDER, UNIFORM_BITS, coupled_sample, gumbel, mask_top_k_top_p,
+                              processed_logprobs, uniform_from_bits, verify)
 
 VOCAB = 8
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
@@ -62,6 +63,46 @@ def test_noise_depends_only_on_seed_position_and_token():
     assert torch.equal(gumbel(seeds[:1], positions[:1], 100), g[:1, :100])  # token id keys, not vocab size
     seed_of_big = torch.tensor([2**62 + 17])  # 64-bit seeds are fine
     assert torch.isfinite(gumbel(seed_of_big, torch.tensor([3]), 10)).all()
+
+
+def test_uniforms_stay_strictly_inside_zero_one_at_the_extreme_bits():
+    """The largest draw used to round to exactly 1.0: Gumbel +inf, and on a masked token -inf + inf = NaN."""
+    extremes = torch.tensor([0, 1, (1 << UNIFORM_BITS) - 2, (1 << UNIFORM_BITS) - 1])
+    u = uniform_from_bits(extremes)
+    assert (u > 0).all() and (u < 1).all()
+    noise = -torch.log(-torch.log(u))
+    assert torch.isfinite(noise).all()
+    masked = torch.tensor([float("-inf"), 0.0]).double()
+    assert (masked + noise[-1]).argmax() == 1  # a masked token can never win
+
+
+def test_rows_with_a_very_large_vocabulary_are_sampled_in_chunks_identically():
+    from sampling import coupled
+
+    logits = torch.randn(6, 5000)
+    args = (torch.arange(6), torch.arange(6), torch.full((6,), 0.8))
+    whole, _ = coupled_sample(logits, *args)
+    limit = coupled.NOISE_ELEMENTS
+    try:
+        coupled.NOISE_ELEMENTS = 5000  # one row of noise at a time
+        chunked, _ = coupled_sample(logits, *args)
+    finally:
+        coupled.NOISE_ELEMENTS = limit
+    assert torch.equal(whole, chunked)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9), (1.0, 5, 1.0), (0.0, 0, 1.0)])
+def test_the_learner_and_the_sampler_see_one_distribution(temperature, top_k, top_p):
+    """The learner's logprobs (one setting for a [batch, time, vocab] block) are the sampler's, row for row."""
+    logits = torch.randn(2, 3, 64) * 3
+    rows = 6
+    _, sampler = coupled_sample(logits.reshape(rows, 64), torch.arange(rows), torch.arange(rows),
+                                torch.full((rows,), temperature), torch.full((rows,), top_k) if top_k else None,
+                                torch.full((rows,), top_p) if top_p < 1 else None)
+    learner = processed_logprobs(logits, temperature, top_k, top_p)
+    assert torch.equal(learner.reshape(rows, 64), sampler)
+    if top_k or top_p < 1:  # and the masking matters: temperature alone is another distribution
+        assert not torch.allclose(processed_logprobs(logits, temperature), learner)
 
 
 def test_greedy_rows_take_the_argmax_whatever_the_noise():

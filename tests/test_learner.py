@@ -7,8 +7,9 @@ import torch
 import transformers
 
 from configs.load import load_config
-from learner.grpo import token_logprobs
 from models.zoo import resolve
+from sampling.coupled import processed_logprobs
+from tasks.schedule import CursorPlan
 from transport.messages import SCHEMA_VERSION, Trajectory
 
 GROUPS = [("Question: 3+4=?\nAnswer:", [" 3+4=7\n#### 7", " 3+4=8\n#### 8", " 3+4=9\n#### 9", " 3+4=6\n#### 6"]),
@@ -18,7 +19,8 @@ GROUPS = [("Question: 3+4=?\nAnswer:", [" 3+4=7\n#### 7", " 3+4=8\n#### 8", " 3+
 def sequence_logprob(model, prompt: list[int], response: list[int]) -> list[float]:
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt + response])).logits[0]
-    return token_logprobs(logits[len(prompt) - 1 : -1], torch.tensor(response), 1.0).tolist()
+    rows = processed_logprobs(logits[len(prompt) - 1 : -1], 1.0)
+    return rows.gather(-1, torch.tensor(response).unsqueeze(-1)).squeeze(-1).tolist()
 
 
 def make_groups(model, tok) -> list[list[Trajectory]]:
@@ -32,39 +34,36 @@ def make_groups(model, tok) -> list[list[Trajectory]]:
     return groups
 
 
-def test_grpo_steps_raise_rewarded_and_lower_unrewarded_responses(monkeypatch):
+@pytest.mark.parametrize("kl_coef", [0.0, 0.05])
+def test_grpo_steps_raise_rewarded_and_lower_unrewarded_responses(kl_coef):
     from learner.learner import Learner
 
-    model_dir = resolve("builtin:dense")
+    model_dir = str(resolve("builtin:dense"))
     cfg = load_config("grpo_tiny", ["rollout.prompts_per_step=2", "rollout.group_size=4",
-                                    "learner.micro_batch_size=4", "learner.lr=1e-5"])
-    learner = Learner(cfg, str(model_dir))
+                                    "learner.micro_batch_size=4", "learner.lr=1e-5", f"algorithm.kl_coef={kl_coef}"])
+    learner = Learner(cfg, model_dir, model_dir, CursorPlan(0, 1, 2))
     learner.start()
     groups = make_groups(learner.engine.module, transformers.AutoTokenizer.from_pretrained(model_dir))
     before = [[sum(sequence_logprob(learner.engine.module, t.prompt_ids, t.response_ids)) for t in g] for g in groups]
-    monkeypatch.setattr(learner, "collect", lambda: (groups, 0.0))
-    monkeypatch.setattr(learner, "publish", lambda: 0)
+    steps = []
     for _ in range(3):
-        metrics = learner.step()
+        learner.groups = groups  # what collect() gathers from the inbox
+        steps.append(learner.train())
     after = [[sum(sequence_logprob(learner.engine.module, t.prompt_ids, t.response_ids)) for t in g] for g in groups]
+    metrics = steps[-1]
     assert metrics["rl/reward_mean"] == pytest.approx(0.25)
     for b, a in zip(before, after):
         assert a[0] > b[0]  # rewarded: more likely
         assert sum(a[1:]) < sum(b[1:])  # unrewarded: less likely overall
-
-
-def test_a_group_never_holds_one_sample_twice():
-    """A dead actor's trajectories still in flight may arrive after its replacement regenerated them."""
-    from learner.learner import Learner
-
-    cfg = load_config("grpo_tiny", ["rollout.prompts_per_step=1", "rollout.group_size=4", "learner.micro_batch_size=4"])
-    learner = Learner(cfg, str(resolve("builtin:dense")))  # no DeepSpeed needed to take messages
-    sample = lambda i: Trajectory(SCHEMA_VERSION, 0, i, 7, 4, i, [1], [2], [-0.1], [0], 1.0, "stop", 0.1)  # noqa: E731
-    groups: list = []
-    for i in [0, 1, 1, 2, 0, 3]:
-        learner.take(sample(i), groups)
-    assert [t.sample_index for t in groups[0]] == [0, 1, 2, 3]
-    assert learner.counts["received"] == 6 and learner.counts["dropped_duplicate"] == 2
+    # the first step's ratios are 1 (behaviour logprobs were computed under these weights); later ones move
+    assert steps[0]["rl/ratio_min"] == pytest.approx(1.0, abs=1e-5)
+    assert steps[0]["rl/ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    assert steps[-1]["rl/ratio_max"] > 1.0 > steps[-1]["rl/ratio_min"]
+    assert steps[0]["rl/grad_norm"] > 0 and steps[0]["rl/entropy"] > 0
+    if kl_coef:  # the reference is the starting policy: no divergence at first, some after two updates
+        assert steps[0]["rl/kl"] == pytest.approx(0.0, abs=1e-7) and steps[-1]["rl/kl"] > 1e-7
+    else:
+        assert "rl/kl" not in metrics
 
 
 LR = 1e-3
@@ -80,7 +79,7 @@ def test_ranks_share_a_step_and_take_the_same_step_as_one_rank(tmp_path, ranks, 
     import ray
     from safetensors.torch import load_file
 
-    from learner.group import LearnerGroup
+    from driver.learners import LearnerGroup
     from transport.zmq import Outbox
 
     model_dir = str(resolve("builtin:dense"))
@@ -95,11 +94,13 @@ def test_ranks_share_a_step_and_take_the_same_step_as_one_rank(tmp_path, ranks, 
                                         f"learner.zero_stage={stage}"])
         ray.init(num_cpus=world, include_dashboard=False, runtime_env={"env_vars": env})
         try:
-            learner = LearnerGroup(cfg, model_dir, resume=None, num_gpus=0)
-            outbox = Outbox(learner.endpoints[0], "test", hwm=64)
+            learner = LearnerGroup(cfg, model_dir, model_dir, CursorPlan(0, 1, 2), resume=None, num_gpus=0)
+            outbox = Outbox(learner.trajectory_endpoint, "test", hwm=64)
             for t in trajectories:
                 outbox.send(t)
-            metrics = ray.get(learner.all("step"))
+            ray.get(learner.rank0.collect.remote())
+            metrics = ray.get(learner.all("train"))
+            ray.get(learner.all("publish"))
             ray.get(learner.all("save_pretrained", str(tmp_path / f"{world}-{stage}")))
             outbox.close()
         finally:

@@ -5,7 +5,7 @@ top-p 0.9, and T = 1, all mixed in one batch."""
 import pytest
 
 from actor.engine import close_engine, make_engine
-from actor.vllm_hooks import take_stats
+from actor.vllm_hooks import take_spec_counts
 from configs.load import load_config
 from models.zoo import resolve
 from tasks.arithmetic import ArithmeticTask
@@ -33,7 +33,7 @@ def rollouts(method: str) -> tuple[list, dict]:
         for o in outputs:
             c = o.outputs[0]
             results.append((list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]))
-        stats = llm.collective_rpc(take_stats, args=([o.request_id for o in outputs],))[0]
+        stats = llm.collective_rpc(take_spec_counts, args=([o.request_id for o in outputs],))[0]
         return results, stats
     finally:
         close_engine(llm)
@@ -53,7 +53,39 @@ def test_speculative_rollouts_equal_plain_decoding(plain, drafter):
         assert all(same), f"{drafter} T={temperature} top_p={top_p}: {same.count(False)} sequences differ"
         for r in rows:
             assert speculative[r][1] == pytest.approx(plain[r][1], abs=1e-5)
-    drafted = sum(s[1] for s in stats.values())
-    accepted = sum(s[2] for s in stats.values())
+    drafted = sum(c.draft_tokens for c in stats.values())
+    accepted = sum(c.accepted_tokens for c in stats.values())
     assert drafted > 0 and accepted > 0, f"{drafter} drafted {drafted}, accepted {accepted}: speculation never ran"
 
+
+
+def test_no_silent_fallback_to_vllms_own_sampler(monkeypatch):
+    """An engine whose sampling is not the coupled sampler's is refused, and so is a request with a sampling
+    parameter the coupled sampler (and the learner) would not honour."""
+    from vllm import LLM, SamplingParams
+
+    from actor.engine import check_coupled, engine_kwargs
+    from actor.vllm_hooks import unsupported_sampling
+
+    cfg = load_config("grpo_tiny")
+    model = resolve("builtin:dense")
+    plain = LLM(**engine_kwargs(cfg, model))  # no hooks installed: vLLM samples by itself
+    try:
+        plain.generate(["Question: 1+1=?\nAnswer:"], SamplingParams(max_tokens=2), use_tqdm=False)
+        with pytest.raises(RuntimeError, match="coupled sampler is not installed"):
+            check_coupled(plain)
+    finally:
+        close_engine(plain)
+    llm = make_engine(cfg, model)  # checks itself: installed and used for its warm-up token
+    try:
+        with pytest.raises(ValueError, match="min_p=0.1"):
+            llm.generate(["Question: 1+1=?\nAnswer:"], SamplingParams(seed=1, min_p=0.1, max_tokens=4), use_tqdm=False)
+    finally:
+        close_engine(llm)
+    for bad, name in [({"logit_bias": {5: 2.0}}, "logit_bias"), ({"repetition_penalty": 1.2}, "repetition_penalty"),
+                      ({"min_tokens": 3}, "min_tokens"), ({"bad_words": ["7"]}, "bad_words")]:
+        assert unsupported_sampling(SamplingParams(**bad)).startswith(name)
+    assert unsupported_sampling(SamplingParams(seed=3, temperature=0.7, top_k=20, top_p=0.9, max_tokens=9)) is None
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # V2 has no _sample to hook: refused before any engine starts
+    with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER must be 0"):
+        make_engine(cfg, model)

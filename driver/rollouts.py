@@ -1,6 +1,6 @@
 """The rollout actors of a run as Ray actors, each generating until stopped; one that dies is replaced and its
-unfinished groups are re-issued (the learner forgets their partial trajectories and names the data cursor to
-restart from; a replacement catches up to the newest weights before it admits a prompt)."""
+unfinished groups are re-issued (learner rank 0 forgets their partial trajectories and names where the
+replacement starts; the replacement catches up to the newest weights before it admits a prompt)."""
 
 from __future__ import annotations
 
@@ -10,20 +10,24 @@ import ray
 from omegaconf import DictConfig
 
 from actor.rollout import RolloutActor
-from learner.group import LearnerGroup
+from driver.learners import LearnerGroup
+from tasks.schedule import CursorPlan
 
 
 class RolloutPool:
-    def __init__(self, cfg: DictConfig, model_dir: str, learner: LearnerGroup, version: int, data_cursor: int,
+    def __init__(self, cfg: DictConfig, model_dir: str, learners: LearnerGroup, version: int, plan: CursorPlan,
                  num_gpus: int):
-        self.cfg, self.model_dir, self.learner, self.version = cfg, model_dir, learner, version
+        self.cfg, self.model_dir, self.learners, self.version, self.plan = cfg, model_dir, learners, version, plan
         self.cls = ray.remote(num_cpus=1, num_gpus=num_gpus, max_concurrency=2)(RolloutActor)
-        inbox, weights = learner.endpoints
-        self.actors = [self.cls.options(name=f"rollout-{i}").remote(cfg, i, model_dir, inbox, weights, version,
-                                                                    data_cursor)
-                       for i in range(cfg.rollout.num_actors)]
-        self.runs = [a.run.remote() for a in self.actors]
         self.restarts = 0
+        self.actors = [self.spawn(i, first_k=0) for i in range(cfg.rollout.num_actors)]
+        self.runs = [a.run.remote() for a in self.actors]
+
+    def spawn(self, i: int, first_k: int):
+        name = f"rollout-{i}" if self.restarts == 0 else f"rollout-{i}-r{self.restarts}"
+        return self.cls.options(name=name).remote(
+            self.cfg, i, self.model_dir, self.learners.trajectory_endpoint, self.learners.weight_endpoint,
+            self.version, self.plan, first_k, incarnation=self.restarts)
 
     def wait(self, refs: list[ray.ObjectRef]) -> list:
         """`ray.get(refs)`, replacing every rollout actor that stops meanwhile; the first error among `refs` is raised
@@ -49,15 +53,13 @@ class RolloutPool:
                                "(rollout.max_restarts)")
         self.restarts += 1
         ray.kill(self.actors[i])
-        cursor = ray.get(self.learner.rank0.reissue.remote(i))
-        inbox, weights = self.learner.endpoints
-        actor = self.cls.options(name=f"rollout-{i}-r{self.restarts}").remote(
-            self.cfg, i, self.model_dir, inbox, weights, self.version, cursor)
-        target = ray.get(self.learner.rank0.republish.remote())
+        first_k = ray.get(self.learners.rank0.reissue.remote(i))
+        actor = self.spawn(i, first_k)
+        target = ray.get(self.learners.rank0.republish.remote())
         while ray.get(actor.wait_for_version.remote(target, 2.0)) < target:  # its subscription may miss a send
-            target = ray.get(self.learner.rank0.republish.remote())
+            target = ray.get(self.learners.rank0.republish.remote())
         print(f"rollout actor {i} stopped ({error}); replacement {self.restarts} runs weights v{target} from data "
-              f"cursor {cursor + i}", file=sys.stderr)
+              f"cursor {self.plan.cursor(i, first_k)}", file=sys.stderr)
         self.actors[i], self.runs[i] = actor, actor.run.remote()
 
     def stop(self, timeout_s: float) -> list[dict]:

@@ -1,12 +1,15 @@
-"""The coupled sampler (DESIGN.md, "The invariant"): every token is
+"""Contract of `sampling/`: the coupled sampler (DESIGN.md, "The invariant"). Every token is
 
-    argmax_v ( z[v] / T + G(seed, position, v) )      (argmax_v z[v] when T = 0)
+    argmax_v ( z[v] + G(seed, position, v) )      (argmax_v z[v] when T = 0)
 
-with `z` the target's logits after top-k/top-p and `G` Gumbel noise from a counter-based integer hash of
-(seed, output position, token id). Pure torch integer ops, so the noise is the same on CPU and GPU and needs
-no per-request generators. Verification accepts a draft token only where it equals the target's own coupled
-sample and emits the target's sample at the first mismatch (or the bonus token), so a speculative rollout
-emits exactly the tokens of plain decoding.
+with `z = processed_logits(...)`: the logits over T, then top-k/top-p masked (the one definition of the
+distribution a rollout samples, used by the rollout engine, the drafters and the learner's logprobs), and `G`
+Gumbel noise from a counter-based integer hash of (seed, output position, token id). Pure torch integer ops, so
+the noise is the same on CPU and GPU and needs no per-request generators. Verification accepts a draft token only
+where it equals the target's own coupled sample and emits the target's sample at the first mismatch (or the
+bonus token), so a speculative rollout emits exactly the tokens of plain decoding.
+
+This package imports nothing but torch: the actor's vLLM glue, drafter plugins and the learner all use it.
 """
 
 from __future__ import annotations
@@ -35,13 +38,22 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shift_right(z, 31)
 
 
+UNIFORM_BITS = 53
+
+
+def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """`UNIFORM_BITS` uniform bits -> float64 strictly inside (0, 1). (bits + 0.5) / 2^53 rounds to exactly 1.0 for
+    the largest draws, where -log(-log(u)) is +inf (and -inf + inf = NaN on a masked token); those are clamped to
+    the largest float64 below 1, leaving every other draw as it was."""
+    return ((bits.double() + 0.5) * 2.0**-UNIFORM_BITS).clamp(max=1.0 - 2.0**-53)
+
+
 def gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, vocab] float64 Gumbel(0, 1) noise; row r depends only on (seeds[r], positions[r])."""
+    """[rows, vocab] float64 Gumbel(0, 1) noise, always finite; row r depends only on (seeds[r], positions[r])."""
     row = _mix(_mix(seeds.long() * _SEED_KEY) ^ (positions.long() * _POSITION_KEY))
     tokens = torch.arange(vocab_size, device=seeds.device, dtype=torch.long)
-    bits = _shift_right(_mix(row.unsqueeze(1) ^ tokens.unsqueeze(0)), 11)  # 53 uniform bits
-    u = (bits.double() + 0.5) * 2.0**-53
-    return -torch.log(-torch.log(u))
+    bits = _shift_right(_mix(row.unsqueeze(1) ^ tokens.unsqueeze(0)), 64 - UNIFORM_BITS)
+    return -torch.log(-torch.log(uniform_from_bits(bits)))
 
 
 def mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -63,6 +75,24 @@ def mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: to
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def processed_logits(
+    logits: torch.Tensor,  # [rows, vocab]
+    temperature: torch.Tensor,  # [rows]
+    top_k: torch.Tensor | None = None,  # [rows]; <= 0: off
+    top_p: torch.Tensor | None = None,  # [rows]; 1: off
+) -> torch.Tensor:
+    """The distribution a row samples from, as fp32 logits: z / T with top-k/top-p applied (-inf outside); greedy
+    rows (T ~ 0) keep z unmasked. `log_softmax` of this is what rollouts record as behaviour logprobs and what
+    the learner's ratios must compare with."""
+    logits = logits.float()
+    greedy = temperature < GREEDY_BELOW
+    scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1).to(logits.dtype)
+    return torch.where(greedy.unsqueeze(1), scaled, mask_top_k_top_p(scaled, top_k, top_p))
+
+
+NOISE_ELEMENTS = 1 << 24  # rows x vocab of float64 noise made at once: bounds the sampler's temporaries
+
+
 def coupled_sample(
     logits: torch.Tensor,  # [rows, vocab]
     seeds: torch.Tensor,  # [rows] int64
@@ -71,18 +101,29 @@ def coupled_sample(
     top_k: torch.Tensor | None = None,  # [rows]
     top_p: torch.Tensor | None = None,  # [rows]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens [rows] and the processed log-probabilities [rows, vocab] of the distribution they were drawn from
-    (softmax of the masked z / T; of z itself for greedy rows)."""
-    logits = logits.float()
-    greedy = temperature < GREEDY_BELOW
-    scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1).to(logits.dtype)
-    masked = torch.where(greedy.unsqueeze(1), scaled, mask_top_k_top_p(scaled, top_k, top_p))
+    """Tokens [rows] and the processed log-probabilities [rows, vocab] of the distribution they were drawn from."""
+    masked = processed_logits(logits, temperature, top_k, top_p)
     logprobs = masked.log_softmax(dim=-1)
-    if bool(greedy.all()):
-        return masked.argmax(dim=-1), logprobs
-    noisy = masked.double() + gumbel(seeds, positions, logits.shape[-1])
-    tokens = torch.where(greedy, masked.argmax(dim=-1), noisy.argmax(dim=-1))
+    tokens = masked.argmax(dim=-1)
+    sampled = (temperature >= GREEDY_BELOW).nonzero().flatten()
+    chunk = max(1, NOISE_ELEMENTS // masked.shape[-1])
+    for start in range(0, sampled.numel(), chunk):  # noise for a chunk of rows at a time, never [rows, vocab]
+        rows = sampled[start : start + chunk]
+        noisy = masked[rows].double() + gumbel(seeds[rows], positions[rows], masked.shape[-1])
+        tokens[rows] = noisy.argmax(dim=-1)
     return tokens, logprobs
+
+
+def processed_logprobs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """`log_softmax(processed_logits)` of `logits` [..., vocab] under one sampling setting for every row: what a
+    rollout records as behaviour logprobs, differentiable, for the learner's ratios (a token outside the current
+    top-k/top-p set has -inf)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    rows, device = flat.shape[0], flat.device
+    masked = processed_logits(flat, torch.full((rows,), float(temperature), device=device),
+                              torch.full((rows,), top_k, device=device) if top_k > 0 else None,
+                              torch.full((rows,), float(top_p), device=device) if top_p < 1 else None)
+    return masked.log_softmax(dim=-1).reshape(logits.shape)
 
 
 def verify(target: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, max_drafts: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The learner's ranks as Ray actors: rank 0 owns the inbox and the weight publisher; calls that every rank takes
-part in (a step, a checkpoint) go to all of them."""
+part in (train, publish, a checkpoint) go to all of them."""
 
 from __future__ import annotations
 
@@ -7,14 +7,17 @@ import ray
 from omegaconf import DictConfig
 
 from learner.learner import Learner
+from tasks.schedule import CursorPlan
 
 
 class LearnerGroup:
-    def __init__(self, cfg: DictConfig, model_dir: str, resume: str | None, num_gpus: int):
+    def __init__(self, cfg: DictConfig, policy_dir: str, reference_dir: str, plan: CursorPlan, resume: str | None,
+                 num_gpus: int):
         cls = ray.remote(num_cpus=1, num_gpus=num_gpus, max_concurrency=2)(Learner)
-        self.ranks = [cls.options(name=f"learner-{r}").remote(cfg, model_dir, r) for r in range(cfg.learner.num_ranks)]
+        self.ranks = [cls.options(name=f"learner-{r}").remote(cfg, policy_dir, reference_dir, plan, r)
+                      for r in range(cfg.learner.num_ranks)]
         self.rank0 = self.ranks[0]
-        self.endpoints = ray.get(self.rank0.endpoints.remote())
+        self.trajectory_endpoint, self.weight_endpoint = ray.get(self.rank0.endpoints.remote())
         master = ray.get(self.rank0.master_address.remote())
         ray.get([r.start.remote(master, resume) for r in self.ranks])  # torch.distributed + DeepSpeed, together
 

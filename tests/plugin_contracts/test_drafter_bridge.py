@@ -1,0 +1,59 @@
+"""What the engine side promises every drafter plugin (actor/vllm_hooks.DrafterBridge), checked against a stand-in
+for vLLM's model runner: commits always arrive, even on steps where the bridge does not draft, and proposals with
+ids outside the vocabulary never reach the engine (dropped and counted, the run goes on)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from actor.vllm_hooks import DrafterBridge, SpecCounts
+from drafters.base import Drafter
+
+VOCAB = 100
+
+
+class Recording(Drafter):
+    def __init__(self, proposals: list[list]):
+        self.proposals, self.commits, self.removed = proposals, [], []
+
+    def propose(self, requests, k):
+        return [list(p) for p in self.proposals[: len(requests)]]
+
+    def commit(self, request_id, committed):
+        self.commits.append((request_id, committed))
+
+    def remove(self, request_id):
+        self.removed.append(request_id)
+
+
+def bridge(drafter: Drafter, req_ids: list[str], max_batch: int = 0) -> tuple[DrafterBridge, SimpleNamespace]:
+    params = SimpleNamespace(seed=1, temperature=1.0, top_k=0, top_p=1.0)
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(req_ids=req_ids, num_reqs=len(req_ids),
+                                    num_prompt_tokens=np.full(len(req_ids), 3)),
+        requests={r: SimpleNamespace(sampling_params=params) for r in req_ids},
+        _sample=SimpleNamespace(counts={}, unseeded={}),
+        model_config=SimpleNamespace(get_vocab_size=lambda: VOCAB))
+    b = DrafterBridge(SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=4)))
+    b.bind(runner, drafter, max_batch)
+    return b, runner
+
+
+def propose(b: DrafterBridge, committed: list[list[int]]) -> list[list[int]]:
+    history = np.arange(40).reshape(len(committed), -1) % VOCAB
+    return b.propose(committed, np.full(len(committed), 8), history)
+
+
+def test_commits_reach_the_drafter_on_steps_without_drafting():
+    drafter = Recording([[1, 2], [3]])
+    b, _ = bridge(drafter, ["a-x", "b-y"], max_batch=1)  # two requests > max_batch: no drafts this step
+    assert propose(b, [[5], [6, 7]]) == [[], []]
+    assert drafter.commits == [("a-x", [5]), ("b-y", [6, 7])]
+
+
+def test_invalid_proposals_are_dropped_and_counted_per_request():
+    drafter = Recording([[1, 2], [-1], [VOCAB + 5], ["7"], [99, 3.5]])
+    b, runner = bridge(drafter, ["a-1", "b-1", "c-1", "d-1", "e-1"])
+    assert propose(b, [[5]] * 5) == [[1, 2], [], [], [], []]
+    assert {r: c.invalid_drafts for r, c in runner._sample.counts.items()} == {"b": 1, "c": 1, "d": 1, "e": 1}
+    assert runner._sample.counts["b"] == SpecCounts(invalid_drafts=1)

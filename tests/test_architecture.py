@@ -1,0 +1,86 @@
+"""The layering ARCHITECTURE.md describes, checked on the source so it stays true: which package may import which
+(actor and learner never import each other; they meet only through transport/ messages and what driver/ hands
+them), no import cycle between modules (lazy imports included), small modules, a short launcher."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ["actor", "bench", "configs", "drafters", "driver", "learner", "models", "sampling", "tasks", "transport"]
+# package -> the project packages its modules may import (its own always allowed)
+ALLOWED = {
+    "sampling": set(),
+    "tasks": set(),
+    "transport": set(),
+    "models": {"tasks", "actor"},  # actor: models/evaluate.py closes its vLLM engine like a rollout actor
+    "drafters": {"sampling", "models"},
+    "configs": {"tasks", "drafters", "models", "learner"},  # learner: reads a checkpoint's state to validate a resume
+    "actor": {"sampling", "drafters", "transport", "tasks", "configs", "models"},
+    "learner": {"sampling", "transport", "tasks", "configs", "models"},
+    "driver": {"actor", "learner", "tasks", "configs", "models"},
+    "bench": {"actor", "sampling", "drafters", "configs", "models", "tasks"},
+}
+THIRD_PARTY_FORBIDDEN = {"sampling": {"vllm", "transformers", "ray", "deepspeed", "zmq"}}
+
+
+def modules() -> dict[str, Path]:
+    found = {p.stem: p for p in [ROOT / "launch.py"]}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            found[".".join(path.relative_to(ROOT).with_suffix("").parts)] = path
+    return found
+
+
+def imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """Every module (project or third party) `path` imports, at any depth of the file."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known)
+    return names
+
+
+def test_packages_import_only_the_layers_below_them():
+    known = modules()
+    wrong = []
+    for name, path in known.items():
+        package = name.split(".")[0]
+        if package not in ALLOWED:
+            continue
+        for imported in imports(path, known):
+            top = imported.split(".")[0]
+            if top in ALLOWED and top != package and top not in ALLOWED[package]:
+                wrong.append(f"{name} imports {imported}")
+            if top in THIRD_PARTY_FORBIDDEN.get(package, ()):
+                wrong.append(f"{name} imports {imported}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycle_between_modules():
+    known = modules()
+    graph = {name: {i for i in imports(path, known) if i in known and i != name} for name, path in known.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path + [node, nxt]
+            if nxt not in state and (cycle := visit(nxt, path + [node])):
+                return cycle
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            cycle = visit(start, [])
+            assert cycle is None, " -> ".join(cycle)
+
+
+def test_modules_stay_small_and_the_launcher_reads_as_the_algorithm():
+    long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > 400}
+    assert not long, long
+    assert len((ROOT / "launch.py").read_text().splitlines()) <= 150
