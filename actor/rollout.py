@@ -11,6 +11,7 @@ along in each trajectory. Which prompts it takes is `tasks.schedule.CursorPlan`'
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,8 +19,9 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from actor.engine import group_seed, make_engine, sampling_params
+from actor.evaluation import EVAL_SEED_BASE, Evaluation
 from actor.vllm_hooks import SpecCounts, apply_weights, take_spec_counts
-from tasks.dataset import open_dataset
+from tasks.dataset import eval_set, open_dataset
 from tasks.reward import score
 from tasks.schedule import CursorPlan
 from transport.messages import SCHEMA_VERSION, Trajectory, WeightAck
@@ -52,19 +54,26 @@ class RolloutActor:
         self.first_k = first_k  # this actor's first group (a replacement resumes where the dead actor stopped)
         self.seq = incarnation << INCARNATION_SHIFT
         self.stopping = threading.Event()
+        self.evaluations: queue.Queue[Evaluation] = queue.Queue()  # asked by evaluate(), run by run()
+        self.eval_problems: dict | None = None  # the run's held-out set, built at the first evaluation
         self.stats = {"groups": 0, "trajectories": 0, "tokens": 0, "weight_updates": 0, "generate_seconds": 0.0,
                       "sent_while_generating": 0,  # streamed while other requests were still in the engine
                       "draft_tokens": 0, "accepted_tokens": 0, "verify_steps": 0, "invalid_drafts": 0}
 
     def run(self) -> dict:
         """Generates until `stop()`; returns counters."""
+        from vllm.inputs.engine import tokens_input
+
         n = self.cfg.rollout.group_size
         self.stats["start_version"] = self.version  # a replacement actor first catches up with the learner
         samples: dict[str, Sample] = {}
         finished: dict[int, list] = {}
+        evaluating: dict[str, Evaluation] = {}  # request id -> its evaluation
         k = self.first_k
         while not self.stopping.is_set():
             self.poll_weights(0)
+            while not self.evaluations.empty():
+                evaluating.update(self.start_evaluation(self.evaluations.get(), tokens_input))
             cursor = self.plan.cursor(self.actor_id, k)
             while self.plan.step(cursor) <= self.version + self.cfg.algorithm.max_staleness:  # bounded asynchrony
                 problem = self.dataset[cursor]
@@ -72,7 +81,7 @@ class RolloutActor:
                 for i in range(n):
                     params = sampling_params(self.cfg, seed=group_seed(self.cfg.seed, cursor, n) + i)
                     rid = f"{cursor}-{i}"
-                    self.engine.add_request(rid, {"prompt_token_ids": prompt_ids}, params)
+                    self.engine.add_request(rid, tokens_input(prompt_ids), params)
                     samples[rid] = Sample(cursor, i, prompt_ids, time.time())
                 finished[cursor] = []
                 k += 1
@@ -84,6 +93,14 @@ class RolloutActor:
             outputs = self.engine.step()
             self.stats["generate_seconds"] += time.time() - start
             for out in outputs:
+                if out.request_id in evaluating:
+                    if out.finished:
+                        completion, evaluation = out.outputs[0], evaluating.pop(out.request_id)
+                        evaluation.record(out.request_id, completion.text, len(completion.token_ids), self.version)
+                        if evaluation.done.is_set():  # its speculation counts are not a trajectory's: drop them
+                            ids = [rid for rid, _, _ in evaluation.request_ids()]
+                            self.llm.collective_rpc(take_spec_counts, args=(ids,))
+                    continue
                 sample = samples[out.request_id]
                 completion = out.outputs[0]
                 sample.versions += [self.version] * (len(completion.token_ids) - len(sample.versions))
@@ -92,8 +109,36 @@ class RolloutActor:
                     finished[sample.cursor].append((sample, completion))
                     if len(finished[sample.cursor]) == n:
                         self.send_group(finished.pop(sample.cursor))
-        self.engine.abort_request(list(samples))  # unfinished groups are abandoned, never half-sent
+        self.engine.abort_request(list(samples) + list(evaluating))  # unfinished groups are abandoned, never half-sent
+        for evaluation in set(evaluating.values()) | set(self.evaluations.queue):
+            evaluation.done.set()  # an evaluation cut short by stop() reports what it has
         return {**self.stats, "abandoned_requests": len(samples), "version": self.version, "dropped_weight_buckets": self.weights.dropped}
+
+    def evaluate(self, tag: int) -> dict:
+        """Answers this actor's share of the held-out set (its every R-th problem) while `run` goes on training;
+        returns when done. Called from Ray's second thread: the engine itself is only touched by `run`."""
+        if self.eval_problems is None:
+            self.eval_problems = dict(enumerate(eval_set(self.cfg.data, self.cfg.seed)))
+        share = {j: p for j, p in self.eval_problems.items() if j % self.cfg.rollout.num_actors == self.actor_id}
+        evaluation = Evaluation(tag, share)
+        self.evaluations.put(evaluation)
+        evaluation.done.wait()
+        return evaluation.result()
+
+    def start_evaluation(self, evaluation: Evaluation, tokens_input) -> dict[str, Evaluation]:
+        from vllm import SamplingParams
+
+        started = {}
+        for rid, j, greedy in evaluation.request_ids():
+            prompt_ids = self.tokenizer(evaluation.problems[j].prompt, add_special_tokens=False).input_ids
+            params = (SamplingParams(temperature=0.0, max_tokens=self.cfg.rollout.max_tokens) if greedy
+                      else sampling_params(self.cfg, seed=EVAL_SEED_BASE + j))
+            self.engine.add_request(rid, tokens_input(prompt_ids), params)
+            evaluation.pending.add(rid)
+            started[rid] = evaluation
+        if not started:
+            evaluation.done.set()
+        return started
 
     def send_group(self, group: list) -> None:
         problem = self.dataset[group[0][0].cursor]
@@ -108,7 +153,7 @@ class RolloutActor:
                 SCHEMA_VERSION, self.actor_id, self.seq, sample.cursor, len(group), sample.index,
                 sample.prompt_ids, ids, logprobs, sample.versions, score(completion.text, problem.answer).reward,
                 completion.finish_reason or "length", time.time() - sample.start, spec.verify_steps,
-                spec.draft_tokens, spec.accepted_tokens,
+                spec.draft_tokens, spec.accepted_tokens, spec.draft_seconds,
             ))
             for key in ("verify_steps", "draft_tokens", "accepted_tokens", "invalid_drafts"):
                 self.stats[key] += getattr(spec, key)

@@ -12,7 +12,9 @@ speculation counts; `fix_cpu_rejection_sampler` repairs vLLM's own rejection sam
 
 from __future__ import annotations
 
+import logging
 import operator
+import time
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +32,7 @@ class SpecCounts:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     invalid_drafts: int = 0
+    draft_seconds: float = 0.0  # its share of the drafter's time (a step's drafting time split among its requests)
 
 
 def caller_id(req_id: str) -> str:
@@ -66,12 +69,20 @@ class CoupledSampling:
         self.unseeded: dict[str, int] = {}
         self.counts: dict[str, SpecCounts] = {}  # by the caller's request id
         self.calls = 0  # sampling steps served: proof that this sampler, not vLLM's, ran
+        self.seconds = 0.0  # time spent in it (a benchmark's per-step profile)
         self.checked: set[str] = set()  # requests whose sampling parameters were checked (the current batch's)
 
     def __call__(self, logits: torch.Tensor, spec) -> object:
+        start = time.perf_counter()
+        try:
+            return self._sample(logits, spec)
+        finally:
+            self.calls += 1
+            self.seconds += time.perf_counter() - start
+
+    def _sample(self, logits: torch.Tensor, spec) -> object:
         from vllm.v1.outputs import SamplerOutput
 
-        self.calls += 1
         runner, batch = self.runner, self.runner.input_batch
         meta = batch.sampling_metadata
         batch.update_async_output_token_ids()
@@ -157,6 +168,7 @@ class DrafterBridge:
         self.drafter: Drafter | None = None
         self.max_batch = 0
         self.live: set[str] = set()
+        self.seconds = self.drafter_seconds = 0.0  # in propose(), and of that in the drafter (a benchmark's profile)
 
     def load_model(self, *args, **kwargs) -> None:  # vLLM hands over the target model; drafters bring their own
         pass
@@ -166,6 +178,13 @@ class DrafterBridge:
         self.vocab_size = runner.model_config.get_vocab_size()
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
+        start = time.perf_counter()
+        try:
+            return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         if self.drafter is None:
             raise RuntimeError("DrafterBridge.propose before install(): no drafter bound")
         batch, runner = self.runner.input_batch, self.runner
@@ -190,7 +209,13 @@ class DrafterBridge:
                 temperature=params.temperature, top_k=params.top_k, top_p=params.top_p))
         if not requests:
             return drafts
+        start = time.perf_counter()
         proposals = self.drafter.propose(requests, self.k)
+        elapsed = time.perf_counter() - start
+        self.drafter_seconds += elapsed
+        share = elapsed / len(requests)
+        for request in requests:
+            self.runner._sample.counts.setdefault(caller_id(request.request_id), SpecCounts()).draft_seconds += share
         if len(proposals) != len(requests):
             raise RuntimeError(f"drafter {type(self.drafter).__name__} returned {len(proposals)} proposals for "
                                f"{len(requests)} requests (drafters/base.py: one list per request)")
@@ -224,11 +249,40 @@ def install(worker, drafter_path: str | None = None, drafter_options: dict | Non
         raise RuntimeError(f"the coupled sampler hooks vLLM's V1 model runner, but this engine runs "
                            f"{type(runner).__module__}.{type(runner).__name__}; set VLLM_USE_V2_MODEL_RUNNER=0")
     runner._sample = CoupledSampling(runner)
+    _quiet_expected_reload_warnings(runner.get_model())
     if drafter_path is not None:
         if not isinstance(getattr(runner, "drafter", None), DrafterBridge):
             raise RuntimeError("a drafter needs the engine built with speculative_config method 'custom_class' "
                                "and model 'actor.vllm_hooks.DrafterBridge' (see actor/engine.py)")
         runner.drafter.bind(runner, load_drafter(drafter_path, drafter_options or {}), max_batch)
+
+
+class _Expected(logging.Filter):
+    """Drops a logger's records that start with one of `prefixes`: vLLM's notices about what this project does on
+    purpose, which would read as trouble on every run. Anything else the logger says still shows."""
+
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefixes)
+
+
+def quiet_expected(logger: str, *prefixes: str) -> None:
+    logging.getLogger(logger).addFilter(_Expected(prefixes))
+
+
+def _quiet_expected_reload_warnings(model) -> None:
+    """vLLM's in-place reload warns "<Layer>: Failed to load weights" for every layer that received no tensor. Two
+    such layers are expected on every update, and only those are quieted: rotary embeddings (their cache is computed;
+    no checkpoint holds it) and, with tied embeddings, the lm_head (checkpoints hold only the embedding;
+    `apply_weights` re-packs the lm_head from it). Any other layer that misses its weights still warns."""
+    expected = {type(m).__name__ for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")}
+    if getattr(model.config, "tie_word_embeddings", False):
+        expected.add(type(model.lm_head).__name__)
+    quiet_expected("vllm.model_executor.model_loader.reload.layerwise",
+                   *(f"{name}: Failed to load weights" for name in sorted(expected)))
 
 
 def apply_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
@@ -267,6 +321,17 @@ def fix_cpu_rejection_sampler(worker) -> None:
 
 def take_spec_counts(worker, req_ids: list[str]) -> dict[str, SpecCounts]:
     return worker.model_runner._sample.take_counts(req_ids)
+
+
+def profile(worker) -> dict[str, float]:
+    """Seconds spent so far in the coupled sampler, in the drafter bridge (histories, ids, commits) and in the
+    drafter itself; zeros for hooks that are not installed."""
+    runner = worker.model_runner
+    bridge = getattr(runner, "drafter", None)
+    drafting = isinstance(bridge, DrafterBridge)
+    return {"sampler_s": getattr(runner._sample, "seconds", 0.0),
+            "bridge_s": bridge.seconds - bridge.drafter_seconds if drafting else 0.0,
+            "drafter_s": bridge.drafter_seconds if drafting else 0.0}
 
 
 def coupled_calls(worker) -> int:

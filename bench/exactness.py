@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from actor.engine import set_env_defaults
+from bench.engine_process import in_fresh_process
 
 SETTINGS = {"T=0": (0.0, 1.0), "T=0.7,top_p=0.9": (0.7, 0.9), "T=1": (1.0, 1.0)}
 DRAFTERS = ["ngram", "draft_lm"]
@@ -54,8 +53,8 @@ def main(argv: list[str] | None = None) -> dict:
     set_env_defaults()
     runs = {}
     for method in ["none", *DRAFTERS]:  # a fresh process per engine
-        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            runs[method] = pool.submit(rollouts, method, args.sequences, args.max_tokens, args.seed).result()
+        runs[method] = in_fresh_process(Path(args.out).with_suffix(".log"), rollouts, method, args.sequences,
+                                        args.max_tokens, args.seed)
     report = {}
     for method in DRAFTERS:
         for name in SETTINGS:

@@ -1,104 +1,181 @@
-"""Rollout benchmark: the same GRPO groups, seeds and cores, one system after another.
+"""Rollout benchmark: the same GRPO groups, seeds and cores, every system in one run, paired and interleaved.
 
-    python -m bench.rollout [--preset smoke|full] [--out PATH]
+    python -m bench.rollout [--preset smoke|full|longtail] [--out PATH]
 
-Systems
-- `vanilla`: vLLM without speculation, SpecActor's coupled sampler (the tokens every other system must equal);
-- `vllm_spec_draft`, `vllm_spec_ngram`: vLLM's own speculative decoding configured as a user would
-  (`draft_model` with the built-in draft LM; `ngram` prompt lookup), vLLM's own sampler and rejection sampler;
-- `specactor_<drafter>`: coupled speculation with each built-in drafter; `specactor` is the fastest of them.
-The target is a cost-padded copy of the trained policy (bench/padded_target.py), so a verify step costs what
-a larger model's does. Writes JSON (and a PNG bar chart next to it).
+Systems (fixed before the run; `specactor` is the configured default, never the best of several afterwards)
+- `vllm`: plain vLLM with its own sampler, no speculation, unseeded requests: what RL frameworks run today;
+- `vanilla`: vLLM with SpecActor's coupled sampler, no speculation (the tokens every coupled system must equal);
+- `vllm_spec_draft`, `vllm_spec_ngram`: vLLM's own speculative decoding as a user would configure it;
+- `oracle`: coupled speculation with a drafter that replays vanilla's tokens at no cost: the ceiling here;
+- `specactor`: coupled speculation as configured by default (draft LM, `speculation.max_batch` = MAX_BATCH);
+- `specactor_ngram`: the same with the n-gram drafter (listed, not chosen).
+The target is a cost-padded copy of the trained policy (bench/padded_target.py). Every repeat runs every system
+(vanilla first, then a rotating order); a system's speed-up is the median over repeats of vanilla's makespan over
+its own in the same repeat, with a 95% t-interval of that paired ratio (`vllm` samples other tokens, so compare it
+with vanilla in tokens/s). The JSON also holds the workload's shape
+(length quantiles, the share of the makespan taken by the last 10% of requests, running batch over time), a
+per-step profile (engine forward + scheduler, coupled sampler, drafter bridge, drafter) and, for `--sweep`, the
+speed-up at fixed batch sizes; a PNG sits beside it, the engines' logs in the same name with .log.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
+import math
+import statistics
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from actor.engine import set_env_defaults
+from bench.engine_process import in_fresh_process
 
 PRESETS = {
-    # prompts x group_size sequences from the built-in task; the target's padding sets its cost
-    "smoke": dict(prompts=8, group_size=4, max_tokens=320, zero_layers=16, num_heads=32, intermediate_size=8192,
-                  repeats=1),
-    "full": dict(prompts=16, group_size=8, max_tokens=400, zero_layers=16, num_heads=32, intermediate_size=8192,
-                 repeats=3),  # makespans are medians of interleaved repeats: a busy 2-core machine is noisy
+    # `ops`: the number of operations of each prompt's problem (a group of `group_size` samples per prompt)
+    "smoke": dict(ops=[1, 1, 2, 2, 3, 4, 8, 16], group_size=8, max_tokens=320, repeats=1, sweep=[1, 8, 32]),
+    "full": dict(ops=[1] * 6 + [2] * 4 + [3, 3, 4, 5, 6, 8], group_size=8, max_tokens=400, repeats=3,
+                 sweep=[1, 2, 4, 8, 16, 32, 64, 128]),
+    # most groups answer in a line or two; a few need a long scratchpad: the tail that runs at small batch
+    "longtail": dict(ops=[1] * 8 + [2] * 5 + [3, 6, 24], group_size=8, max_tokens=400, repeats=3,
+                     sweep=[1, 2, 4, 8, 16, 32, 64, 128]),
 }
-SYSTEMS = ["vanilla", "vllm_spec_draft", "vllm_spec_ngram", "specactor_ngram", "specactor_draft_lm"]
+TARGET = dict(zero_layers=16, num_heads=32, intermediate_size=8192)
+SYSTEMS = ["vllm", "vanilla", "vllm_spec_draft", "vllm_spec_ngram", "oracle", "specactor", "specactor_ngram"]
+COUPLED = {"vanilla": "none", "oracle": "bench.oracle.OracleDrafter", "specactor": "draft_lm",
+           "specactor_ngram": "ngram"}
 SPECULATIVE_TOKENS = 4
 TEMPERATURE = 1.0  # GRPO samples at T = 1
-MAX_BATCH = 16  # specactor drafts only while at most this many requests run (speculation.max_batch). Measured on
-# 2 CPU cores with this target: a decode step takes ~17 ms at batch 1, ~21 ms at 4 and ~95 ms at 128 (fp32 matmuls
-# are compute-bound from ~10 tokens per step, far earlier than on a GPU); a k = 4 verify step costs ~1.15x a
-# decode step at batch 1 and ~1.8x at 4, and the draft LM ~2.4 ms per request. With ~4 tokens per verify step
-# that pays up to batch ~16-32 and loses beyond: never gating (0) took 13.6 s against vanilla's 10.1 s on the
-# full preset. Sweep: max_batch 4 -> 9.80 s vs 9.72 s, 8 -> 10.26 vs 10.71, 16 -> 10.20 vs 10.30 (medians of 3)
+MAX_BATCH = 16  # specactor drafts only while at most this many requests run (speculation.max_batch); from the
+# measured sweep on 2 CPU cores: a k = 4 verify step costs ~1.15x a decode step at batch 1, ~1.8x at 4, and fp32
+# matmuls are compute-bound from ~10 tokens per step
+SWEEP_TOKENS = 64
+T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # Student t, 95% two-sided
 
 
-def workload(preset: dict, seed: int) -> tuple[list[list[int]], list[dict]]:
+def workload(preset: dict, seed: int) -> tuple[list[str], list[int]]:
     from actor.engine import group_seed
     from tasks.arithmetic import ArithmeticTask
 
     task = ArithmeticTask(seed=seed)
-    prompts, seeds = [], []
-    for cursor in range(preset["prompts"]):
-        for i in range(preset["group_size"]):
-            prompts.append(task[cursor].prompt)
-            seeds.append(group_seed(seed, cursor, preset["group_size"]) + i)
+    prompts, seeds, n = [], [], preset["group_size"]
+    for cursor, ops in enumerate(preset["ops"]):
+        for i in range(n):
+            prompts.append(task.with_ops(ops, cursor).prompt)
+            seeds.append(group_seed(seed, cursor, n) + i)
     return prompts, seeds
 
 
-def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: list[int], max_tokens: int,
-               max_batch: int) -> dict:
-    from vllm import LLM, SamplingParams
+def make_llm(name: str, target: Path, draft: Path, max_batch: int, oracle: Path | None):
+    """The engine of system `name` (in the calling process)."""
+    from vllm import LLM
 
-    from actor.engine import close_engine, engine_kwargs, make_engine
-    from actor.vllm_hooks import fix_cpu_rejection_sampler, take_spec_counts
+    from actor.engine import engine_kwargs, make_engine
+    from actor.vllm_hooks import fix_cpu_rejection_sampler
     from configs.load import load_config
 
-    drafter = name.removeprefix("specactor_") if name.startswith("specactor_") else "none"
-    cfg = load_config("grpo_tiny", [f"model.path={target}", "model.max_model_len=1024", "rollout.kv_cache_mib=1024",
-                                    f"speculation.method={drafter}",
-                                    f"speculation.num_speculative_tokens={SPECULATIVE_TOKENS}",
-                                    f"speculation.max_batch={max_batch}"])
+    overrides = [f"model.path={target}", "model.max_model_len=1024", "rollout.kv_cache_mib=1024",
+                 f"speculation.num_speculative_tokens={SPECULATIVE_TOKENS}", f"speculation.max_batch={max_batch}"]
+    if name in COUPLED:
+        overrides.append(f"speculation.method={COUPLED[name]}")
+        if name == "oracle":
+            overrides += ["speculation.max_batch=0", f"speculation.options.path={oracle}"]  # drafts at any batch
+        return make_engine(load_config("grpo_tiny", overrides), target)
+    kwargs = engine_kwargs(load_config("grpo_tiny", overrides), target)
+    if name == "vllm_spec_draft":
+        kwargs["speculative_config"] = {"method": "draft_model", "model": str(draft),
+                                        "num_speculative_tokens": SPECULATIVE_TOKENS}
+    elif name == "vllm_spec_ngram":
+        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": SPECULATIVE_TOKENS,
+                                        "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    llm = LLM(**kwargs, disable_log_stats=False)
     if name.startswith("vllm_spec"):
-        kwargs = engine_kwargs(cfg, target)
-        kwargs["speculative_config"] = (
-            {"method": "draft_model", "model": str(draft), "num_speculative_tokens": SPECULATIVE_TOKENS}
-            if name == "vllm_spec_draft" else
-            {"method": "ngram", "num_speculative_tokens": SPECULATIVE_TOKENS, "prompt_lookup_min": 2,
-             "prompt_lookup_max": 4})
-        llm = LLM(**kwargs, disable_log_stats=False)
-        if cfg.cluster.device.value == "cpu":
-            llm.collective_rpc(fix_cpu_rejection_sampler)  # else vLLM-CPU rejects nearly every draft at T > 0
-    else:
-        llm = make_engine(cfg, target)
+        llm.collective_rpc(fix_cpu_rejection_sampler)  # else vLLM-CPU rejects nearly every draft at T > 0
+    return llm
+
+
+def generate(llm, prompt_ids: list[list[int]], params: list) -> dict:
+    """Steps the engine by hand over every request: makespan, per-request finish times and tokens, batch curve."""
+    from vllm.inputs.engine import tokens_input
+
+    engine = llm.llm_engine
+    for i, (ids, p) in enumerate(zip(prompt_ids, params)):
+        engine.add_request(f"r{i}", tokens_input(ids), p)
+    finish, tokens, curve = [0.0] * len(params), [[] for _ in params], []
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finish[int(out.request_id[1:])] = time.perf_counter() - start
+                tokens[int(out.request_id[1:])] = list(out.outputs[0].token_ids)
+        curve.append((round(time.perf_counter() - start, 4), engine.get_num_unfinished_requests()))
+    return {"makespan_s": time.perf_counter() - start, "finish_s": finish, "sequences": tokens, "batch_curve": curve}
+
+
+def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: list[int], max_tokens: int,
+               max_batch: int, oracle: Path | None, sweep: list[int]) -> dict:
+    from vllm import SamplingParams
+
+    from actor.engine import close_engine
+    from actor.vllm_hooks import profile, take_spec_counts
+
+    llm = make_llm(name, target, draft, max_batch, oracle)
     try:
-        params = [SamplingParams(seed=s, temperature=TEMPERATURE, max_tokens=max_tokens) for s in seeds]
-        llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up, not timed
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        makespan = time.perf_counter() - start
-        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        tokenizer = llm.get_tokenizer()
+        prompt_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+        llm.generate(prompts[:2], SamplingParams(temperature=TEMPERATURE, max_tokens=8), use_tqdm=False)  # warm-up
+        coupled = name in COUPLED
+        before = llm.collective_rpc(profile)[0] if coupled else {}
+        params = [SamplingParams(seed=None if name == "vllm" else s, temperature=TEMPERATURE, max_tokens=max_tokens)
+                  for s in seeds]
+        run = generate(llm, prompt_ids, params)
+        steps = len(run["batch_curve"])
+        if coupled:  # where the time of a step went
+            after = llm.collective_rpc(profile)[0]
+            spent = {k: after[k] - before[k] for k in after}
+            spent["engine_s"] = run["makespan_s"] - sum(spent.values())
+            run["profile_ms_per_step"] = {k.removesuffix("_s"): round(1000 * v / steps, 3) for k, v in spent.items()}
         if name.startswith("vllm_spec"):
             counters = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
-            steps, accepted = counters["vllm:spec_decode_num_drafts"], counters["vllm:spec_decode_num_accepted_tokens"]
-        elif drafter != "none":
-            counts = llm.collective_rpc(take_spec_counts, args=([o.request_id for o in outputs],))[0].values()
-            steps, accepted = sum(c.verify_steps for c in counts), sum(c.accepted_tokens for c in counts)
+            verify, accepted = counters["vllm:spec_decode_num_drafts"], counters["vllm:spec_decode_num_accepted_tokens"]
         else:
-            steps = accepted = 0
+            counts = llm.collective_rpc(take_spec_counts, args=([f"r{i}" for i in range(len(seeds))],))[0].values() \
+                if coupled else []
+            verify, accepted = sum(c.verify_steps for c in counts), sum(c.accepted_tokens for c in counts)
+        run.update(steps=steps, verify_steps=verify, tokens=sum(len(t) for t in run["sequences"]),
+                   acceptance_length=round((accepted + verify) / verify, 3) if verify else 1.0)
+        if sweep:  # fixed-length requests at each concurrency, seeded, EOS ignored
+            run["sweep_s"] = {}
+            for size in sweep:
+                fixed = [SamplingParams(seed=7_000 + i, temperature=TEMPERATURE, max_tokens=SWEEP_TOKENS,
+                                        ignore_eos=True) for i in range(size)]
+                cycled = [prompt_ids[i % len(prompt_ids)] for i in range(size)]
+                run["sweep_s"][size] = generate(llm, cycled, fixed)["makespan_s"]
+        return run
     finally:
         close_engine(llm)
-    total = sum(len(t) for t in tokens)
-    return {"makespan_s": round(makespan, 3), "tokens": total, "verify_steps": steps,
-            "acceptance_length": round((accepted + steps) / steps, 3) if steps else 1.0, "sequences": tokens}
+
+
+def paired(reference: list[float], system: list[float]) -> dict:
+    """Median over repeats of reference/system, and a 95% t-interval of the paired log-ratio (from 2 repeats)."""
+    logs = [math.log(r / s) for r, s in zip(reference, system)]
+    out = {"speedup": round(math.exp(statistics.median(logs)), 3)}
+    if len(logs) >= 2:
+        half = T_975[min(len(logs) - 1, 9)] * statistics.stdev(logs) / math.sqrt(len(logs))
+        mean = statistics.fmean(logs)
+        out["speedup_ci95"] = [round(math.exp(mean - half), 3), round(math.exp(mean + half), 3)]
+    return out
+
+
+def shape(run: dict) -> dict:
+    """How long-tailed a rollout is: length quantiles and the makespan share of the last 10% of requests."""
+    lengths = sorted(len(s) for s in run["sequences"])
+    finish = sorted(run["finish_s"])
+    p90_done = finish[math.ceil(0.9 * len(finish)) - 1]
+    q = lambda f: lengths[min(len(lengths) - 1, int(f * len(lengths)))]  # noqa: E731
+    return {"response_length": {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": lengths[-1]},
+            "max_over_median": round(lengths[-1] / max(1, q(0.5)), 2),
+            "tail_share_last_10pct": round((run["makespan_s"] - p90_done) / run["makespan_s"], 3)}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -107,19 +184,39 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(result["systems"])
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    bars = ax.bar(names, [result["systems"][n]["tokens_per_s"] for n in names], color="#4878a8")
-    for bar, n in zip(bars, names):
-        s = result["systems"][n]
-        ax.annotate(f"{s['makespan_s']:.1f}s\nacc {s['acceptance_length']:.2f}\nid {result['identical_fraction'][n]:.2f}",
-                    (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
-    ax.set_ylabel("tokens / s")
-    ax.set_ylim(0, 1.35 * max(result["systems"][n]["tokens_per_s"] for n in names))
-    ax.set_title(f"rollout, {result['config']['sequences']} sequences, target {result['config']['target_params'] / 1e6:.1f}M params")
-    plt.xticks(rotation=20, fontsize=8)
+    systems = result["systems"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    names = list(systems)
+    speed = [systems[n]["speedup"] for n in names]
+    errors = [[s - systems[n].get("speedup_ci95", [s, s])[0] for n, s in zip(names, speed)],
+              [systems[n].get("speedup_ci95", [s, s])[1] - s for n, s in zip(names, speed)]]
+    axes[0].bar(names, speed, yerr=errors, color=["#888" if n in ("vanilla", "oracle") else "#4878a8" for n in names])
+    axes[0].axhline(1.0, color="k", lw=0.8)
+    for i, n in enumerate(names):
+        axes[0].annotate(f"acc {systems[n]['acceptance_length']:.2f}\nid {result['identical_fraction'][n]:.2f}",
+                         (i, speed[i]), ha="center", va="bottom", fontsize=7)
+    axes[0].set_ylabel("speed-up over vanilla (median, 95% CI)")
+    axes[0].tick_params(axis="x", rotation=30, labelsize=7)
+    for n in ("vanilla", "oracle", "specactor"):
+        if "batch_curve" in systems.get(n, {}):
+            t, b = zip(*systems[n]["batch_curve"])
+            axes[1].step(t, b, where="post", label=n)
+    axes[1].set_xlabel("seconds")
+    axes[1].set_ylabel("running requests")
+    axes[1].legend(fontsize=8)
+    sweep = result.get("sweep", {})
+    if sweep:
+        sizes = [int(s) for s in sweep]
+        axes[2].plot(sizes, [sweep[s]["speedup"] for s in sweep], marker="o")
+        axes[2].axhline(1.0, color="k", lw=0.8)
+        axes[2].set_xscale("log", base=2)
+        axes[2].set_xlabel(f"concurrent requests ({SWEEP_TOKENS} tokens each)")
+        axes[2].set_ylabel("specactor speed-up over vanilla")
+    c = result["config"]
+    fig.suptitle(f"{c['preset']}: {c['sequences']} sequences, target {c['target_params'] / 1e6:.1f}M params, "
+                 f"tail share {result['workload']['tail_share_last_10pct']:.2f}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -127,71 +224,96 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
     parser.add_argument("--out", default="runs/bench/rollout.json")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-batch", type=int, default=MAX_BATCH, help="specactor's speculation.max_batch")
     parser.add_argument("--repeats", type=int, help="override the preset's number of interleaved repeats")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=SYSTEMS,
                         help="a subset to run (vanilla always runs: it is the reference)")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the fixed-batch sweep")
     args = parser.parse_args(argv)
     set_env_defaults()  # one engine thread, no OpenMP busy-waiting (STACK-NOTES)
 
     from bench.padded_target import build_padded_target, parameter_count
     from models.zoo import resolve
 
-    preset = dict(PRESETS[args.preset])
-    preset["repeats"] = args.repeats or preset["repeats"]
+    preset = dict(PRESETS[args.preset], repeats=args.repeats or PRESETS[args.preset]["repeats"])
     policy, draft = resolve("builtin:dense"), resolve("builtin:draft")
     prompts, seeds = workload(preset, args.seed)
-    systems = ["vanilla", *(n for n in args.systems if n != "vanilla")]
-    results = {}
+    others = [n for n in SYSTEMS if n in args.systems and n != "vanilla"]
+    sweep = [] if args.no_sweep else preset["sweep"]
+    out, log = Path(args.out), Path(args.out).with_suffix(".log")
+    runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(tmp) / "target"
-        target_config = build_padded_target(policy, target, preset["zero_layers"], preset["num_heads"],
-                                            preset["intermediate_size"], seed=args.seed)
+        target_config = build_padded_target(policy, target, **TARGET, seed=args.seed)
+        oracle = Path(tmp) / "oracle.json"
         for repeat in range(preset["repeats"]):
-            for name in systems:  # one fresh process per engine: vLLM keeps global state between engines
-                with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-                    run = pool.submit(run_system, name, target, draft, prompts, seeds, preset["max_tokens"],
-                                      args.max_batch).result()
-                print(f"{name:20s} makespan {run['makespan_s']:7.2f} s  acceptance length {run['acceptance_length']:.2f}"
-                      f"  ({repeat + 1}/{preset['repeats']})", flush=True)
-                if name in results and run["sequences"] != results[name]["sequences"]:
+            order = ["vanilla", *others[repeat % max(1, len(others)):], *others[: repeat % max(1, len(others))]]
+            for name in order:  # one fresh process per engine: vLLM keeps global state between engines
+                run = in_fresh_process(log, run_system, name, target, draft, prompts, seeds, preset["max_tokens"],
+                                       MAX_BATCH, oracle, sweep if name in ("vanilla", "specactor") else [])
+                if name == "vanilla" and repeat == 0:
+                    oracle.write_text(json.dumps({s: t for s, t in zip(seeds, run["sequences"])}))
+                if name != "vllm" and runs.get(name) and run["sequences"] != runs[name][0]["sequences"]:
                     raise RuntimeError(f"{name}: repeat {repeat + 1} generated other tokens than repeat 1")
-                results.setdefault(name, run).setdefault("makespans_s", []).append(run["makespan_s"])
-    for run in results.values():
-        run["makespan_s"] = sorted(run["makespans_s"])[len(run["makespans_s"]) // 2]
-        run["tokens_per_s"] = round(run["tokens"] / run["makespan_s"], 1)
-    reference = results["vanilla"].pop("sequences")
-    identical = {"vanilla": 1.0}
-    for name in systems[1:]:
-        seqs = results[name].pop("sequences")
-        identical[name] = sum(a == b for a, b in zip(seqs, reference)) / len(reference)
-    ours = [n for n in systems if n.startswith("specactor_")]
-    if ours:
-        best = min(ours, key=lambda n: results[n]["makespan_s"])
-        results["specactor"] = dict(results[best], drafter=best.removeprefix("specactor_"))
-        identical["specactor"] = identical[best]
-    lengths = sorted(len(s) for s in reference)
-    result = {
-        "systems": results,
-        "identical_fraction": identical,
-        "config": {
-            "preset": args.preset, **preset, "sequences": len(reference), "temperature": TEMPERATURE,
-            "num_speculative_tokens": SPECULATIVE_TOKENS, "specactor_max_batch": args.max_batch, "seed": args.seed,
-            "target": (f"cost-padded built-in policy: {preset['zero_layers']} zero-output layers in front of the 4 "
-                       f"trained ones, widened to {preset['num_heads']} heads / {preset['intermediate_size']} MLP "
-                       "units (bench/padded_target.py)"),
-            "target_params": parameter_count(target_config), "draft": "builtin:draft",
-            "vanilla": "vLLM without speculation, coupled sampler",
-            "response_length": {"median": lengths[len(lengths) // 2], "max": lengths[-1]},
-            "threads": "one engine thread (OMP_NUM_THREADS=1)",
-        },
+                runs.setdefault(name, []).append(run)
+                print(f"{name:16s} makespan {run['makespan_s']:7.2f} s  acceptance {run['acceptance_length']:.2f}"
+                      f"  ({repeat + 1}/{preset['repeats']})", flush=True)
+    reference = runs["vanilla"][0]["sequences"]
+    vanilla_s = [r["makespan_s"] for r in runs["vanilla"]]
+    systems, identical = {}, {}
+    for name, repeats in runs.items():
+        first = repeats[0]
+        makespans = [r["makespan_s"] for r in repeats]
+        systems[name] = {"makespan_s": round(statistics.median(makespans), 3),
+                         "tokens_per_s": round(first["tokens"] / statistics.median(makespans), 1),
+                         "makespans_s": [round(m, 3) for m in makespans], **paired(vanilla_s, makespans),
+                         "tokens": first["tokens"], "acceptance_length": first["acceptance_length"],
+                         "verify_steps": first["verify_steps"], "engine_steps": first["steps"]}
+        if "profile_ms_per_step" in first:
+            systems[name]["profile_ms_per_step"] = first["profile_ms_per_step"]
+        if name in ("vanilla", "oracle", "specactor"):
+            systems[name]["batch_curve"] = first["batch_curve"][:: max(1, len(first["batch_curve"]) // 400)]
+        identical[name] = sum(a == b for a, b in zip(first["sequences"], reference)) / len(reference)
+    result = {"systems": systems, "identical_fraction": identical, "workload": shape(runs["vanilla"][0])}
+    if "oracle" in systems and "specactor" in systems and systems["oracle"]["speedup"] > 1:
+        result["share_of_oracle_speedup"] = round((systems["specactor"]["speedup"] - 1)
+                                                  / (systems["oracle"]["speedup"] - 1), 3)
+    if sweep and "specactor" in runs:
+        result["sweep"] = {size: paired([r["sweep_s"][size] for r in runs["vanilla"]],
+                                        [r["sweep_s"][size] for r in runs["specactor"]]) for size in sweep}
+    result["config"] = {
+        "preset": args.preset, **preset, "sequences": len(reference), "temperature": TEMPERATURE, "seed": args.seed,
+        "num_speculative_tokens": SPECULATIVE_TOKENS, "specactor": f"draft_lm, speculation.max_batch={MAX_BATCH}",
+        "target": (f"cost-padded built-in policy: {TARGET['zero_layers']} zero-output layers in front of the 4 "
+                   f"trained ones, widened to {TARGET['num_heads']} heads / {TARGET['intermediate_size']} MLP units "
+                   "(bench/padded_target.py)"),
+        "target_params": parameter_count(target_config), "draft": "builtin:draft",
+        "threads": "one engine thread (OMP_NUM_THREADS=1)", "sweep_tokens": SWEEP_TOKENS,
     }
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     plot(result, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    print(table(result))
+    print(f"wrote {out} and {out.with_suffix('.png')} (engine logs: {log})")
     return result
+
+
+def table(result: dict) -> str:
+    rows = ["| system | makespan s | tokens/s | speed-up (95% CI) | acceptance | identical |",
+            "|---|---|---|---|---|---|"]
+    for name, s in result["systems"].items():
+        ci = s.get("speedup_ci95")
+        rows.append(f"| {name} | {s['makespan_s']:.2f} | {s['tokens_per_s']:.0f} | {s['speedup']:.2f}"
+                    + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
+                    + f" | {s['acceptance_length']:.2f} | {result['identical_fraction'][name]:.2f} |")
+    w = result["workload"]
+    rows.append(f"workload: lengths {w['response_length']}, max/median {w['max_over_median']}, "
+                f"last 10% of requests take {w['tail_share_last_10pct']:.0%} of vanilla's makespan")
+    if "share_of_oracle_speedup" in result:
+        rows.append(f"specactor takes {result['share_of_oracle_speedup']:.0%} of the oracle's speed-up")
+    if "sweep" in result:
+        rows.append("sweep (specactor / vanilla): " + ", ".join(f"{b}: {s['speedup']:.2f}x"
+                                                                for b, s in result["sweep"].items()))
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

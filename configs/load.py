@@ -11,6 +11,7 @@ from omegaconf.errors import OmegaConfBaseException
 from configs.schema import Config
 from drafters.base import DrafterLoadError, drafter_class
 from models.zoo import BUILTIN_NAMES, BUILTIN_PREFIX
+from tasks.jsonl import DataFormatError, load_jsonl
 
 CONFIG_DIR = Path(__file__).resolve().parent
 
@@ -97,6 +98,8 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
         ("data.max_operand", cfg.data.max_operand >= 1, "must be >= 1"),
         ("data.tail_exponent", cfg.data.tail_exponent >= 0, "must be >= 0 (0: every difficulty equally often)"),
         ("data.size", cfg.data.size >= 0, "must be >= 0 (0: a new problem per prompt)"),
+        ("data.eval_size", cfg.data.eval_size >= 1, "must be >= 1"),
+        ("trainer.eval_every", cfg.trainer.eval_every >= 0, "must be >= 0 (0: no held-out evaluation)"),
         ("learner.warmup_steps", cfg.learner.warmup_steps >= 0, "must be >= 0"),
         ("model.max_model_len", cfg.model.max_model_len >= 16, "must be >= 16"),
     ]
@@ -119,9 +122,14 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
         if step >= cfg.trainer.steps:
             raise ConfigError(f"{path}: key 'trainer.resume_from' is at step {step} but trainer.steps = "
                               f"{cfg.trainer.steps}; raise trainer.steps to train further")
-    source = cfg.data.source
-    if source != "arithmetic" and not Path(source).is_file():
-        raise ConfigError(f"{path}: key 'data.source' = {source!r} is neither 'arithmetic' nor an existing JSONL file")
+    for key in ("data.source", "data.eval_source"):
+        source = OmegaConf.select(cfg, key)
+        if source == "arithmetic":
+            continue
+        try:  # parsed now, naming file and line, not inside an actor after Ray and DeepSpeed started
+            load_jsonl(source)
+        except DataFormatError as e:
+            raise ConfigError(f"{path}: key '{key}' = {source!r}: {e}") from None
 
 
 def _check_drafter(path: Path, spec: DictConfig) -> None:

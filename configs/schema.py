@@ -21,6 +21,13 @@ class Dtype(Enum):
     bfloat16 = "bfloat16"
 
 
+class LogLevel(Enum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
 class Device(Enum):
     cpu = "cpu"
     cuda = "cuda"
@@ -46,6 +53,10 @@ class DataConfig:
     max_operand: int = ArithmeticTask.max_operand  # arithmetic task: operands are drawn from 1..max_operand
     tail_exponent: float = ArithmeticTask.tail_exponent  # arithmetic task: P(ops = k) ~ k^-tail_exponent (0: uniform)
     size: int = ArithmeticTask.size  # arithmetic task: > 0: that many problems, repeated in epochs; 0: endless
+    # held-out problems for trainer.eval_every: "arithmetic" (the training mix under another seed, minus any training
+    # problem) or a GSM8K-style JSONL file (its first eval_size records)
+    eval_source: str = "arithmetic"
+    eval_size: int = 256
 
 
 @dataclass
@@ -100,6 +111,9 @@ class AlgorithmConfig:
 class TrainerConfig:
     steps: int = 20  # learner steps
     checkpoint_every: int = 0  # also checkpoint every N steps (always at the end), under logging.dir/checkpoints/
+    # every N steps (0: never) the rollout actors answer the held-out set (data.eval_*) greedily and at the rollout
+    # temperature under their current weights, beside training; logged as eval/* at the step it started
+    eval_every: int = 0
     resume_from: Optional[str] = None  # a checkpoint (checkpoints/step_N) or a run directory (its newest one)
 
 
@@ -120,7 +134,10 @@ class ClusterConfig:
 
 @dataclass
 class LoggingConfig:
-    dir: str = "runs/default"  # TensorBoard event files, config.yaml (resolved), checkpoints, summary.json
+    dir: str = "runs/default"  # TensorBoard event files, config.yaml (resolved), checkpoints, summary.json, run.log
+    # what the engines (vLLM, DeepSpeed, Ray workers) may print on the console; everything from info up (debug too
+    # when asked) goes to logging.dir/run.log
+    engine_level: LogLevel = LogLevel.warning
 
 
 @dataclass

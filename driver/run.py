@@ -18,13 +18,20 @@ from omegaconf import DictConfig, OmegaConf
 
 
 class Run:
-    """`launch.py` calls, in order: `collect`, `train`, `publish`, `log`, `checkpoint_if_due` per step, then
-    `save_final`, and `close` however the loop ended (it writes `summary.json`)."""
+    """`launch.py` calls, in order: `evaluate_if_due`, `collect`, `train`, `publish`, `log`, `checkpoint_if_due` per
+    step, then `save_final`, and `close` however the loop ended (it writes `summary.json`)."""
 
     def __init__(self, cfg: DictConfig):
         from actor.engine import set_env_defaults
+        from driver.logs import LOG_FILE, route, unroute, worker_env
 
-        env = set_env_defaults({"DS_ACCELERATOR": cfg.cluster.device.value, "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"})
+        self.cfg, self.dir = cfg, Path(cfg.logging.dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        log_file, level = str((self.dir / LOG_FILE).resolve()), cfg.logging.engine_level.value
+        self.log_handlers = route(log_file, level)
+        env = set_env_defaults({"DS_ACCELERATOR": cfg.cluster.device.value, "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
+                                "RAY_AUTH_MODE": "token",  # Ray's token authentication, said explicitly (no notice)
+                                **worker_env(log_file, level)})
         import ray
         from torch.utils.tensorboard import SummaryWriter
 
@@ -34,8 +41,6 @@ class Run:
         from models.zoo import resolve
         from tasks.schedule import CursorPlan
 
-        self.cfg, self.dir = cfg, Path(cfg.logging.dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, self.dir / "config.yaml", resolve=True)  # the resolved config, beside the event files
         reference_dir = policy_dir = str(resolve(cfg.model.path))  # builds the built-in models on first use
         checkpoint, state = None, {"version": 0, "data_cursor": 0}
@@ -46,9 +51,10 @@ class Run:
         self.first_step = state["version"]
         plan = CursorPlan(state["data_cursor"], cfg.rollout.num_actors, cfg.rollout.prompts_per_step)
         processes = cfg.learner.num_ranks + cfg.rollout.num_actors
-        ray.init(address=cfg.cluster.address, include_dashboard=False, log_to_driver=True,
+        ray.init(address=cfg.cluster.address, include_dashboard=False, log_to_driver=True, configure_logging=False,
                  num_cpus=None if cfg.cluster.address else max(cfg.cluster.num_cpus or os.cpu_count(), processes),
-                 runtime_env={"env_vars": {k: os.environ[k] for k in env}, "working_dir": None})
+                 runtime_env={"env_vars": {k: os.environ[k] for k in env}, "working_dir": None,
+                              "worker_process_setup_hook": "driver.logs.route_worker_logs"})
         self.ray, self.interrupted = ray, False
         try:
             gpus = 1 if cfg.cluster.device.value == "cuda" else 0
@@ -58,9 +64,47 @@ class Run:
                                         num_gpus=gpus * cfg.rollout.tensor_parallel_size)
         except BaseException:
             ray.shutdown()
+            unroute(self.log_handlers)
             raise
         self.writer = SummaryWriter(str(self.dir))
+        self.evaluations: dict[int, list] = {}  # step asked at -> one ref per actor, until logged
         self.step_started = time.time()
+        self.first_reward: float | None = None
+        self.last: dict[str, float] = {}
+        r, lr, spec = cfg.rollout, cfg.learner, cfg.speculation
+        print(f"SpecActor: model {cfg.model.path} ({policy_dir}), data {cfg.data.source}\n"
+              f"  rollout: {r.num_actors} actor(s), {r.prompts_per_step} prompts x {r.group_size} samples per step, "
+              f"T={r.temperature} top_p={r.top_p} top_k={r.top_k}, speculation {spec.method}\n"
+              f"  learner: {lr.num_ranks} rank(s), ZeRO-{lr.zero_stage}, {lr.dtype.value}, lr {lr.lr}, "
+              f"steps {self.first_step}..{cfg.trainer.steps}\n"
+              f"  transport: trajectories {self.learners.trajectory_endpoint}, weights "
+              f"{self.learners.weight_endpoint}\n"
+              f"  logs: {self.dir} (engine log: {log_file})", flush=True)
+
+    def evaluate_if_due(self, step: int) -> None:
+        """Every `trainer.eval_every` steps (and after the last), the actors answer the held-out set beside
+        training; the result is logged at this step once every actor's share is done."""
+        every = self.cfg.trainer.eval_every
+        if every and (step % every == 0 or step == self.cfg.trainer.steps):
+            self.evaluations[step] = [a.evaluate.remote(step) for a in self.rollouts.actors]
+
+    def log_evaluations(self, wait_s: float = 0.0) -> None:
+        """Writes every evaluation whose shares are all in (waiting up to `wait_s` for them)."""
+        deadline = time.time() + wait_s
+        for step, refs in sorted(self.evaluations.items()):
+            ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.time()))
+            if len(ready) < len(refs):
+                continue
+            del self.evaluations[step]
+            try:
+                shares = self.ray.get(refs)
+            except self.ray.exceptions.RayError as e:  # an actor died meanwhile: its replacement evaluates next time
+                print(f"warning: the evaluation asked at step {step} was lost ({type(e).__name__})", file=sys.stderr)
+                continue
+            count = sum(s["count"] for s in shares)
+            for tag, key in [("eval/reward_mean", "reward"), ("eval/reward_greedy", "greedy"),
+                             ("eval/response_length", "length")]:
+                self.writer.add_scalar(tag, sum(s[key] for s in shares) / count, step)
 
     def collect(self) -> dict[str, float]:
         """Rank 0 pulls the step's whole, fresh-enough groups (a rollout actor that dies meanwhile is replaced)."""
@@ -75,10 +119,20 @@ class Run:
         """The new weights go out in buckets; actors apply them between engine steps."""
         return self.rollouts.wait(self.learners.all("publish"))[0]
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float]) -> dict[str, str]:
+        """Writes the step's scalars; returns the progress line's fields."""
         metrics["rollout/tokens_per_s"] = metrics["rollout/tokens"] / (time.time() - self.step_started)
         for tag, value in metrics.items():
             self.writer.add_scalar(tag, value, step)
+        if self.first_reward is None:
+            self.first_reward = metrics["rl/reward_mean"]
+        self.last = metrics
+        self.log_evaluations()
+        fields = {"reward": f"{metrics['rl/reward_mean']:.3f}", "loss": f"{metrics['rl/loss']:.4f}",
+                  "tok/s": f"{metrics['rollout/tokens_per_s']:.0f}", "stale": f"{metrics['rl/staleness_max']:.0f}"}
+        if self.cfg.speculation.method != "none":
+            fields["accept"] = f"{metrics['spec/acceptance_length']:.2f}"
+        return fields
 
     def checkpoint_if_due(self, step: int) -> None:
         every = self.cfg.trainer.checkpoint_every
@@ -87,9 +141,12 @@ class Run:
 
     def save_final(self) -> None:
         self.ray.get(self.learners.all("save_pretrained", str(self.dir / "final")))
+        self.log_evaluations(wait_s=600)  # the held-out numbers of the final weights belong to the run
 
     def close(self) -> dict:
         """Stops every actor and rank, shuts Ray down and writes `summary.json`; returns the summary."""
+        from driver.logs import unroute
+
         ray = self.ray
         summary: dict = {"interrupted": self.interrupted, "actor_restarts": self.rollouts.restarts}
         try:
@@ -101,8 +158,15 @@ class Run:
             self.writer.close()
             ray.shutdown()
             (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(f"learner: {summary['learner']}\nactors: {summary['actors']}\n"
+            unroute(self.log_handlers)
+        learner = summary["learner"]
+        dropped = {k.removeprefix("dropped_"): v for k, v in learner.items() if k.startswith("dropped_") and v}
+        reward = (f", reward {self.first_reward:.3f} (first step) -> {self.last['rl/reward_mean']:.3f} (last)"
+                  if self.last else "")
+        print(f"done: step {learner['version']}{reward}; trained {learner['trained']} trajectories, dropped "
+              f"{dropped or 'none'}, lost {learner['lost']}, actor restarts {summary['actor_restarts']}\n"
+              f"summary: {self.dir / 'summary.json'}, engine log: {self.dir / 'run.log'}\n"
               f"TensorBoard: tensorboard --logdir {self.dir}")
         if self.interrupted:
-            print(f"interrupted at step {summary['learner']['version']}; every process is shut down", file=sys.stderr)
+            print(f"interrupted at step {learner['version']}; every process is shut down", file=sys.stderr)
         return summary

@@ -180,6 +180,11 @@ class Learner:
             "spec/draft_tokens": float(drafted),
             "spec/accepted_tokens": float(accepted),
         }
+        if self.cfg.speculation.method != "none":  # per drafter, so drafters can be compared across runs
+            name = self.cfg.speculation.method.rsplit(".", 1)[-1]
+            metrics.update({f"spec/{name}/acceptance_length": metrics["spec/acceptance_length"],
+                            f"spec/{name}/draft_tokens": float(drafted), f"spec/{name}/accepted_tokens": float(accepted),
+                            f"spec/{name}/draft_seconds": sum(t.draft_seconds for t in trajectories)})
         if algo.kl_coef > 0:
             metrics["rl/kl"] = kl / batches
         with self.lock:

@@ -18,7 +18,7 @@ ALLOWED = {
     "actor": {"sampling", "drafters", "transport", "tasks", "configs", "models"},
     "learner": {"sampling", "transport", "tasks", "configs", "models"},
     "driver": {"actor", "learner", "tasks", "configs", "models"},
-    "bench": {"actor", "sampling", "drafters", "configs", "models", "tasks"},
+    "bench": {"actor", "sampling", "drafters", "configs", "models", "tasks", "driver"},  # driver: log routing
 }
 THIRD_PARTY_FORBIDDEN = {"sampling": {"vllm", "transformers", "ray", "deepspeed", "zmq"}}
 

@@ -10,15 +10,25 @@ from bench.rollout import main
 pytestmark = pytest.mark.slow
 
 
-def test_smoke_benchmark_writes_json_and_png(tmp_path):
+def test_smoke_benchmark_writes_json_and_png(tmp_path, capsys):
     out = tmp_path / "rollout.json"
     main(["--preset", "smoke", "--out", str(out)])
     result = json.loads(out.read_text())
     systems = result["systems"]
-    assert {"vanilla", "vllm_spec_draft", "vllm_spec_ngram", "specactor"} <= set(systems)
+    assert set(systems) == {"vllm", "vanilla", "vllm_spec_draft", "vllm_spec_ngram", "oracle", "specactor",
+                            "specactor_ngram"}
     for run in systems.values():
         assert run["makespan_s"] > 0 and run["tokens"] > 0 and run["tokens_per_s"] > 0 and run["acceptance_length"] >= 1
-    assert result["identical_fraction"]["specactor"] == 1.0
-    assert systems["specactor"]["tokens"] == systems["vanilla"]["tokens"]
+        assert run["speedup"] > 0
+    for name in ("specactor", "oracle", "specactor_ngram"):  # coupled speculation: exactly vanilla's tokens
+        assert result["identical_fraction"][name] == 1.0 and systems[name]["tokens"] == systems["vanilla"]["tokens"]
+    # the oracle drafts vanilla's own tokens: nearly every draft accepted (k + 1 = 5 tokens per verify step)
+    assert systems["oracle"]["acceptance_length"] > 4.5
+    assert set(systems["specactor"]["profile_ms_per_step"]) == {"sampler", "bridge", "drafter", "engine"}
+    assert 0 < result["workload"]["tail_share_last_10pct"] < 1 and result["workload"]["max_over_median"] > 1
+    assert set(result["sweep"]) == {"1", "8", "32"} and "share_of_oracle_speedup" in result
     assert result["config"]["target_params"] > 50_000_000 and "cost-padded" in result["config"]["target"]
     assert out.with_suffix(".png").stat().st_size > 0
+    console = capsys.readouterr().out  # the table, not the engines' start-up logs (those are in the .log file)
+    assert "| specactor |" in console and "WARNING" not in console and "Loading" not in console
+    assert out.with_suffix(".log").stat().st_size > 0

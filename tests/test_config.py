@@ -42,6 +42,10 @@ def test_path_to_yaml_works(tmp_path):
     ("model.path=/nowhere", ["model.path", "/nowhere", "config.json"]),
     ("model.path=builtin:huge", ["model.path", "builtin:huge"]),
     ("data.source=/nowhere.jsonl", ["data.source"]),
+    ("trainer.eval_every=-1", ["trainer.eval_every", ">= 0"]),
+    ("data.eval_size=0", ["data.eval_size"]),
+    ("rollout.min_p=0.1", ["rollout.min_p"]),  # a sampling parameter the coupled sampler does not honour
+    ("logging.engine_level=loud", ["logging.engine_level", "loud"]),
     ("trainer.steps", ["key=value"]),
 ])
 def test_bad_override_names_the_key(override, needles):
@@ -49,6 +53,15 @@ def test_bad_override_names_the_key(override, needles):
         load_config("grpo_tiny", [override])
     for needle in needles:
         assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("key", ["data.source", "data.eval_source"])
+def test_a_malformed_data_file_fails_at_load_naming_key_file_and_line(tmp_path, key):
+    path = tmp_path / "eval.jsonl"
+    path.write_text('{"question": "1+1?", "answer": "2 #### 2"}\n{"question": "no answer"}\n')
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo_tiny", [f"{key}={path}"])
+    assert key in str(e.value) and f"{path}:2" in str(e.value) and "answer" in str(e.value)
 
 
 def test_bad_file_names_the_key_and_file(tmp_path):

@@ -23,7 +23,8 @@ def test_launch_runs_logs_and_loses_nothing(tmp_path, ranks):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logdir = tmp_path / "run"
-    assert launch.main(["--config", "grpo_tiny", "trainer.steps=3", f"logging.dir={logdir}", *SMALL, *ranks]) == 0
+    assert launch.main(["--config", "grpo_tiny", "trainer.steps=3", f"logging.dir={logdir}", "trainer.eval_every=2",
+                        "data.eval_size=12", *SMALL, *ranks]) == 0
     summary = json.loads((logdir / "summary.json").read_text())
     learner, actors = summary["learner"], summary["actors"]
     sent = sum(a["trajectories"] for a in actors)
@@ -42,6 +43,12 @@ def test_launch_runs_logs_and_loses_nothing(tmp_path, ranks):
                 "transport/lost_trajectories"]:
         assert tag in tags
     assert max(e.value for e in events.Scalars("rl/staleness_max")) <= 1
+    for tag in ["rl/entropy", "rl/grad_norm", "rollout/truncated_fraction"]:  # every step
+        assert [e.step for e in events.Scalars(tag)] == [0, 1, 2]
+    # held-out evaluations at steps 0 and 2 and of the final weights (3); they add no trajectory to training
+    assert [e.step for e in events.Scalars("eval/reward_mean")] == [0, 2, 3]
+    assert all(0 <= e.value <= 1 for e in events.Scalars("eval/reward_greedy"))
+    assert all(e.value > 0 for e in events.Scalars("eval/response_length"))
     assert all(e.value > 0 for e in events.Scalars("sync/weight_bytes"))
 
 
@@ -183,3 +190,22 @@ def test_ctrl_c_stops_every_process_and_keeps_the_counters(tmp_path):
     time.sleep(2)
     with pytest.raises(ProcessLookupError):  # nothing of the run is left: no learner, actor, raylet or GCS
         os.killpg(proc.pid, 0)
+
+
+def test_the_console_shows_progress_not_engine_chatter(tmp_path):
+    """A run's console holds the configuration, the progress line, real warnings and the summary; the engines' info
+    lines (and vLLM's expected reload warnings) are not there, and the full engine log is in logging.dir/run.log."""
+    import subprocess
+    import sys
+
+    logdir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "launch.py", "--config", "grpo_tiny", "trainer.steps=4",
+                           f"logging.dir={logdir}", *SMALL], capture_output=True, text=True, timeout=600)
+    console = done.stdout + done.stderr
+    assert done.returncode == 0, console[-3000:]
+    lines = console.splitlines()  # a progress-bar redraw is a carriage return inside one line
+    assert len(lines) < 60, "\n".join(lines)
+    assert "Failed to load weights" not in console
+    assert "tensorboard --logdir" in console and "transport: trajectories tcp://" in console
+    engine_log = (logdir / "run.log").read_text()
+    assert "Reloading and processing weights" in engine_log  # vLLM's info lines went to the file

@@ -129,3 +129,28 @@ def test_jsonl_dataset_cycles_epochs_in_seeded_order(tmp_path):
     assert sorted(first, key=int) == sorted(second, key=int) == [str(i) for i in range(7)]
     assert first != second  # a new order each epoch
     assert [JsonlDataset(str(path), seed=1)[i].answer for i in range(14)] == first + second
+
+
+def test_the_eval_set_is_fixed_and_never_holds_a_training_problem():
+    from configs.load import load_config
+    from tasks.dataset import eval_set, open_dataset
+
+    cfg = load_config("grpo_tiny", ["data.eval_size=300"])
+    problems = eval_set(cfg.data, cfg.seed)
+    train = open_dataset(cfg.data, cfg.seed)
+    training = {train[i].question for i in range(cfg.data.size)}
+    questions = [p.question for p in problems]
+    assert len(questions) == 300 == len(set(questions))  # no problem twice either
+    assert not set(questions) & training
+    assert [p.question for p in eval_set(cfg.data, cfg.seed)] == questions  # the same at every evaluation
+    assert max(p.difficulty for p in problems) <= cfg.data.max_ops  # the training mix
+
+
+def test_a_jsonl_eval_set_is_its_first_records(tmp_path):
+    from configs.load import load_config
+    from tasks.dataset import eval_set
+
+    path = tmp_path / "eval.jsonl"
+    path.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(9)))
+    cfg = load_config("grpo_tiny", [f"data.eval_source={path}", "data.eval_size=4"])
+    assert [p.answer for p in eval_set(cfg.data, cfg.seed)] == ["1", "2", "3", "4"]

@@ -34,6 +34,7 @@ class Trajectory(msgspec.Struct, tag="trajectory", frozen=True):
     verify_steps: int = 0  # speculation: verify steps that carried drafts for this sequence
     draft_tokens: int = 0  # draft tokens proposed for it
     accepted_tokens: int = 0  # of which the verifier accepted
+    draft_seconds: float = 0.0  # its share of the time the drafter spent proposing
 
 
 class TensorSpec(msgspec.Struct, frozen=True):
