@@ -33,7 +33,7 @@ from bench.engine_process import in_fresh_process
 
 PRESETS = {
     # `ops`: the number of operations of each prompt's problem (a group of `group_size` samples per prompt)
-    "smoke": dict(ops=[1, 1, 2, 2, 3, 4, 8, 16], group_size=8, max_tokens=320, repeats=1, sweep=[1, 8, 32]),
+    "smoke": dict(ops=[1, 1, 2, 3, 8, 16], group_size=4, max_tokens=256, repeats=1, sweep=[1, 16]),
     "full": dict(ops=[1] * 6 + [2] * 4 + [3, 3, 4, 5, 6, 8], group_size=8, max_tokens=400, repeats=3,
                  sweep=[1, 2, 4, 8, 16, 32, 64, 128]),
     # most groups answer in a line or two; a few need a long scratchpad: the tail that runs at small batch

@@ -29,9 +29,10 @@ class Run:
         self.dir.mkdir(parents=True, exist_ok=True)
         log_file, level = str((self.dir / LOG_FILE).resolve()), cfg.logging.engine_level.value
         self.log_handlers = route(log_file, level)
-        env = set_env_defaults({"DS_ACCELERATOR": cfg.cluster.device.value, "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
-                                "RAY_AUTH_MODE": "token",  # Ray's token authentication, said explicitly (no notice)
-                                **worker_env(log_file, level)})
+        run_env = worker_env(log_file, level)
+        os.environ.update(run_env)  # this run's, whatever an earlier run in this process set
+        env = [*set_env_defaults({"DS_ACCELERATOR": cfg.cluster.device.value, "RAY_AUTH_MODE": "token",  # said: no notice
+                                  "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}), *run_env]  # what every worker gets
         import ray
         from torch.utils.tensorboard import SummaryWriter
 

@@ -26,7 +26,7 @@ def test_smoke_benchmark_writes_json_and_png(tmp_path, capsys):
     assert systems["oracle"]["acceptance_length"] > 4.5
     assert set(systems["specactor"]["profile_ms_per_step"]) == {"sampler", "bridge", "drafter", "engine"}
     assert 0 < result["workload"]["tail_share_last_10pct"] < 1 and result["workload"]["max_over_median"] > 1
-    assert set(result["sweep"]) == {"1", "8", "32"} and "share_of_oracle_speedup" in result
+    assert set(result["sweep"]) == {"1", "16"} and "share_of_oracle_speedup" in result
     assert result["config"]["target_params"] > 50_000_000 and "cost-padded" in result["config"]["target"]
     assert out.with_suffix(".png").stat().st_size > 0
     console = capsys.readouterr().out  # the table, not the engines' start-up logs (those are in the .log file)
