@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> Path:
     fig.tight_layout()
     out = Path(args.out or Path(args.run_dir) / "dashboard.png")
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=90)
     print(f"wrote {out}")
     return out
 
