@@ -19,7 +19,8 @@ class Evaluation:
     tag: int  # the learner step it was asked at
     problems: dict[int, Problem]  # index in the run's eval set -> problem
     pending: set[str] = field(default_factory=set)
-    sums: dict[str, float] = field(default_factory=lambda: {"reward": 0.0, "greedy": 0.0, "length": 0.0})
+    sums: dict[str, float] = field(default_factory=lambda: {"reward": 0.0, "greedy": 0.0, "length": 0.0,
+                                                            "answered": 0, "answered_greedy": 0})
     versions: set[int] = field(default_factory=set)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -33,14 +34,17 @@ class Evaluation:
         reward = score(text, self.problems[int(j)].answer).reward
         if kind == "g":
             self.sums["greedy"] += reward
+            self.sums["answered_greedy"] += 1
         else:
             self.sums["reward"] += reward
             self.sums["length"] += length
+            self.sums["answered"] += 1
         self.versions.add(version)
         self.pending.discard(request_id)
         if not self.pending:
             self.done.set()
 
     def result(self) -> dict:
-        """Sums over this actor's share; the driver adds up every actor's and divides by `count`."""
-        return {**self.sums, "count": len(self.problems), "versions": sorted(self.versions)}
+        """Sums over the answers this actor gave (all of its share, unless stop() cut it short); the driver adds up
+        every actor's and divides by the answered counts."""
+        return {**self.sums, "versions": sorted(self.versions)}

@@ -18,7 +18,8 @@ class RolloutPool:
     def __init__(self, cfg: DictConfig, model_dir: str, learners: LearnerGroup, version: int, plan: CursorPlan,
                  num_gpus: int):
         self.cfg, self.model_dir, self.learners, self.version, self.plan = cfg, model_dir, learners, version, plan
-        self.cls = ray.remote(num_cpus=1, num_gpus=num_gpus, max_concurrency=2)(RolloutActor)
+        # threads: run(), stop() or a replacement's wait_for_version(), and evaluations waiting on run()
+        self.cls = ray.remote(num_cpus=1, num_gpus=num_gpus, max_concurrency=4)(RolloutActor)
         self.restarts = 0
         self.actors = [self.spawn(i, first_k=0) for i in range(cfg.rollout.num_actors)]
         self.runs = [a.run.remote() for a in self.actors]

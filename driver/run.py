@@ -102,10 +102,12 @@ class Run:
             except self.ray.exceptions.RayError as e:  # an actor died meanwhile: its replacement evaluates next time
                 print(f"warning: the evaluation asked at step {step} was lost ({type(e).__name__})", file=sys.stderr)
                 continue
-            count = sum(s["count"] for s in shares)
-            for tag, key in [("eval/reward_mean", "reward"), ("eval/reward_greedy", "greedy"),
-                             ("eval/response_length", "length")]:
-                self.writer.add_scalar(tag, sum(s[key] for s in shares) / count, step)
+            for tag, key, count in [("eval/reward_mean", "reward", "answered"),
+                                    ("eval/reward_greedy", "greedy", "answered_greedy"),
+                                    ("eval/response_length", "length", "answered")]:
+                answered = sum(s[count] for s in shares)
+                if answered:
+                    self.writer.add_scalar(tag, sum(s[key] for s in shares) / answered, step)
 
     def collect(self) -> dict[str, float]:
         """Rank 0 pulls the step's whole, fresh-enough groups (a rollout actor that dies meanwhile is replaced)."""
