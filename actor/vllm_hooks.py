@@ -149,9 +149,13 @@ class CoupledSampling:
     def _count(self, req_ids: list[str], drafted: list[int], accepted: list[int]) -> None:
         for req_id, d, a in zip(req_ids, drafted, accepted):
             if d > 0:
-                c = self.counts.setdefault(caller_id(req_id), SpecCounts())
+                c = self.counts_for(req_id)
                 c.verify_steps, c.draft_tokens, c.accepted_tokens = c.verify_steps + 1, c.draft_tokens + d, \
                     c.accepted_tokens + a
+
+    def counts_for(self, req_id: str) -> SpecCounts:
+        """The running counts of vLLM request `req_id` (kept under the caller's id until `take_counts`)."""
+        return self.counts.setdefault(caller_id(req_id), SpecCounts())
 
     def take_counts(self, req_ids: list[str]) -> dict[str, SpecCounts]:
         """Speculation counts per finished request, by the caller's request id."""
@@ -215,14 +219,14 @@ class DrafterBridge:
         self.drafter_seconds += elapsed
         share = elapsed / len(requests)
         for request in requests:
-            self.runner._sample.counts.setdefault(caller_id(request.request_id), SpecCounts()).draft_seconds += share
+            self.runner._sample.counts_for(request.request_id).draft_seconds += share
         if len(proposals) != len(requests):
             raise RuntimeError(f"drafter {type(self.drafter).__name__} returned {len(proposals)} proposals for "
                                f"{len(requests)} requests (drafters/base.py: one list per request)")
         for row, proposal in zip(committed_rows, proposals):
             valid = token_ids_within(proposal[: self.k], self.vocab_size)
             if valid is None:  # a plugin's bad ids must not reach the engine: no draft this step, counted
-                self.runner._sample.counts.setdefault(caller_id(req_ids[row]), SpecCounts()).invalid_drafts += 1
+                self.runner._sample.counts_for(req_ids[row]).invalid_drafts += 1
             else:
                 drafts[row] = valid
         return drafts

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from actor.vllm_hooks import DrafterBridge, SpecCounts
+from actor.vllm_hooks import CoupledSampling, DrafterBridge, SpecCounts
 from drafters.base import Drafter
 
 VOCAB = 100
@@ -32,8 +32,8 @@ def bridge(drafter: Drafter, req_ids: list[str], max_batch: int = 0) -> tuple[Dr
         input_batch=SimpleNamespace(req_ids=req_ids, num_reqs=len(req_ids),
                                     num_prompt_tokens=np.full(len(req_ids), 3)),
         requests={r: SimpleNamespace(sampling_params=params) for r in req_ids},
-        _sample=SimpleNamespace(counts={}, unseeded={}),
         model_config=SimpleNamespace(get_vocab_size=lambda: VOCAB))
+    runner._sample = CoupledSampling(runner)  # where the bridge keeps per-request counts
     b = DrafterBridge(SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=4)))
     b.bind(runner, drafter, max_batch)
     return b, runner
