@@ -67,7 +67,7 @@ def make_engine(cfg: DictConfig, model_dir: Path):
     llm = LLM(**engine_kwargs(cfg, model_dir))
     method = cfg.speculation.method
     llm.collective_rpc(install, args=(None if method == "none" else method, dict(cfg.speculation.options),
-                                      cfg.speculation.max_batch))
+                                      cfg.speculation.max_batch, cfg.speculation.planner))
     llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=1, seed=0), use_tqdm=False)
     check_coupled(llm)
     return llm

@@ -153,7 +153,8 @@ class RolloutActor:
                 SCHEMA_VERSION, self.actor_id, self.seq, sample.cursor, len(group), sample.index,
                 sample.prompt_ids, ids, logprobs, sample.versions, score(completion.text, problem.answer).reward,
                 completion.finish_reason or "length", time.time() - sample.start, spec.verify_steps,
-                spec.draft_tokens, spec.accepted_tokens, spec.draft_seconds,
+                spec.draft_tokens, spec.accepted_tokens, spec.draft_seconds, spec.planned_steps,
+                spec.planned_tokens, spec.cost_error,
             ))
             for key in ("verify_steps", "draft_tokens", "accepted_tokens", "invalid_drafts"):
                 self.stats[key] += getattr(spec, key)

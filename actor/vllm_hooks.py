@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from actor.draft_planner import Acceptance, DraftCost, StepCost, plan, relative_error
 from drafters.base import DraftRequest, Drafter
 from sampling.coupled import PLACEHOLDER, coupled_sample, verify
 
@@ -33,6 +34,9 @@ class SpecCounts:
     accepted_tokens: int = 0
     invalid_drafts: int = 0
     draft_seconds: float = 0.0  # its share of the drafter's time (a step's drafting time split among its requests)
+    planned_steps: int = 0  # decode steps the draft planner decided for it (drafting or not)
+    planned_tokens: int = 0  # draft tokens the planner allowed it over those steps
+    cost_error: float = 0.0  # sum over those steps of the planner's relative error on the step's engine seconds
 
 
 def caller_id(req_id: str) -> str:
@@ -71,6 +75,7 @@ class CoupledSampling:
         self.calls = 0  # sampling steps served: proof that this sampler, not vLLM's, ran
         self.seconds = 0.0  # time spent in it (a benchmark's per-step profile)
         self.checked: set[str] = set()  # requests whose sampling parameters were checked (the current batch's)
+        self.step_tokens = 0  # tokens the engine computed in the step it last sampled for (the planner's cost model)
 
     def __call__(self, logits: torch.Tensor, spec) -> object:
         start = time.perf_counter()
@@ -91,6 +96,7 @@ class CoupledSampling:
         n = batch.num_reqs
         req_ids = batch.req_ids[:n]
         self._check_parameters(req_ids)
+        self.step_tokens = int(runner.query_start_loc.np[n])
         device = logits.device
         if spec is None:
             rows_per_request = torch.ones(n, dtype=torch.long)
@@ -163,73 +169,113 @@ class CoupledSampling:
 
 
 class DrafterBridge:
-    """vLLM `custom_class` proposer: hands each step's requests (ids, seeds, positions, histories) to a `Drafter`
-    plugin, tells it what each verify step committed, and drops requests that left the batch."""
+    """vLLM `custom_class` proposer, called once per engine step: tells the `Drafter` plugin what each verify step
+    committed, drops requests that left the batch, lets the draft planner (actor/draft_planner.py) decide how many
+    tokens each request gets (learning the step and drafting costs and each request's acceptance as it goes), and
+    hands the drafter the requests to draft for: ids, seeds, positions, views of their histories (no copies)."""
 
     def __init__(self, vllm_config):
         self.k = vllm_config.speculative_config.num_speculative_tokens
         self.runner = None
         self.drafter: Drafter | None = None
-        self.max_batch = 0
+        self.max_batch, self.planning = 0, True
         self.live: set[str] = set()
+        self.step_cost, self.draft_cost, self.acceptance = StepCost(), DraftCost(), Acceptance()
+        self.planned: dict[str, int] = {}  # draft tokens handed to the engine last step, per request
+        self.predicted = 0.0  # the planner's engine seconds for the step now running
+        self.step_end: float | None = None  # when the last propose() returned: the next step's engine time starts
         self.seconds = self.drafter_seconds = 0.0  # in propose(), and of that in the drafter (a benchmark's profile)
 
     def load_model(self, *args, **kwargs) -> None:  # vLLM hands over the target model; drafters bring their own
         pass
 
-    def bind(self, runner, drafter: Drafter, max_batch: int) -> None:
-        self.runner, self.drafter, self.max_batch = runner, drafter, max_batch
+    def bind(self, runner, drafter: Drafter, max_batch: int, planning: bool) -> None:
+        self.runner, self.drafter, self.max_batch, self.planning = runner, drafter, max_batch, planning
         self.vocab_size = runner.model_config.get_vocab_size()
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
         start = time.perf_counter()
         try:
-            return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+            return self._propose(start, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         finally:
-            self.seconds += time.perf_counter() - start
+            self.step_end = time.perf_counter()
+            self.seconds += self.step_end - start
 
-    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
+    def _propose(self, start, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         if self.drafter is None:
             raise RuntimeError("DrafterBridge.propose before install(): no drafter bound")
-        batch, runner = self.runner.input_batch, self.runner
+        batch, runner, sampler = self.runner.input_batch, self.runner, self.runner._sample
         req_ids = batch.req_ids[: batch.num_reqs]
+        self._observe_step(start, req_ids)
         for gone in self.live - set(req_ids):
             self.drafter.remove(gone)
+            self.acceptance.remove(gone)
         self.live = set(req_ids)
         committed_rows = [row for row, committed in enumerate(sampled_token_ids[: len(req_ids)]) if committed]
         for row in committed_rows:  # the drafter always hears what was committed, drafting or not
-            self.drafter.commit(req_ids[row], list(sampled_token_ids[row]))
+            req_id, committed = req_ids[row], sampled_token_ids[row]
+            self.drafter.commit(req_id, list(committed))
+            drafted = self.planned.get(req_id, 0)
+            if drafted:
+                self.acceptance.observe(req_id, drafted, min(len(committed) - 1, drafted))
+        self.planned = {}
         drafts: list[list[int]] = [[] for _ in req_ids]
-        if self.max_batch and len(req_ids) > self.max_batch:  # a large batch is compute-bound: verify cannot pay
-            return drafts
+        if self.max_batch and len(req_ids) > self.max_batch:  # the configured bound: no drafting above it
+            committed_rows = []
+        budgets = [self.k] * len(committed_rows)
+        if self.planning:
+            budgets, self.predicted = plan([self.acceptance.rate(req_ids[row]) for row in committed_rows], self.k,
+                                           len(req_ids), self.step_cost, self.draft_cost)
+        else:
+            self.predicted = float(self.step_cost.predict(len(req_ids) + sum(budgets)))
         requests = []
-        for row in committed_rows:  # rows without a committed token (partial prefill) have nothing to draft from
+        for row, budget in zip(committed_rows, budgets):
             req_id = req_ids[row]
+            counts = sampler.counts_for(req_id)
+            counts.planned_steps, counts.planned_tokens = counts.planned_steps + 1, counts.planned_tokens + budget
+            if budget == 0:  # rows without a committed token (partial prefill) have nothing to draft from either
+                continue
             length, prompt = int(num_tokens_no_spec[row]), int(batch.num_prompt_tokens[row])
             params = runner.requests[req_id].sampling_params
-            requests.append(DraftRequest(
-                request_id=req_id, seed=_request_seed(runner, req_id, runner._sample.unseeded),
-                position=length - prompt, token_ids=token_ids_cpu[row, :length].tolist(),
-                temperature=params.temperature, top_k=params.top_k, top_p=params.top_p))
-        if not requests:
-            return drafts
+            requests.append((row, DraftRequest(
+                request_id=req_id, seed=_request_seed(runner, req_id, sampler.unseeded), position=length - prompt,
+                token_ids=token_ids_cpu[row, :length], temperature=params.temperature, top_k=params.top_k,
+                top_p=params.top_p, max_tokens=budget)))
+        if requests:
+            self._draft(requests, drafts)
+        return drafts
+
+    def _observe_step(self, start: float, req_ids: list[str]) -> None:
+        """Teaches the step cost model the engine step that just ran (only when it continued the last batch: an
+        idle engine's wait is not a step's cost) and charges the planner's error to the requests it planned."""
+        if self.step_end is None or not self.live.intersection(req_ids) or not self.runner._sample.step_tokens:
+            return
+        measured = start - self.step_end
+        error = relative_error(self.predicted, measured) if self.step_cost.seen.any() else 0.0
+        self.step_cost.observe(self.runner._sample.step_tokens, measured)
+        for req_id in self.live.intersection(req_ids):
+            self.runner._sample.counts_for(req_id).cost_error += error
+
+    def _draft(self, requests: list[tuple[int, DraftRequest]], drafts: list[list[int]]) -> None:
         start = time.perf_counter()
-        proposals = self.drafter.propose(requests, self.k)
+        proposals = self.drafter.propose([r for _, r in requests], max(r.max_tokens for _, r in requests))
         elapsed = time.perf_counter() - start
         self.drafter_seconds += elapsed
-        share = elapsed / len(requests)
-        for request in requests:
-            self.runner._sample.counts_for(request.request_id).draft_seconds += share
         if len(proposals) != len(requests):
             raise RuntimeError(f"drafter {type(self.drafter).__name__} returned {len(proposals)} proposals for "
                                f"{len(requests)} requests (drafters/base.py: one list per request)")
-        for row, proposal in zip(committed_rows, proposals):
-            valid = token_ids_within(proposal[: self.k], self.vocab_size)
+        sampler = self.runner._sample
+        for (row, request), proposal in zip(requests, proposals):
+            counts = sampler.counts_for(request.request_id)
+            counts.draft_seconds += elapsed / len(requests)
+            valid = token_ids_within(proposal[: request.max_tokens], self.vocab_size)
             if valid is None:  # a plugin's bad ids must not reach the engine: no draft this step, counted
-                self.runner._sample.counts_for(req_ids[row]).invalid_drafts += 1
-            else:
+                counts.invalid_drafts += 1
+            elif valid:
                 drafts[row] = valid
-        return drafts
+                self.planned[request.request_id] = len(valid)
+        passes = max(len(d) for d in drafts)
+        self.draft_cost.observe(passes, sum(len(d) for d in drafts), elapsed)
 
 
 def token_ids_within(proposal, vocab_size: int) -> list[int] | None:
@@ -241,7 +287,8 @@ def token_ids_within(proposal, vocab_size: int) -> list[int] | None:
     return ids if all(0 <= t < vocab_size for t in ids) else None
 
 
-def install(worker, drafter_path: str | None = None, drafter_options: dict | None = None, max_batch: int = 0) -> None:
+def install(worker, drafter_path: str | None = None, drafter_options: dict | None = None, max_batch: int = 0,
+            planning: bool = True) -> None:
     """Runs inside the worker: coupled sampling always; a drafter when the engine speculates. Refuses a runner
     that is not the V1 runner these hooks replace parts of (vLLM's V2 runner has no `_sample`)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -258,7 +305,7 @@ def install(worker, drafter_path: str | None = None, drafter_options: dict | Non
         if not isinstance(getattr(runner, "drafter", None), DrafterBridge):
             raise RuntimeError("a drafter needs the engine built with speculative_config method 'custom_class' "
                                "and model 'actor.vllm_hooks.DrafterBridge' (see actor/engine.py)")
-        runner.drafter.bind(runner, load_drafter(drafter_path, drafter_options or {}), max_batch)
+        runner.drafter.bind(runner, load_drafter(drafter_path, drafter_options or {}), max_batch, planning)
 
 
 class _Expected(logging.Filter):

@@ -6,8 +6,9 @@ Systems (fixed before the run; `specactor` is the configured default, never the 
 - `vllm`: plain vLLM with its own sampler, no speculation, unseeded requests: what RL frameworks run today;
 - `vanilla`: vLLM with SpecActor's coupled sampler, no speculation (the tokens every coupled system must equal);
 - `vllm_spec_draft`, `vllm_spec_ngram`: vLLM's own speculative decoding as a user would configure it;
-- `oracle`: coupled speculation with a drafter that replays vanilla's tokens at no cost: the ceiling here;
-- `specactor`: coupled speculation as configured by default (draft LM, `speculation.max_batch` = MAX_BATCH);
+- `oracle`: coupled speculation with a drafter that replays vanilla's tokens at no cost (same planner): the
+  ceiling here;
+- `specactor`: coupled speculation as configured by default (draft LM, the cost-model draft planner);
 - `specactor_ngram`: the same with the n-gram drafter (listed, not chosen).
 The target is a cost-padded copy of the trained policy (bench/padded_target.py). Every repeat runs every system
 (vanilla first, then a rotating order); a system's speed-up is the median over repeats of vanilla's makespan over
@@ -46,9 +47,6 @@ COUPLED = {"vanilla": "none", "oracle": "bench.oracle.OracleDrafter", "specactor
            "specactor_ngram": "ngram"}
 SPECULATIVE_TOKENS = 4
 TEMPERATURE = 1.0  # GRPO samples at T = 1
-MAX_BATCH = 16  # specactor drafts only while at most this many requests run (speculation.max_batch); from the
-# measured sweep on 2 CPU cores: a k = 4 verify step costs ~1.15x a decode step at batch 1, ~1.8x at 4, and fp32
-# matmuls are compute-bound from ~10 tokens per step
 SWEEP_TOKENS = 64
 T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # Student t, 95% two-sided
 
@@ -66,7 +64,7 @@ def workload(preset: dict, seed: int) -> tuple[list[str], list[int]]:
     return prompts, seeds
 
 
-def make_llm(name: str, target: Path, draft: Path, max_batch: int, oracle: Path | None):
+def make_llm(name: str, target: Path, draft: Path, oracle: Path | None):
     """The engine of system `name` (in the calling process)."""
     from vllm import LLM
 
@@ -75,11 +73,11 @@ def make_llm(name: str, target: Path, draft: Path, max_batch: int, oracle: Path 
     from configs.load import load_config
 
     overrides = [f"model.path={target}", "model.max_model_len=1024", "rollout.kv_cache_mib=1024",
-                 f"speculation.num_speculative_tokens={SPECULATIVE_TOKENS}", f"speculation.max_batch={max_batch}"]
+                 f"speculation.num_speculative_tokens={SPECULATIVE_TOKENS}"]
     if name in COUPLED:
         overrides.append(f"speculation.method={COUPLED[name]}")
         if name == "oracle":
-            overrides += ["speculation.max_batch=0", f"speculation.options.path={oracle}"]  # drafts at any batch
+            overrides.append(f"speculation.options.path={oracle}")
         return make_engine(load_config("grpo_tiny", overrides), target)
     kwargs = engine_kwargs(load_config("grpo_tiny", overrides), target)
     if name == "vllm_spec_draft":
@@ -113,13 +111,13 @@ def generate(llm, prompt_ids: list[list[int]], params: list) -> dict:
 
 
 def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: list[int], max_tokens: int,
-               max_batch: int, oracle: Path | None, sweep: list[int]) -> dict:
+               oracle: Path | None, sweep: list[int]) -> dict:
     from vllm import SamplingParams
 
     from actor.engine import close_engine
     from actor.vllm_hooks import profile, take_spec_counts
 
-    llm = make_llm(name, target, draft, max_batch, oracle)
+    llm = make_llm(name, target, draft, oracle)
     try:
         tokenizer = llm.get_tokenizer()
         prompt_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
@@ -142,6 +140,10 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
             counts = llm.collective_rpc(take_spec_counts, args=([f"r{i}" for i in range(len(seeds))],))[0].values() \
                 if coupled else []
             verify, accepted = sum(c.verify_steps for c in counts), sum(c.accepted_tokens for c in counts)
+            planned = sum(c.planned_steps for c in counts)
+            if planned:  # the draft planner: tokens it allowed per request and step, its error on step seconds
+                run["planner"] = {"planned_tokens": round(sum(c.planned_tokens for c in counts) / planned, 3),
+                                  "cost_error": round(sum(c.cost_error for c in counts) / planned, 3)}
         run.update(steps=steps, verify_steps=verify, tokens=sum(len(t) for t in run["sequences"]),
                    acceptance_length=round((accepted + verify) / verify, 3) if verify else 1.0)
         if sweep:  # fixed-length requests at each concurrency, seeded, EOS ignored
@@ -249,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
             order = ["vanilla", *others[repeat % max(1, len(others)):], *others[: repeat % max(1, len(others))]]
             for name in order:  # one fresh process per engine: vLLM keeps global state between engines
                 run = in_fresh_process(log, run_system, name, target, draft, prompts, seeds, preset["max_tokens"],
-                                       MAX_BATCH, oracle, sweep if name in ("vanilla", "specactor") else [])
+                                       oracle, sweep if name in ("vanilla", "specactor") else [])
                 if name == "vanilla" and repeat == 0:
                     oracle.write_text(json.dumps({s: t for s, t in zip(seeds, run["sequences"])}))
                 if name != "vllm" and runs.get(name) and run["sequences"] != runs[name][0]["sequences"]:
@@ -268,8 +270,9 @@ def main(argv: list[str] | None = None) -> dict:
                          "makespans_s": [round(m, 3) for m in makespans], **paired(vanilla_s, makespans),
                          "tokens": first["tokens"], "acceptance_length": first["acceptance_length"],
                          "verify_steps": first["verify_steps"], "engine_steps": first["steps"]}
-        if "profile_ms_per_step" in first:
-            systems[name]["profile_ms_per_step"] = first["profile_ms_per_step"]
+        for key in ("profile_ms_per_step", "planner"):
+            if key in first:
+                systems[name][key] = first[key]
         if name in ("vanilla", "oracle", "specactor"):
             systems[name]["batch_curve"] = first["batch_curve"][:: max(1, len(first["batch_curve"]) // 400)]
         identical[name] = sum(a == b for a, b in zip(first["sequences"], reference)) / len(reference)
@@ -282,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
                                         [r["sweep_s"][size] for r in runs["specactor"]]) for size in sweep}
     result["config"] = {
         "preset": args.preset, **preset, "sequences": len(reference), "temperature": TEMPERATURE, "seed": args.seed,
-        "num_speculative_tokens": SPECULATIVE_TOKENS, "specactor": f"draft_lm, speculation.max_batch={MAX_BATCH}",
+        "num_speculative_tokens": SPECULATIVE_TOKENS, "specactor": "draft_lm, cost-model draft planner",
         "target": (f"cost-padded built-in policy: {TARGET['zero_layers']} zero-output layers in front of the 4 "
                    f"trained ones, widened to {TARGET['num_heads']} heads / {TARGET['intermediate_size']} MLP units "
                    "(bench/padded_target.py)"),

@@ -79,9 +79,10 @@ class SpeculationConfig:
     # dotted path to a drafters.base.Drafter subclass, or the name of a `specactor.drafters` entry point
     method: str = "none"
     num_speculative_tokens: int = 4
-    # draft only while at most this many requests run (0: always): verifying k tokens costs about one decode step
-    # while a step is weight-bound (small batch, the long tail) and k times one once it is compute-bound
-    max_batch: int = 0
+    # the cost-model planner (actor/draft_planner.py) chooses 0..num_speculative_tokens drafts per request every
+    # step from measured step and drafting costs and each request's acceptance; false: always the full k
+    planner: bool = True
+    max_batch: int = 0  # optional bound: never draft while more than this many requests run (0: no bound)
     options: Dict[str, Any] = field(default_factory=dict)  # keyword arguments of the drafter's constructor
 
 

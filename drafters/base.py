@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
@@ -29,10 +30,14 @@ class DraftRequest:
     request_id: str
     seed: int  # the coupled sampler's seed for this request
     position: int  # output position of the next token to be sampled (0 = first response token)
-    token_ids: list[int]  # prompt followed by every committed output token
+    # prompt followed by every committed output token: a read-only sequence of ints (the engine passes a view of
+    # its own buffer, valid during the call only: copy what you keep)
+    token_ids: Sequence[int]
     temperature: float = 0.0  # the target's sampling settings, for drafters that sample with the coupled noise
     top_k: int = 0  # <= 0: no top-k
     top_p: float = 1.0
+    max_tokens: int | None = None  # at most this many drafts for this request (None: the call's k); the planner
+    # sets it per request, and a drafter that honours it saves work (the engine truncates longer proposals anyway)
 
 
 class Drafter(ABC):

@@ -1,9 +1,21 @@
 """Prompt-lookup drafting: find the longest recent n-gram that ends the history earlier in the history (prompt
-or response) and propose what followed its latest occurrence. Stateless: the history is the whole truth."""
+or response) and propose what followed its latest occurrence. Incremental: per request, an index from every
+n-gram (min_n..max_n) to the end of its latest occurrence, extended by each commit, so a proposal costs O(max_n + k)
+and never scans the history. A request seen for the first time (or whose history is not the one indexed) is
+indexed from its history once."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from drafters.base import Drafter, DraftRequest
+
+
+@dataclass
+class _Index:
+    tokens: list[int]
+    ends: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> end of its latest occurrence
+    indexed: int = 0  # n-grams ending before this position are in `ends`
 
 
 class NgramDrafter(Drafter):
@@ -11,20 +23,36 @@ class NgramDrafter(Drafter):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"NgramDrafter: need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.min_n, self.max_n = min_n, max_n
+        self.indexes: dict[str, _Index] = {}
 
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
-        return [self.lookup(r.token_ids, k) for r in requests]
+        return [self.lookup(self._index(r), k if r.max_tokens is None else min(k, r.max_tokens)) for r in requests]
 
-    def lookup(self, history: list[int], k: int) -> list[int]:
-        for n in range(min(self.max_n, len(history) - 1), self.min_n - 1, -1):
-            tail = history[-n:]
-            for start in range(len(history) - n - 1, -1, -1):  # latest earlier occurrence first
-                if history[start : start + n] == tail:
-                    return history[start + n : start + n + k]
+    def _index(self, request: DraftRequest) -> _Index:
+        history, index = request.token_ids, self.indexes.get(request.request_id)
+        n = len(history)
+        if index is None or len(index.tokens) != n or (n and index.tokens[-1] != int(history[-1])):
+            index = self.indexes[request.request_id] = _Index([int(t) for t in history])
+        tokens = index.tokens
+        # index every n-gram that ends before the last token (the tail itself must match an *earlier* occurrence)
+        for end in range(max(index.indexed, 1), len(tokens)):
+            for size in range(self.min_n, min(self.max_n, end) + 1):
+                index.ends[tuple(tokens[end - size : end])] = end
+        index.indexed = max(len(tokens), 1)
+        return index
+
+    def lookup(self, index: _Index, k: int) -> list[int]:
+        tokens = index.tokens
+        for size in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            end = index.ends.get(tuple(tokens[-size:]))
+            if end is not None:
+                return tokens[end : end + k]
         return []
 
     def commit(self, request_id: str, committed: list[int]) -> None:
-        pass
+        index = self.indexes.get(request_id)
+        if index is not None:
+            index.tokens.extend(int(t) for t in committed)
 
     def remove(self, request_id: str) -> None:
-        pass
+        self.indexes.pop(request_id, None)

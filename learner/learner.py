@@ -180,6 +180,10 @@ class Learner:
             "spec/draft_tokens": float(drafted),
             "spec/accepted_tokens": float(accepted),
         }
+        planned_steps = sum(t.planned_steps for t in trajectories)
+        if planned_steps:  # the draft planner's choices: tokens allowed per request and step, its step-cost error
+            metrics["spec/planned_tokens"] = sum(t.planned_tokens for t in trajectories) / planned_steps
+            metrics["spec/planner_cost_error"] = sum(t.cost_error for t in trajectories) / planned_steps
         if self.cfg.speculation.method != "none":  # per drafter, so drafters can be compared across runs
             name = self.cfg.speculation.method.rsplit(".", 1)[-1]
             metrics.update({f"spec/{name}/acceptance_length": metrics["spec/acceptance_length"],

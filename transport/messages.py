@@ -35,6 +35,9 @@ class Trajectory(msgspec.Struct, tag="trajectory", frozen=True):
     draft_tokens: int = 0  # draft tokens proposed for it
     accepted_tokens: int = 0  # of which the verifier accepted
     draft_seconds: float = 0.0  # its share of the time the drafter spent proposing
+    planned_steps: int = 0  # decode steps the draft planner decided for it (drafting or not)
+    planned_tokens: int = 0  # draft tokens the planner allowed it over those steps
+    cost_error: float = 0.0  # sum over those steps of the planner's relative error on the engine step's seconds
 
 
 class TensorSpec(msgspec.Struct, frozen=True):

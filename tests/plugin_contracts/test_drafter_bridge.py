@@ -1,6 +1,7 @@
 """What the engine side promises every drafter plugin (actor/vllm_hooks.DrafterBridge), checked against a stand-in
-for vLLM's model runner: commits always arrive, even on steps where the bridge does not draft, and proposals with
-ids outside the vocabulary never reach the engine (dropped and counted, the run goes on)."""
+for vLLM's model runner: commits always arrive, even on steps where the bridge does not draft, proposals with
+ids outside the vocabulary never reach the engine (dropped and counted, the run goes on), and the draft planner
+learns each request's acceptance from what the verifier committed and withholds drafts where they cannot pay."""
 
 from types import SimpleNamespace
 
@@ -26,7 +27,8 @@ class Recording(Drafter):
         self.removed.append(request_id)
 
 
-def bridge(drafter: Drafter, req_ids: list[str], max_batch: int = 0) -> tuple[DrafterBridge, SimpleNamespace]:
+def bridge(drafter: Drafter, req_ids: list[str], max_batch: int = 0, planning: bool = True
+           ) -> tuple[DrafterBridge, SimpleNamespace]:
     params = SimpleNamespace(seed=1, temperature=1.0, top_k=0, top_p=1.0)
     runner = SimpleNamespace(
         input_batch=SimpleNamespace(req_ids=req_ids, num_reqs=len(req_ids),
@@ -35,7 +37,7 @@ def bridge(drafter: Drafter, req_ids: list[str], max_batch: int = 0) -> tuple[Dr
         model_config=SimpleNamespace(get_vocab_size=lambda: VOCAB))
     runner._sample = CoupledSampling(runner)  # where the bridge keeps per-request counts
     b = DrafterBridge(SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=4)))
-    b.bind(runner, drafter, max_batch)
+    b.bind(runner, drafter, max_batch, planning)
     return b, runner
 
 
@@ -58,3 +60,24 @@ def test_invalid_proposals_are_dropped_and_counted_per_request():
     counts: dict[str, SpecCounts] = runner._sample.counts
     assert {r: c.invalid_drafts for r, c in counts.items()} == {"a": 0, "b": 1, "c": 1, "d": 1, "e": 1}
     assert all(c.draft_seconds > 0 for c in counts.values())  # each request's share of the drafter's time
+
+
+def test_planner_learns_acceptance_from_commits_and_withholds_drafts_that_cannot_pay():
+    drafter = Recording([[1, 2, 3], [4, 5, 6]])
+    b, runner = bridge(drafter, ["a-1", "b-1"])
+    assert propose(b, [[5], [6]]) == [[1, 2, 3], [4, 5, 6]]  # nothing measured yet: drafting looks free
+    propose(b, [[1, 2, 3, 9], [4, 8]])  # a: all 3 drafts accepted (+ the bonus token); b: 1 of 3, then a rejection
+    assert b.acceptance.rate("a-1") > b.acceptance.rate("b-1")
+    for tokens in range(1, 64):  # the engine turns out compute-bound: every token costs its share of the step
+        b.step_cost.observe(tokens, 0.01 * tokens)
+    assert propose(b, [[7], [7]]) == [[], []]
+    counts = runner._sample.counts
+    assert counts["a"].planned_steps == 3 and counts["a"].planned_tokens == 4 + 4  # budgets 4, 4, then 0
+    assert drafter.commits[-2:] == [("a-1", [7]), ("b-1", [7])]  # commits still reach the drafter
+
+
+def test_without_the_planner_every_request_gets_k():
+    b, _ = bridge(Recording([[1, 2, 3, 4, 5, 6]] * 2), ["a-1", "b-1"], planning=False)
+    for tokens in range(1, 64):
+        b.step_cost.observe(tokens, 0.01 * tokens)
+    assert propose(b, [[5], [6]]) == [[1, 2, 3, 4], [1, 2, 3, 4]]

@@ -1,0 +1,130 @@
+"""How many tokens to draft for each running request, every engine step: the cost-model planner.
+
+Speculation pays where verifying `1 + d` tokens costs little more than decoding one (small batches, the long tail)
+and loses where the engine is compute-bound. Where that line lies depends on the machine, the model and the
+drafter, so the planner learns it online from the engine's own steps instead of a fixed gate:
+- `StepCost`: engine step seconds as a function of the tokens the step computes (piecewise linear over
+  geometric buckets of exponentially averaged observations, monotone, extrapolated along its trend);
+- `DraftCost`: the drafter's seconds as a linear function of its draft passes and drafted tokens;
+- `Acceptance`: each request's per-token acceptance probability, shrunk towards the drafter's running average.
+With acceptance `a`, the `j`-th draft token of a request adds `a**j` expected committed tokens. `plan` takes
+draft tokens in order of that gain and keeps the prefix that maximises expected committed tokens per second
+`(n + sum of gains) / (step(n + drafted) + draft(passes, drafted))`; 0 everywhere when no drafting pays.
+Correctness never depends on it: drafts only change how fast the coupled sampler's tokens come out.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+class StepCost:
+    """Seconds of one engine step as a function of the tokens it computes, learned from observations."""
+
+    BUCKETS = 2.0 ** np.arange(0, 16, 0.5)  # bucket b holds steps with BUCKETS[b] <= tokens < BUCKETS[b + 1]
+
+    def __init__(self, decay: float = 0.8):
+        self.decay = decay
+        self.tokens = np.zeros(len(self.BUCKETS))  # per bucket: averaged tokens and seconds of its steps
+        self.seconds = np.zeros(len(self.BUCKETS))
+        self.seen = np.zeros(len(self.BUCKETS), dtype=bool)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        b = min(int(np.searchsorted(self.BUCKETS, tokens, side="right")) - 1, len(self.BUCKETS) - 1)
+        b = max(b, 0)
+        if self.seen[b]:
+            self.tokens[b] = self.decay * self.tokens[b] + (1 - self.decay) * tokens
+            self.seconds[b] = self.decay * self.seconds[b] + (1 - self.decay) * seconds
+        else:
+            self.tokens[b], self.seconds[b], self.seen[b] = tokens, seconds, True
+
+    def predict(self, tokens: np.ndarray | int) -> np.ndarray:
+        """Predicted seconds (0 before any observation: drafting looks free until the engine is measured)."""
+        tokens = np.asarray(tokens, dtype=float)
+        if not self.seen.any():
+            return np.zeros_like(tokens)
+        x, y = self.tokens[self.seen], np.maximum.accumulate(self.seconds[self.seen])  # more tokens never cost less
+        slope = 0.0
+        if len(x) >= 2:  # beyond the largest bucket: the trend of the last two buckets, never falling
+            slope = max((y[-1] - y[-2]) / max(x[-1] - x[-2], 1e-9), 0.0)
+        inside = np.interp(tokens, x, y)  # below the smallest bucket: its value (small steps cost about the same)
+        return np.where(tokens > x[-1], y[-1] + slope * (tokens - x[-1]), inside)
+
+
+class DraftCost:
+    """The drafter's seconds per step as `c0 + c1 * passes + c2 * drafted_tokens` (passes: the largest number of
+    tokens drafted for one request, i.e. sequential forwards of a draft model), by exponentially weighted least
+    squares; a drafter that costs nothing (n-gram lookup, replay) is learned as such."""
+
+    def __init__(self, decay: float = 0.97, ridge: float = 1e-6):
+        self.decay, self.ridge = decay, ridge
+        self.gram = np.zeros((3, 3))
+        self.moment = np.zeros(3)
+        self.coef = np.zeros(3)
+
+    def observe(self, passes: int, drafted: int, seconds: float) -> None:
+        x = np.array([1.0, passes, drafted])
+        self.gram = self.decay * self.gram + np.outer(x, x)
+        self.moment = self.decay * self.moment + seconds * x
+        self.coef = np.maximum(np.linalg.solve(self.gram + self.ridge * np.eye(3), self.moment), 0.0)
+
+    def predict(self, passes: np.ndarray, drafted: np.ndarray) -> np.ndarray:
+        return np.where(drafted > 0, self.coef[0] + self.coef[1] * passes + self.coef[2] * drafted, 0.0)
+
+
+class Acceptance:
+    """Per-request probability that a draft token is accepted, given the one before it was: accepted tokens over
+    accepted tokens plus rejections, with `prior` pseudo-observations of the drafter's running average."""
+
+    def __init__(self, prior: float = 2.0, decay: float = 0.99, start: float = 0.5):
+        self.prior, self.decay = prior, decay
+        self.accepted: dict[str, float] = {}
+        self.rejected: dict[str, float] = {}
+        self.global_accepted, self.global_rejected = start, 1.0 - start
+
+    def observe(self, request_id: str, drafted: int, accepted: int) -> None:
+        rejected = 1.0 if accepted < drafted else 0.0
+        self.accepted[request_id] = self.accepted.get(request_id, 0.0) + accepted
+        self.rejected[request_id] = self.rejected.get(request_id, 0.0) + rejected
+        self.global_accepted = self.decay * self.global_accepted + accepted
+        self.global_rejected = self.decay * self.global_rejected + rejected
+
+    def rate(self, request_id: str) -> float:
+        mean = self.global_accepted / max(self.global_accepted + self.global_rejected, 1e-9)
+        a, r = self.accepted.get(request_id, 0.0), self.rejected.get(request_id, 0.0)
+        return min((a + self.prior * mean) / (a + r + self.prior), 0.99)
+
+    def remove(self, request_id: str) -> None:
+        self.accepted.pop(request_id, None)
+        self.rejected.pop(request_id, None)
+
+
+def plan(rates: list[float], k: int, base_tokens: int, step: StepCost, draft: DraftCost) -> tuple[list[int], float]:
+    """Draft tokens per request (0..k) maximising expected committed tokens per second,
+    and the predicted step seconds of that plan (engine step only). `base_tokens`: tokens the step computes
+    without drafts (one per decoding request, plus any prefill)."""
+    n = len(rates)
+    if not step.seen.any():  # nothing measured yet: draft fully, and learn what verifying costs
+        return [k] * n, 0.0
+    gains = [(rates[i] ** (j + 1), i) for i in range(n) for j in range(k)]
+    gains.sort(key=lambda g: -g[0])  # per request, gains fall with j, so each request's drafts stay in order
+    drafted = np.arange(len(gains) + 1)
+    counts = [0] * n
+    passes = np.zeros(len(gains) + 1)
+    for p, (_, i) in enumerate(gains, start=1):
+        counts[i] += 1
+        passes[p] = max(passes[p - 1], counts[i])
+    committed = n + np.concatenate([[0.0], np.cumsum([g for g, _ in gains])])
+    engine = step.predict(base_tokens + drafted)
+    seconds = engine + draft.predict(passes, drafted)
+    best = int(np.argmax(committed / np.maximum(seconds, 1e-9)))
+    chosen = [0] * n
+    for _, i in gains[:best]:
+        chosen[i] += 1
+    return chosen, float(engine[best])
+
+
+def relative_error(predicted: float, measured: float) -> float:
+    return abs(predicted - measured) / measured if measured > 0 and math.isfinite(predicted) else 0.0

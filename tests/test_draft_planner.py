@@ -1,0 +1,90 @@
+"""The draft planner (actor/draft_planner.py): it learns the engine's step cost curve and the drafter's cost from
+observations, tracks acceptance per request, and drafts where verifying pays and nowhere else."""
+
+import numpy as np
+import pytest
+
+from actor.draft_planner import Acceptance, DraftCost, StepCost, plan
+
+
+def learned(curve, tokens=range(1, 400)) -> StepCost:
+    cost = StepCost()
+    for _ in range(3):
+        for n in tokens:
+            cost.observe(n, curve(n))
+    return cost
+
+
+def weight_bound(n):  # a step costs about the same up to ~64 tokens (small batches, a big model)
+    return 0.050 + 0.0001 * n
+
+
+def compute_bound(n):  # every token costs a full share of the step
+    return 0.002 + 0.004 * n
+
+
+def test_step_cost_learns_the_curve_and_extrapolates_upwards():
+    cost = learned(lambda n: 0.02 + 0.001 * max(0, n - 16))
+    for n in (1, 10, 16, 40, 100, 300):
+        assert cost.predict(n) == pytest.approx(0.02 + 0.001 * max(0, n - 16), rel=0.15)
+    assert np.all(np.diff(cost.predict(np.arange(1, 2000))) >= 0)  # more tokens never predicted cheaper
+    assert cost.predict(1000) > cost.predict(399) + 0.3  # beyond what it saw: along the trend
+
+
+def test_step_cost_follows_a_changed_machine():
+    cost = learned(weight_bound)
+    for _ in range(30):
+        cost.observe(8, 0.5)
+    assert cost.predict(8) == pytest.approx(0.5, rel=0.05)
+
+
+def test_draft_cost_learns_passes_and_tokens():
+    cost = DraftCost()
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        passes, tokens = int(rng.integers(1, 5)), int(rng.integers(1, 64))
+        cost.observe(passes, tokens, 0.001 + 0.002 * passes + 0.0001 * tokens)
+    assert cost.predict(np.array([4]), np.array([40]))[0] == pytest.approx(0.001 + 0.008 + 0.004, rel=0.02)
+    assert cost.predict(np.array([0]), np.array([0]))[0] == 0.0  # no drafts, no drafting cost
+
+
+def test_acceptance_per_request_shrinks_towards_the_drafter_average():
+    acc = Acceptance()
+    for _ in range(50):
+        acc.observe("good", 4, 4)
+        acc.observe("bad", 4, 0)
+    assert acc.rate("good") > 0.9 and acc.rate("bad") < 0.1
+    assert 0.1 < acc.rate("new") < 0.9  # never seen: the average over every request
+    acc.remove("good")
+    assert acc.rate("good") == acc.rate("new")
+
+
+def test_plan_drafts_fully_where_verifying_is_nearly_free():
+    drafts, predicted = plan([0.8] * 4, 4, 4, learned(weight_bound), DraftCost())
+    assert drafts == [4, 4, 4, 4]
+    assert predicted == pytest.approx(weight_bound(20), rel=0.15)
+
+
+def test_plan_does_not_draft_where_every_token_costs_a_step_share():
+    drafts, _ = plan([0.6] * 32, 4, 32, learned(compute_bound), DraftCost())
+    assert drafts == [0] * 32
+
+
+def test_plan_gives_drafts_to_requests_that_accept_them():
+    # a mid curve: some drafting pays, so it goes to the requests with the best acceptance
+    drafts, _ = plan([0.95, 0.2, 0.9, 0.05], 4, 4, learned(lambda n: 0.01 + 0.001 * n), DraftCost())
+    assert drafts[0] > 0 and drafts[2] > 0 and drafts[1] <= min(drafts[0], drafts[2]) and drafts[3] == 0
+
+
+def test_plan_counts_the_drafting_cost():
+    expensive = DraftCost()
+    for passes in range(1, 5):
+        for tokens in (1, 8, 32):
+            expensive.observe(passes, tokens, 0.2 * passes)  # each draft pass costs four engine steps
+    drafts, _ = plan([0.8] * 4, 4, 4, learned(weight_bound), expensive)
+    assert drafts == [0, 0, 0, 0]
+
+
+def test_plan_before_any_measurement_drafts_everything_it_may():
+    assert plan([0.5, 0.01], 3, 2, StepCost(), DraftCost())[0] == [3, 3]
+    assert plan([], 4, 0, StepCost(), DraftCost())[0] == []

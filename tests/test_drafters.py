@@ -1,0 +1,81 @@
+"""The built-in drafters' mechanics beyond the plugin contract: the draft LM's batched slot-cache forward gives the
+Hugging Face model's own logits, whatever the batch, chunking and rollbacks; the incremental n-gram index proposes
+exactly what a scan of the whole history would."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from drafters.base import DraftRequest
+from drafters.draft_lm import DraftLM, _State
+from drafters.ngram import NgramDrafter
+
+
+@pytest.fixture(scope="module")
+def draft_lm():
+    return DraftLM()
+
+
+def reference_logits(drafter: DraftLM, history: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return drafter.model(input_ids=torch.tensor([history])).logits[0, -1].float()
+
+
+def test_batched_forward_matches_the_model_over_chunks_and_rollbacks(draft_lm):
+    rng = random.Random(1)
+    vocab = draft_lm.model.config.vocab_size
+    histories = [[rng.randrange(vocab) for _ in range(rng.randrange(2, 90))] for _ in range(6)]
+    states = [_State(draft_lm.cache.take()) for _ in histories]
+    with torch.inference_mode():
+        cut = [rng.randrange(1, len(h)) for h in histories]  # ragged chunks in one batch
+        draft_lm._forward(states, [h[:c] for h, c in zip(histories, cut)])
+        logits = draft_lm._forward(states, [h[c:] for h, c in zip(histories, cut)])
+    for row, history in zip(logits, histories):
+        torch.testing.assert_close(row, reference_logits(draft_lm, history), atol=2e-5, rtol=1e-4)
+    for state in states:
+        draft_lm.cache.give_back(state.slot)
+
+
+def test_proposals_follow_rejections_and_honour_per_request_budgets(draft_lm):
+    rng = random.Random(2)
+    vocab = draft_lm.model.config.vocab_size
+    history = [rng.randrange(vocab) for _ in range(30)]
+    req = lambda h, **kw: DraftRequest("a", seed=3, position=len(h) - 10, token_ids=h, temperature=1.0, **kw)  # noqa
+    first = draft_lm.propose([req(history)], 4)[0]
+    kept = history + first[:1] + [(first[1] + 1) % vocab]  # the verifier took one draft, then its own token
+    # a view of an engine-like buffer, as the bridge passes it: answers as a fresh drafter on the same history
+    buffer = np.array(kept + [0] * 8)
+    again = draft_lm.propose([req(buffer[: len(kept)], max_tokens=2)], 4)[0]
+    draft_lm.remove("a")
+    assert len(again) == 2 and again == draft_lm.propose([req(kept)], 2)[0]
+    slots = len(draft_lm.cache.free)
+    draft_lm.remove("a")
+    assert len(draft_lm.cache.free) == slots + 1  # the slot goes back; a second remove is a no-op
+    draft_lm.remove("a")
+    assert len(draft_lm.cache.free) == slots + 1
+
+
+def scan(history: list[int], k: int, min_n: int = 2, max_n: int = 4) -> list[int]:
+    """The definition: the longest n-gram ending the history, at its latest earlier occurrence."""
+    for n in range(min(max_n, len(history) - 1), min_n - 1, -1):
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start : start + n] == history[-n:]:
+                return history[start + n : start + n + k]
+    return []
+
+
+def test_incremental_ngram_equals_a_scan_of_the_history():
+    rng = random.Random(0)
+    drafter = NgramDrafter()
+    for trial in range(20):
+        history = [rng.randrange(6) for _ in range(rng.randrange(1, 12))]  # small vocabulary: many repeats
+        rid = f"r{trial}"
+        for _ in range(30):
+            request = DraftRequest(rid, seed=0, position=0, token_ids=history)
+            assert drafter.propose([request], 4) == [scan(history, 4)]
+            committed = [rng.randrange(6) for _ in range(rng.randrange(1, 5))]
+            drafter.commit(rid, committed)
+            history = history + committed
+        drafter.remove(rid)
