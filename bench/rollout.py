@@ -15,8 +15,9 @@ The target is a cost-padded copy of the trained policy (bench/padded_target.py).
 its own in the same repeat, with a 95% t-interval of that paired ratio (`vllm` samples other tokens, so compare it
 with vanilla in tokens/s). The JSON also holds the workload's shape
 (length quantiles, the share of the makespan taken by the last 10% of requests, running batch over time), a
-per-step profile (engine forward + scheduler, coupled sampler, drafter bridge, drafter) and, for `--sweep`, the
-speed-up at fixed batch sizes; a PNG sits beside it, the engines' logs in the same name with .log.
+per-step profile (engine forward + scheduler, coupled sampler, drafter bridge, drafter), the draft planner's
+choices (tokens allowed per request and step, its relative error on step seconds) and the speed-up at fixed batch
+sizes (the sweep: the preset's hardest prompt, `SWEEP_TOKENS` tokens per request); a PNG sits beside it, the engines' logs in the same name with .log.
 """
 
 from __future__ import annotations
@@ -146,13 +147,14 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
                                   "cost_error": round(sum(c.cost_error for c in counts) / planned, 3)}
         run.update(steps=steps, verify_steps=verify, tokens=sum(len(t) for t in run["sequences"]),
                    acceptance_length=round((accepted + verify) / verify, 3) if verify else 1.0)
-        if sweep:  # fixed-length requests at each concurrency, seeded, EOS ignored
+        if sweep:  # equal-length requests at each concurrency: the hardest prompt (its answers run far longer than
+            # SWEEP_TOKENS), other seeds, cut at SWEEP_TOKENS; real text, not the noise past an ignored EOS
             run["sweep_s"] = {}
+            hardest = prompt_ids[-1]
             for size in sweep:
-                fixed = [SamplingParams(seed=7_000 + i, temperature=TEMPERATURE, max_tokens=SWEEP_TOKENS,
-                                        ignore_eos=True) for i in range(size)]
-                cycled = [prompt_ids[i % len(prompt_ids)] for i in range(size)]
-                run["sweep_s"][size] = generate(llm, cycled, fixed)["makespan_s"]
+                fixed = [SamplingParams(seed=7_000 + i, temperature=TEMPERATURE, max_tokens=SWEEP_TOKENS)
+                         for i in range(size)]
+                run["sweep_s"][size] = generate(llm, [hardest] * size, fixed)["makespan_s"]
         return run
     finally:
         close_engine(llm)

@@ -25,6 +25,8 @@ def test_smoke_benchmark_writes_json_and_png(tmp_path, capsys):
     # the oracle drafts vanilla's own tokens: nearly every draft accepted (k + 1 = 5 tokens per verify step)
     assert systems["oracle"]["acceptance_length"] > 4.5
     assert set(systems["specactor"]["profile_ms_per_step"]) == {"sampler", "bridge", "drafter", "engine"}
+    assert 0 <= systems["specactor"]["planner"]["planned_tokens"] <= 4  # the planner's choices are reported
+    assert systems["oracle"]["planner"]["planned_tokens"] > 3  # every draft accepted: it drafts nearly always
     assert 0 < result["workload"]["tail_share_last_10pct"] < 1 and result["workload"]["max_over_median"] > 1
     assert set(result["sweep"]) == {"1", "16"} and "share_of_oracle_speedup" in result
     assert result["config"]["target_params"] > 50_000_000 and "cost-padded" in result["config"]["target"]
