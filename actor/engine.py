@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from configs.schema import Device
 
@@ -65,8 +65,10 @@ def make_engine(cfg: DictConfig, model_dir: Path):
     quiet_expected("vllm.config.speculative", "Using a custom class-based proposer backend")
     quiet_expected("vllm.v1.sample.logits_processor", "min_p and logit_bias parameters won't work")
     llm = LLM(**engine_kwargs(cfg, model_dir))
-    method = cfg.speculation.method
-    llm.collective_rpc(install, args=(None if method == "none" else method, dict(cfg.speculation.options),
+    method, options = cfg.speculation.method, OmegaConf.to_container(cfg.speculation.options)
+    if method == "fastest_of_n":
+        options = {"drafters": list(cfg.speculation.drafters), "options": options}
+    llm.collective_rpc(install, args=(None if method == "none" else method, options,
                                       cfg.speculation.max_batch, cfg.speculation.planner))
     llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=1, seed=0), use_tqdm=False)
     check_coupled(llm)

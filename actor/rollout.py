@@ -154,7 +154,7 @@ class RolloutActor:
                 sample.prompt_ids, ids, logprobs, sample.versions, score(completion.text, problem.answer).reward,
                 completion.finish_reason or "length", time.time() - sample.start, spec.verify_steps,
                 spec.draft_tokens, spec.accepted_tokens, spec.draft_seconds, spec.planned_steps,
-                spec.planned_tokens, spec.cost_error,
+                spec.planned_tokens, spec.cost_error, spec.choices,
             ))
             for key in ("verify_steps", "draft_tokens", "accepted_tokens", "invalid_drafts"):
                 self.stats[key] += getattr(spec, key)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import operator
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,7 @@ class SpecCounts:
     planned_steps: int = 0  # decode steps the draft planner decided for it (drafting or not)
     planned_tokens: int = 0  # draft tokens the planner allowed it over those steps
     cost_error: float = 0.0  # sum over those steps of the planner's relative error on the step's engine seconds
+    choices: dict[str, int] = field(default_factory=dict)  # draft steps per source, for composite drafters
 
 
 def caller_id(req_id: str) -> str:
@@ -264,8 +265,8 @@ class DrafterBridge:
         if len(proposals) != len(requests):
             raise RuntimeError(f"drafter {type(self.drafter).__name__} returned {len(proposals)} proposals for "
                                f"{len(requests)} requests (drafters/base.py: one list per request)")
-        sampler = self.runner._sample
-        for (row, request), proposal in zip(requests, proposals):
+        sampler, sources = self.runner._sample, self.drafter.sources()
+        for j, ((row, request), proposal) in enumerate(zip(requests, proposals)):
             counts = sampler.counts_for(request.request_id)
             counts.draft_seconds += elapsed / len(requests)
             valid = token_ids_within(proposal[: request.max_tokens], self.vocab_size)
@@ -274,6 +275,8 @@ class DrafterBridge:
             elif valid:
                 drafts[row] = valid
                 self.planned[request.request_id] = len(valid)
+                if sources:
+                    counts.choices[sources[j]] = counts.choices.get(sources[j], 0) + 1
         passes = max(len(d) for d in drafts)
         self.draft_cost.observe(passes, sum(len(d) for d in drafts), elapsed)
 

@@ -9,7 +9,8 @@ Systems (fixed before the run; `specactor` is the configured default, never the 
 - `oracle`: coupled speculation with a drafter that replays vanilla's tokens at no cost (same planner): the
   ceiling here;
 - `specactor`: coupled speculation as configured by default (draft LM, the cost-model draft planner);
-- `specactor_ngram`: the same with the n-gram drafter (listed, not chosen).
+- `specactor_ngram`, `specactor_suffix`, `specactor_fastest`: the same with the n-gram drafter, the history
+  (suffix) drafter, fastest-of-N over suffix and the draft LM (listed, not chosen).
 The target is a cost-padded copy of the trained policy (bench/padded_target.py). Every repeat runs every system
 (vanilla first, then a rotating order); a system's speed-up is the median over repeats of vanilla's makespan over
 its own in the same repeat, with a 95% t-interval of that paired ratio (`vllm` samples other tokens, so compare it
@@ -43,9 +44,11 @@ PRESETS = {
                      sweep=[1, 2, 4, 8, 16, 32, 64, 128]),
 }
 TARGET = dict(zero_layers=16, num_heads=32, intermediate_size=8192)
-SYSTEMS = ["vllm", "vanilla", "vllm_spec_draft", "vllm_spec_ngram", "oracle", "specactor", "specactor_ngram"]
+SYSTEMS = ["vllm", "vanilla", "vllm_spec_draft", "vllm_spec_ngram", "oracle", "specactor", "specactor_ngram",
+           "specactor_suffix", "specactor_fastest"]
 COUPLED = {"vanilla": "none", "oracle": "bench.oracle.OracleDrafter", "specactor": "draft_lm",
-           "specactor_ngram": "ngram"}
+           "specactor_ngram": "ngram", "specactor_suffix": "suffix", "specactor_fastest": "fastest_of_n"}
+FASTEST_OF = "[suffix,draft_lm]"  # specactor_fastest's members
 SPECULATIVE_TOKENS = 4
 TEMPERATURE = 1.0  # GRPO samples at T = 1
 SWEEP_TOKENS = 64
@@ -79,6 +82,8 @@ def make_llm(name: str, target: Path, draft: Path, oracle: Path | None):
         overrides.append(f"speculation.method={COUPLED[name]}")
         if name == "oracle":
             overrides.append(f"speculation.options.path={oracle}")
+        if name == "specactor_fastest":
+            overrides.append(f"speculation.drafters={FASTEST_OF}")
         return make_engine(load_config("grpo_tiny", overrides), target)
     kwargs = engine_kwargs(load_config("grpo_tiny", overrides), target)
     if name == "vllm_spec_draft":
@@ -145,6 +150,12 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
             if planned:  # the draft planner: tokens it allowed per request and step, its error on step seconds
                 run["planner"] = {"planned_tokens": round(sum(c.planned_tokens for c in counts) / planned, 3),
                                   "cost_error": round(sum(c.cost_error for c in counts) / planned, 3)}
+            choices = {}
+            for c in counts:
+                for source, n in c.choices.items():
+                    choices[source] = choices.get(source, 0) + n
+            if choices:  # a composite drafter: the share of draft steps each member drafted
+                run["choice_shares"] = {s: round(n / sum(choices.values()), 3) for s, n in sorted(choices.items())}
         run.update(steps=steps, verify_steps=verify, tokens=sum(len(t) for t in run["sequences"]),
                    acceptance_length=round((accepted + verify) / verify, 3) if verify else 1.0)
         if sweep:  # equal-length requests at each concurrency: the hardest prompt (its answers run far longer than
@@ -272,7 +283,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "makespans_s": [round(m, 3) for m in makespans], **paired(vanilla_s, makespans),
                          "tokens": first["tokens"], "acceptance_length": first["acceptance_length"],
                          "verify_steps": first["verify_steps"], "engine_steps": first["steps"]}
-        for key in ("profile_ms_per_step", "planner"):
+        for key in ("profile_ms_per_step", "planner", "choice_shares"):
             if key in first:
                 systems[name][key] = first[key]
         if name in ("vanilla", "oracle", "specactor"):

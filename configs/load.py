@@ -133,14 +133,29 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
 
 
 def _check_drafter(path: Path, spec: DictConfig) -> None:
+    if spec.drafters and spec.method != "fastest_of_n":
+        raise ConfigError(f"{path}: key 'speculation.drafters' is read by method fastest_of_n only "
+                          f"(method is {spec.method!r})")
     if spec.method == "none":
         return
-    try:
-        drafter_class(spec.method)
-    except DrafterLoadError as e:
-        raise ConfigError(f"{path}: key 'speculation.method': {e}") from None
-    if spec.method == "draft_lm":
-        _check_model(path, "speculation.options.model", spec.options.get("model", "builtin:draft"))
+    members = {spec.method: spec.options}
+    if spec.method == "fastest_of_n":
+        if len(spec.drafters) < 2 or len(set(spec.drafters)) != len(spec.drafters):
+            raise ConfigError(f"{path}: key 'speculation.drafters' = {list(spec.drafters)}: fastest_of_n needs two or "
+                              "more distinct drafters")
+        unknown = set(spec.options) - set(spec.drafters)
+        if unknown:
+            raise ConfigError(f"{path}: key 'speculation.options': {sorted(unknown)} not among speculation.drafters")
+        members = {name: spec.options.get(name, {}) for name in spec.drafters}
+    for name, options in members.items():
+        key = "speculation.method" if name == spec.method else "speculation.drafters"
+        try:
+            drafter_class(name)
+        except DrafterLoadError as e:
+            raise ConfigError(f"{path}: key '{key}': {e}") from None
+        if name == "draft_lm":
+            prefix = "speculation.options" if name == spec.method else "speculation.options.draft_lm"
+            _check_model(path, f"{prefix}.model", options.get("model", "builtin:draft"))
 
 
 def _check_model(path: Path, key: str, spec: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
@@ -84,6 +84,8 @@ class SpeculationConfig:
     planner: bool = True
     max_batch: int = 0  # optional bound: never draft while more than this many requests run (0: no bound)
     options: Dict[str, Any] = field(default_factory=dict)  # keyword arguments of the drafter's constructor
+    # method fastest_of_n only: its members (names as for `method`); `options` then maps a member to its arguments
+    drafters: List[str] = field(default_factory=list)
 
 
 @dataclass

@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
-BUILTIN = {"ngram": "drafters.ngram.NgramDrafter", "draft_lm": "drafters.draft_lm.DraftLM"}
+BUILTIN = {"ngram": "drafters.ngram.NgramDrafter", "draft_lm": "drafters.draft_lm.DraftLM",
+           "suffix": "drafters.suffix.SuffixDrafter", "fastest_of_n": "drafters.fastest_of_n.FastestOfN"}
 ENTRY_POINT_GROUP = "specactor.drafters"
 
 
@@ -52,6 +53,11 @@ class Drafter(ABC):
     @abstractmethod
     def remove(self, request_id: str) -> None:
         """The request finished or was aborted; drop its state."""
+
+    def sources(self) -> list[str] | None:
+        """Optional: for the last `propose` call, the name of what drafted each request (a composite drafter's
+        member), reported as choice shares (`spec/choice/<name>`). None: this drafter itself."""
+        return None
 
 
 class DrafterLoadError(ValueError):

@@ -137,11 +137,11 @@ class DraftLM(Drafter):
         hidden = inner.embed_tokens(ids)
         cos, sin = inner.rotary_emb(hidden, positions)
         for layer, keys, values in zip(inner.layers, self.cache.keys, self.cache.values):
-            attn, x = layer.self_attn, layer.input_layernorm(hidden)
+            attn, x = layer.self_attn, _norm(layer.input_layernorm, hidden)
             shape = (m, q, -1, self.head_dim)
             query, key, value = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
             if hasattr(attn, "q_norm"):
-                query, key = attn.q_norm(query), attn.k_norm(key)
+                query, key = _norm(attn.q_norm, query), _norm(attn.k_norm, key)
             query, key = self.rotate(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
             keys[slots[rows], positions[rows, cols]] = key.transpose(1, 2)[rows, cols]
             values[slots[rows], positions[rows, cols]] = value[rows, cols]
@@ -149,10 +149,10 @@ class DraftLM(Drafter):
                 query, keys[slots, :span].transpose(1, 2), values[slots, :span].transpose(1, 2), attn_mask=mask,
                 scale=attn.scaling, enable_gqa=True)
             hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(m, q, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + layer.mlp(_norm(layer.post_attention_layernorm, hidden))
         for state, chunk in zip(states, chunks):
             state.fed.extend(chunk)
-        last = inner.norm(hidden[torch.arange(m), lengths - 1])
+        last = _norm(inner.norm, hidden[torch.arange(m), lengths - 1])
         return self.model.lm_head(last).float()
 
     def commit(self, request_id: str, committed: list[int]) -> None:
@@ -162,3 +162,8 @@ class DraftLM(Drafter):
         state = self.states.pop(request_id, None)
         if state is not None:
             self.cache.give_back(state.slot)
+
+
+def _norm(module, x: torch.Tensor) -> torch.Tensor:
+    """The model's RMSNorm as one fused op (the module's eager form is seven small ones per call)."""
+    return F.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)

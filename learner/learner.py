@@ -184,6 +184,12 @@ class Learner:
         if planned_steps:  # the draft planner's choices: tokens allowed per request and step, its step-cost error
             metrics["spec/planned_tokens"] = sum(t.planned_tokens for t in trajectories) / planned_steps
             metrics["spec/planner_cost_error"] = sum(t.cost_error for t in trajectories) / planned_steps
+        choices: dict[str, int] = {}
+        for t in trajectories:
+            for source, n in t.drafter_choices.items():
+                choices[source] = choices.get(source, 0) + n
+        for source, n in choices.items():  # which member of a composite drafter drafted, as shares of draft steps
+            metrics[f"spec/choice/{source.rsplit('.', 1)[-1]}"] = n / sum(choices.values())
         if self.cfg.speculation.method != "none":  # per drafter, so drafters can be compared across runs
             name = self.cfg.speculation.method.rsplit(".", 1)[-1]
             metrics.update({f"spec/{name}/acceptance_length": metrics["spec/acceptance_length"],

@@ -118,5 +118,21 @@ def test_resume_from_must_name_a_checkpoint_that_is_behind_trainer_steps(tmp_pat
 def test_speculation_method_must_name_a_drafter():
     with pytest.raises(ConfigError, match="speculation.method.*no_such"):
         load_config("grpo_tiny", ["speculation.method=no_such"])
-    with pytest.raises(ConfigError, match="speculation.options.model"):
-        load_config("grpo_tiny", ["speculation.method=draft_lm", "+speculation.options.model=/nowhere"])
+    with pytest.raises(ConfigError, match="key .speculation.options.model. = ./nowhere. is not a Hugging Face"):
+        load_config("grpo_tiny", ["speculation.method=draft_lm", "speculation.options.model=/nowhere"])
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["speculation.method=fastest_of_n", "speculation.drafters=[suffix]"], "two or more distinct"),
+    (["speculation.method=fastest_of_n", "speculation.drafters=[suffix,no_such]"], "speculation.drafters.*no_such"),
+    (["speculation.method=fastest_of_n", "speculation.drafters=[suffix,draft_lm]",
+      "speculation.options.draft_lm.model=/nowhere"], "speculation.options.draft_lm.model"),
+    (["speculation.method=fastest_of_n", "speculation.drafters=[suffix,ngram]",
+      "speculation.options.draft_lm.model=builtin:draft"],
+     "not among speculation.drafters"),
+    (["speculation.method=draft_lm", "speculation.drafters=[suffix,ngram]"], "fastest_of_n only"),
+])
+def test_fastest_of_n_members_are_checked_at_load(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config("grpo_tiny", overrides)
+    assert load_config("grpo_tiny", ["speculation.method=fastest_of_n", "speculation.drafters=[suffix,draft_lm]"])

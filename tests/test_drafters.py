@@ -11,6 +11,7 @@ import torch
 from drafters.base import DraftRequest
 from drafters.draft_lm import DraftLM, _State
 from drafters.ngram import NgramDrafter
+from drafters.suffix import SuffixDrafter
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +80,52 @@ def test_incremental_ngram_equals_a_scan_of_the_history():
             drafter.commit(rid, committed)
             history = history + committed
         drafter.remove(rid)
+
+
+PROMPT = [40, 41, 42, 43]
+
+
+def req(rid: str, output: list[int], **kw) -> DraftRequest:
+    return DraftRequest(rid, seed=0, position=len(output), token_ids=PROMPT + output, **kw)
+
+
+def test_suffix_drafts_from_siblings_without_interleaving_them():
+    drafter = SuffixDrafter(min_n=2)
+    drafter.propose([req("a", [1, 2, 3, 4, 5]), req("b", [9, 2, 7, 7, 7])], 4)
+    # c's tail (1, 2) continues as in a; (9, 2) as in b: contexts never cross from one sibling into another
+    assert drafter.propose([req("c", [1, 2])], 4) == [[3, 4, 5]]
+    assert drafter.propose([req("d", [9, 2])], 4) == [[7, 7, 7, 7]]  # (7, 7) was followed by 7
+    assert drafter.propose([DraftRequest("e", 0, 2, [50, 51, 1, 2])], 4) == [[]]  # another prompt: nothing known
+
+
+def test_suffix_draft_length_follows_the_history_agreement():
+    drafter = SuffixDrafter(min_n=1, min_share=0.6)
+    drafter.propose([req("a", [1, 2, 3, 4]), req("b", [1, 2, 3, 8]), req("c", [1, 2, 3, 4])], 4)
+    assert drafter.propose([req("d", [1])], 4) == [[2, 3, 4]]  # 4 follows (2, 3) in 2 of 3 siblings: kept
+    strict = SuffixDrafter(min_n=1, min_share=0.7)
+    strict.propose([req("a", [1, 2, 3, 4]), req("b", [1, 2, 3, 8]), req("c", [1, 2, 3, 4])], 4)
+    assert strict.propose([req("d", [1])], 4) == [[2, 3]]  # 2 of 3 is not sure enough: the draft stops there
+
+
+def test_suffix_keeps_finished_outputs_of_a_prompt_within_its_bounds():
+    drafter = SuffixDrafter(max_sequences=1, max_prompts=2)
+    drafter.propose([req("a", [1, 2, 3, 4])], 4)
+    drafter.remove("a")  # finished: still the prompt's history
+    assert drafter.propose([req("b", [1, 2])], 4) == [[3, 4]]
+    drafter.commit("b", [5, 6])
+    drafter.remove("b")  # one finished output per prompt is kept: a's goes
+    assert drafter.propose([req("c", [9, 1, 2])], 4) == [[5, 6]]
+    drafter.remove("c")
+    for i in range(3):  # other prompts push the least recently used out
+        drafter.propose([DraftRequest(f"x{i}", 0, 1, [60 + i, 61 + i, 1])], 4)
+        drafter.remove(f"x{i}")
+    assert len(drafter.prompts) <= 2 and tuple(PROMPT) not in drafter.prompts
+
+
+def test_suffix_counts_after_a_rebuild_equal_a_fresh_drafters():
+    drafter, fresh = SuffixDrafter(), SuffixDrafter()
+    drafter.propose([req("a", [1, 2, 3])], 4)
+    drafter.commit("a", [4, 5])
+    drafter.propose([req("a", [1, 2, 9])], 4)  # the engine shows another history for "a" (e.g. recomputed)
+    fresh.propose([req("a", [1, 2, 9])], 4)
+    assert drafter.prompts[tuple(PROMPT)].counts == fresh.prompts[tuple(PROMPT)].counts

@@ -12,13 +12,15 @@ from tasks.arithmetic import ArithmeticTask
 
 SETTINGS = [(0.0, 1.0), (0.7, 0.9), (1.0, 1.0)]  # (temperature, top_p)
 PROMPTS = 12  # per setting
-DRAFTERS = ["ngram", "draft_lm", "examples.drafters.bigram.BigramDrafter"]
+DRAFTERS = {"ngram": [], "draft_lm": [], "suffix": [], "examples.drafters.bigram.BigramDrafter": [],
+            "fastest_of_n": ["speculation.drafters=[suffix,draft_lm]"]}  # drafter -> the overrides it needs
 
 
 def rollouts(method: str) -> tuple[list, dict]:
     from vllm import SamplingParams
 
-    cfg = load_config("grpo_tiny", [f"speculation.method={method}", "speculation.num_speculative_tokens=4"])
+    cfg = load_config("grpo_tiny", [f"speculation.method={method}", "speculation.num_speculative_tokens=4",
+                                    *DRAFTERS.get(method, [])])
     llm = make_engine(cfg, resolve("builtin:dense"))
     try:
         task = ArithmeticTask(seed=3)

@@ -38,6 +38,7 @@ class Trajectory(msgspec.Struct, tag="trajectory", frozen=True):
     planned_steps: int = 0  # decode steps the draft planner decided for it (drafting or not)
     planned_tokens: int = 0  # draft tokens the planner allowed it over those steps
     cost_error: float = 0.0  # sum over those steps of the planner's relative error on the engine step's seconds
+    drafter_choices: dict[str, int] = {}  # draft steps per member of a composite drafter (fastest_of_n)
 
 
 class TensorSpec(msgspec.Struct, frozen=True):

@@ -9,7 +9,8 @@ import pytest
 from drafters.base import Drafter, DrafterLoadError, DraftRequest, drafter_class, load_drafter
 from models.zoo import resolve
 
-DRAFTERS = ["ngram", "draft_lm", "examples.drafters.bigram.BigramDrafter"]
+DRAFTERS = ["ngram", "draft_lm", "suffix", "fastest_of_n", "examples.drafters.bigram.BigramDrafter"]
+OPTIONS = {"fastest_of_n": {"drafters": ["suffix", "draft_lm"]}}  # constructor arguments where one is required
 K = 4
 VOCAB = json.loads((resolve("builtin:draft") / "config.json").read_text())["vocab_size"]  # the built-in models'
 
@@ -28,7 +29,7 @@ def histories(n: int, length: int = 40) -> list[list[int]]:
 
 @pytest.fixture(params=DRAFTERS, scope="module")
 def make(request):
-    return lambda: load_drafter(request.param, {})
+    return lambda: load_drafter(request.param, OPTIONS.get(request.param, {}))
 
 
 def check_shape(proposals, requests, k=K):

@@ -1,0 +1,134 @@
+"""History drafting (after SuffixDecoding and DAS): GRPO samples every prompt G times per step and again every
+epoch, so what the policy wrote for the same prompt (the group's live siblings, and the prompt's earlier outputs)
+is the best draft source there is.
+
+Per prompt, a table from every context (the last 1..max_n tokens of one sequence) to the counts of the token that
+followed it, over the prompt, each live sibling's output and the last `max_sequences` finished outputs; every
+sequence is counted on its own, so two siblings never interleave into one. A proposal walks the table: at each
+step the longest known context of the request's own tail, its most frequent next token, while that token's share
+of the context's counts is at least `min_share` (so drafts are as long as the history is sure). Work per proposal
+is O(k * max_n), per committed token O(max_n). Memory is bounded: `max_sequences` finished outputs per prompt, and
+the least recently used prompts beyond `max_prompts` are forgotten. State is a cache of what the engine showed
+this drafter: a replacement actor starts empty and learns from what comes next, and trajectories never depend on
+it (the coupled sampler decides every token)."""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+
+from drafters.base import Drafter, DraftRequest
+
+
+@dataclass
+class _Prompt:
+    counts: dict[tuple[int, ...], Counter] = field(default_factory=dict)
+    past: deque = field(default_factory=deque)  # finished sequences (prompt + output), oldest first
+    live: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Sequence:
+    prompt: tuple[int, ...]
+    tokens: list[int]  # prompt followed by the committed output
+
+
+class SuffixDrafter(Drafter):
+    def __init__(self, max_n: int = 8, min_n: int = 2, min_share: float = 0.3, max_sequences: int = 32,
+                 max_prompts: int = 512):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"SuffixDrafter: need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        if not 0 < min_share <= 1 or max_sequences < 0 or max_prompts < 1:
+            raise ValueError("SuffixDrafter: need 0 < min_share <= 1, max_sequences >= 0 and max_prompts >= 1")
+        self.max_n, self.min_n, self.min_share = max_n, min_n, min_share
+        self.max_sequences, self.max_prompts = max_sequences, max_prompts
+        self.prompts: OrderedDict[tuple[int, ...], _Prompt] = OrderedDict()
+        self.sequences: dict[str, _Sequence] = {}
+
+    def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
+        sequences = [self._sync(r) for r in requests]  # every request first, so none sees a sibling half-synced
+        return [self._walk(s, k if r.max_tokens is None else min(k, r.max_tokens)) for s, r in zip(sequences, requests)]
+
+    def commit(self, request_id: str, committed: list[int]) -> None:
+        sequence = self.sequences.get(request_id)
+        if sequence is not None:
+            start = len(sequence.tokens)
+            sequence.tokens.extend(int(t) for t in committed)
+            self._count(sequence, start, +1)
+
+    def remove(self, request_id: str) -> None:
+        """A finished request's output stays as history of its prompt (the newest `max_sequences`)."""
+        sequence = self.sequences.pop(request_id, None)
+        if sequence is None:
+            return
+        entry = self.prompts.get(sequence.prompt)
+        if entry is None:
+            return
+        entry.live.discard(request_id)
+        entry.past.append(sequence)
+        while len(entry.past) > self.max_sequences:
+            self._count(entry.past.popleft(), None, -1)
+
+    def _sync(self, request: DraftRequest) -> _Sequence:
+        history, rid = request.token_ids, request.request_id
+        prompt_len = len(history) - request.position
+        sequence = self.sequences.get(rid)
+        if (sequence is None or len(sequence.tokens) != len(history) or len(sequence.prompt) != prompt_len
+                or (len(history) and sequence.tokens[-1] != int(history[-1]))):
+            if sequence is not None:  # not the history we counted: take its counts back and start over
+                self._count(sequence, None, -1)
+                self.prompts[sequence.prompt].live.discard(rid)
+            tokens = [int(t) for t in history]
+            sequence = self.sequences[rid] = _Sequence(tuple(tokens[:prompt_len]), tokens)
+            entry = self._prompt(sequence.prompt)
+            entry.live.add(rid)
+            self._count(sequence, None, +1)
+        self.prompts.move_to_end(sequence.prompt)
+        return sequence
+
+    def _prompt(self, prompt: tuple[int, ...]) -> _Prompt:
+        entry = self.prompts.get(prompt)
+        if entry is None:
+            entry = self.prompts[prompt] = _Prompt()
+            self._add(entry, list(prompt), 1, len(prompt), +1)  # the prompt's own n-grams, once for all samples
+            for old in [p for p, e in self.prompts.items() if not e.live and p != prompt]:
+                if len(self.prompts) <= self.max_prompts:
+                    break
+                del self.prompts[old]  # least recently used first
+        return entry
+
+    def _count(self, sequence: _Sequence, start: int | None, sign: int) -> None:
+        """Adds (+1) or takes back (-1) the output tokens of `sequence` from position `start` (None: all)."""
+        entry = self.prompts.get(sequence.prompt)
+        if entry is not None:
+            first = len(sequence.prompt) if start is None else start
+            self._add(entry, sequence.tokens, max(first, 1), len(sequence.tokens), sign)
+
+    def _add(self, entry: _Prompt, tokens: list[int], first: int, end: int, sign: int) -> None:
+        for i in range(first, end):
+            for n in range(1, min(self.max_n, i) + 1):
+                context = tuple(tokens[i - n : i])
+                counts = entry.counts.get(context)
+                if counts is None:
+                    counts = entry.counts[context] = Counter()
+                counts[tokens[i]] += sign
+                if counts[tokens[i]] <= 0:
+                    del counts[tokens[i]]
+                    if not counts:
+                        del entry.counts[context]
+
+    def _walk(self, sequence: _Sequence, k: int) -> list[int]:
+        entry, tail, drafts = self.prompts[sequence.prompt], sequence.tokens[-self.max_n :], []
+        while len(drafts) < k:
+            for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
+                counts = entry.counts.get(tuple(tail[-n:]))
+                if counts:
+                    break
+            else:
+                break
+            token, count = max(counts.items(), key=lambda tc: (tc[1], -tc[0]))  # ties: the smaller id, stably
+            if count < self.min_share * sum(counts.values()):
+                break
+            drafts.append(token)
+            tail = tail[1:] + [token] if len(tail) >= self.max_n else tail + [token]
+        return drafts

@@ -1,0 +1,71 @@
+"""Fastest-of-N (drafters/fastest_of_n.py): per request, the member whose proposals the verifier's committed tokens
+agree with, scored counterfactually for every member on every step, with their costs charged."""
+
+import pytest
+
+from drafters.base import Drafter, DraftRequest
+from drafters.fastest_of_n import FastestOfN, agreement
+
+
+class Ones(Drafter):
+    def propose(self, requests, k):
+        return [[1] * k for _ in requests]
+
+    def commit(self, request_id, committed):
+        pass
+
+    def remove(self, request_id):
+        pass
+
+
+class Twos(Ones):
+    def propose(self, requests, k):
+        return [[2] * k for _ in requests]
+
+
+MEMBERS = ["test_fastest_of_n.Ones", "test_fastest_of_n.Twos"]
+
+
+def request(rid: str) -> DraftRequest:
+    return DraftRequest(rid, seed=0, position=0, token_ids=[5, 6])
+
+
+def test_agreement_counts_the_common_prefix():
+    assert agreement([1, 2, 3], [1, 2, 4, 5]) == 2 and agreement([], [1]) == 0 and agreement([1, 2], [1, 2, 3]) == 2
+
+
+def test_each_request_gets_the_member_its_committed_tokens_agree_with():
+    fon = FastestOfN(MEMBERS)
+    for _ in range(4):  # the verifier commits 1s for "a" and 2s for "b", whichever member drafted
+        fon.propose([request("a"), request("b")], 4)
+        fon.commit("a", [1, 1, 1])
+        fon.commit("b", [2, 2, 2])
+    assert fon.propose([request("a"), request("b")], 4) == [[1, 1, 1, 1], [2, 2, 2, 2]]
+    assert set(fon.sources()) == {"test_fastest_of_n.Ones", "test_fastest_of_n.Twos"}
+    fon.remove("a")
+    assert "a" not in fon.scores
+
+
+def test_a_new_request_starts_from_the_members_average():
+    fon = FastestOfN(MEMBERS)
+    for i in range(20):
+        fon.propose([request(f"r{i}")], 4)
+        fon.commit(f"r{i}", [2, 2, 2, 2, 9])
+        fon.remove(f"r{i}")
+    assert fon.propose([request("new")], 4) == [[2, 2, 2, 2]]
+
+
+def test_an_expensive_member_must_accept_more_to_win():
+    fon = FastestOfN(MEMBERS)
+    for _ in range(4):
+        fon.propose([request("a")], 4)
+        fon.commit("a", [2, 2, 9])  # Twos agrees with 2 tokens, Ones with none
+    fon.step_seconds, fon.cost = 0.010, [0.0, 0.100]  # but Twos costs ten engine steps per request
+    assert fon.propose([request("a")], 4) == [[1, 1, 1, 1]]
+
+
+def test_configuration_errors_name_the_problem():
+    with pytest.raises(ValueError, match="two or more distinct"):
+        FastestOfN(["ngram"])
+    with pytest.raises(ValueError, match="not among drafters"):
+        FastestOfN(["ngram", "suffix"], options={"draft_lm": {}})
