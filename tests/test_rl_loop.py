@@ -99,16 +99,24 @@ def test_a_dead_rollout_actor_is_replaced_and_its_work_reissued(tmp_path):
     assert replacement["start_version"] >= 2  # it generated nothing before catching up with the learner's weights
 
 
-def test_speculative_run_logs_acceptance(tmp_path):
+def test_speculative_run_logs_acceptance_planner_and_choices(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logdir = tmp_path / "spec"
     assert launch.main(["--config", "grpo_tiny", "trainer.steps=2", f"logging.dir={logdir}", *SMALL,
-                        "speculation.method=draft_lm"]) == 0
+                        "speculation.method=fastest_of_n", "speculation.drafters=[suffix,draft_lm]"]) == 0
     events = EventAccumulator(str(logdir)).Reload()
     assert all(e.value > 1 for e in events.Scalars("spec/acceptance_length"))  # drafts were accepted
     assert all(e.value > 0 for e in events.Scalars("spec/draft_tokens"))
     assert "spec/accepted_tokens" in events.Tags()["scalars"]
+    assert all(0 < e.value <= 4 for e in events.Scalars("spec/planned_tokens"))  # the planner's choices
+    assert "spec/planner_cost_error" in events.Tags()["scalars"]
+    per_step: dict[int, float] = {}  # which member drafted, as shares of each step's draft steps
+    for tag in [t for t in events.Tags()["scalars"] if t.startswith("spec/choice/")]:
+        assert tag in ("spec/choice/suffix", "spec/choice/draft_lm")
+        for e in events.Scalars(tag):
+            per_step[e.step] = per_step.get(e.step, 0.0) + e.value
+    assert per_step and all(v == pytest.approx(1.0) for v in per_step.values())
 
 
 @pytest.mark.parametrize("model", ["builtin:dense", "builtin:moe"])
