@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -38,7 +39,7 @@ class Run:
 
         from driver.learners import LearnerGroup
         from driver.rollouts import RolloutPool
-        from learner.base import checkpoint_state
+        from learner.base import RUN_FILE, checkpoint_state
         from models.zoo import resolve
         from tasks.schedule import CursorPlan
 
@@ -49,6 +50,10 @@ class Run:
             checkpoint, state = checkpoint_state(cfg.trainer.resume_from)
             policy_dir = str(checkpoint / "hf")
             print(f"resuming from {checkpoint}: step {state['version']}, data cursor {state['data_cursor']}")
+        # a run's checkpoints carry its id, and the directory names the run that writes it: resuming from it never
+        # picks up checkpoints an earlier run left there (a resumed run keeps the id of the run it continues)
+        self.run_id = state.get("run_id") or uuid.uuid4().hex
+        (self.dir / RUN_FILE).write_text(json.dumps({"run_id": self.run_id}))
         self.first_step = state["version"]
         plan = CursorPlan(state["data_cursor"], cfg.rollout.num_actors, cfg.rollout.prompts_per_step)
         processes = cfg.learner.num_ranks + cfg.rollout.num_actors
@@ -140,7 +145,9 @@ class Run:
     def checkpoint_if_due(self, step: int) -> None:
         every = self.cfg.trainer.checkpoint_every
         if (every and (step + 1) % every == 0) or step + 1 == self.cfg.trainer.steps:
-            self.ray.get(self.learners.all("save_checkpoint", str(self.dir / "checkpoints")))
+            root = str(self.dir / "checkpoints")
+            self.ray.get(self.learners.all("save_checkpoint", root))
+            self.ray.get(self.learners.rank0.seal_checkpoint.remote(root, self.run_id))
 
     def save_final(self) -> None:
         self.ray.get(self.learners.all("save_pretrained", str(self.dir / "final")))

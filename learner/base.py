@@ -11,15 +11,24 @@ the step one rank would take. With `algorithm.kl_coef > 0` every rank also holds
 run's starting weights, sharded like the policy under ZeRO-3) and the loss adds a k3 KL penalty to it.
 
 A checkpoint is a directory `checkpoints/step_N/` of a run: `deepspeed/` (weights and optimizer), `hf/` (the
-weights as a Hugging Face checkpoint, what resumed actors load) and `state.json` (`version` = step counter,
-`data_cursor` = one past the newest prompt trained on, counters), written last. A resumed run continues at
-that step and that cursor; prompts in flight but untrained at checkpoint time are skipped, not repeated.
+weights as a Hugging Face checkpoint, what resumed actors load), `state.json` (`version` = step counter,
+`data_cursor` = one past the newest prompt trained on, counters) and `manifest.json` (the run's id and every file
+with its size). It is written as `step_N.partial/`, fsynced, and renamed into place only when whole, so a crash
+leaves either the previous checkpoint or the new one; resuming from a run directory takes the newest *complete*
+checkpoint *of the run that last wrote the directory* (`run.json`), never a checkpoint an earlier run left there.
+A resumed run continues at that step and that cursor (and that run id); prompts in flight but untrained at
+checkpoint time are skipped, not repeated.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
+
+MANIFEST = "manifest.json"
+RUN_FILE = "run.json"  # in a run directory: {"run_id": ...} of the run that writes its checkpoints
 
 
 def staleness(policy_versions: list[int], learner_version: int) -> int:
@@ -31,19 +40,65 @@ def admissible(policy_versions: list[int], learner_version: int, max_staleness: 
     return staleness(policy_versions, learner_version) <= max_staleness
 
 
+def manifest(checkpoint: Path) -> dict | None:
+    """A checkpoint's manifest when every file it lists is there with its size; None for a partial checkpoint."""
+    try:
+        listed = json.loads((checkpoint / MANIFEST).read_text())
+        whole = all((checkpoint / name).stat().st_size == size for name, size in listed["files"].items())
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None
+    return listed if whole else None
+
+
 def find_checkpoint(path: str) -> Path:
-    """`path` is a checkpoint (holds state.json) or a run directory (its newest checkpoints/step_N)."""
+    """`path` is a checkpoint or a run directory (then its newest complete checkpoints/step_N of the run that last
+    wrote it)."""
     root = Path(path).expanduser()
     if (root / "state.json").is_file():
+        if manifest(root) is None:
+            raise FileNotFoundError(f"{root}: an incomplete checkpoint (its {MANIFEST} is missing or lists files "
+                                    "that are not there whole)")
         return root
-    steps = sorted(root.glob("checkpoints/step_*/state.json"), key=lambda p: int(p.parent.name.split("_")[1]))
-    if not steps:
-        raise FileNotFoundError(f"{root}: neither a checkpoint (no state.json) nor a run directory with "
-                                "checkpoints/step_N/state.json")
-    return steps[-1].parent
+    try:
+        run_id = json.loads((root / RUN_FILE).read_text())["run_id"]
+    except (OSError, ValueError, KeyError):
+        run_id = None
+    steps = sorted((p for p in root.glob("checkpoints/step_*") if p.name.split("_")[1].isdigit()),
+                   key=lambda p: int(p.name.split("_")[1]), reverse=True)
+    for step in steps:
+        listed = manifest(step)
+        if listed is not None and (run_id is None or listed.get("run_id") == run_id):
+            return step
+    raise FileNotFoundError(f"{root}: neither a checkpoint nor a run directory with a complete checkpoint "
+                            f"(checkpoints/step_N/{MANIFEST}) of its run")
 
 
 def checkpoint_state(path: str) -> tuple[Path, dict]:
-    """The checkpoint `path` names (see `find_checkpoint`) and its state.json: version, data_cursor, counts."""
+    """The checkpoint `path` names (see `find_checkpoint`) and its state.json: version, data_cursor, counts, run_id."""
     checkpoint = find_checkpoint(path)
     return checkpoint, json.loads((checkpoint / "state.json").read_text())
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def seal_checkpoint(partial: Path, final: Path, state: dict) -> None:
+    """Writes state.json and the manifest into the fully written `partial` directory, fsyncs every file and
+    directory, and renames it to `final` (replacing an older checkpoint of that name) in one step."""
+    (partial / "state.json").write_text(json.dumps(state, indent=2))
+    files = {str(p.relative_to(partial)): p.stat().st_size for p in sorted(partial.rglob("*")) if p.is_file()}
+    (partial / MANIFEST).write_text(json.dumps({"run_id": state["run_id"], "files": files}, indent=1))
+    for p in [*partial.rglob("*"), partial]:
+        _fsync(p)
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    partial.rename(final)
+    _fsync(final.parent)
+    shutil.rmtree(old, ignore_errors=True)

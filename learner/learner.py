@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig
 
 from configs.schema import Dtype
-from learner.base import checkpoint_state, staleness
+from learner.base import checkpoint_state, seal_checkpoint, staleness
 from learner.grpo import group_advantages, policy_loss
 from learner.intake import Intake
 from models.zoo import copy_tokenizer
@@ -301,16 +301,21 @@ class Learner:
         copy_tokenizer(self.policy_dir, path)
 
     def save_checkpoint(self, root: str) -> str:
-        """Every rank: `root/step_<version>/` with the DeepSpeed state (weights, optimizer), the weights as a Hugging
-        Face checkpoint (what resumed actors load) and state.json (version, data cursor, counters)."""
-        path = Path(root) / f"step_{self.version}"
+        """Every rank: `root/step_<version>.partial/` with the DeepSpeed state (weights, optimizer) and the weights
+        as a Hugging Face checkpoint (what resumed actors load); `seal_checkpoint` then makes it visible."""
+        path = Path(root) / f"step_{self.version}.partial"  # files a crash mid-save left are overwritten
         self.engine.save_checkpoint(str(path / "deepspeed"), tag="state")
         self.save_pretrained(str(path / "hf"))
-        if self.rank == 0:
-            with self.lock:
-                state = {"version": self.version, **self.intake.state()}
-            (path / "state.json").write_text(json.dumps(state, indent=2))  # written last: marks it complete
         return str(path)
+
+    def seal_checkpoint(self, root: str, run_id: str) -> str:
+        """Rank 0, once every rank has saved: state.json (version, data cursor, counters, run id) and the manifest
+        written, everything fsynced, `step_<version>.partial` renamed to `step_<version>` (learner/base.py)."""
+        final = Path(root) / f"step_{self.version}"
+        with self.lock:
+            state = {"version": self.version, "run_id": run_id, **self.intake.state()}
+        seal_checkpoint(final.with_name(final.name + ".partial"), final, state)
+        return str(final)
 
     def load_checkpoint(self, path: str) -> None:
         path, state = checkpoint_state(path)

@@ -63,6 +63,13 @@ def test_a_resumed_run_continues_step_counter_data_cursor_and_logs(tmp_path):
                         f"logging.dir={second}", *SMALL, "learner.lr=5e-4", "learner.warmup_steps=10"]) == 0
     learner = json.loads((second / "summary.json").read_text())["learner"]
     assert learner["version"] == 4 and learner["trained"] == 4 * 2 * 4  # counters carried over
+    assert learner["received"] == (learner["trained"] + learner["dropped_stale"] + learner["pending"]
+                                   + learner["dropped_duplicate"] + learner["dropped_reissued"]
+                                   + learner["dropped_invalid"] + learner["dropped_at_resume"])
+    assert learner["dropped_at_resume"] == state["pending"]
+    # the resumed run continues the first one's lineage: its checkpoints carry the same run id
+    assert json.loads((second / "run.json").read_text()) == json.loads((first / "run.json").read_text())
+    assert json.loads((first / "checkpoints" / "step_2" / "manifest.json").read_text())["files"]
     assert learner["trained_groups"][0] >= state["data_cursor"]  # no prompt of the first run is trained again
     events = EventAccumulator(str(second)).Reload()
     assert [e.step for e in events.Scalars("rl/reward_mean")] == [2, 3]

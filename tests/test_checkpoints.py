@@ -1,0 +1,54 @@
+"""Crash-safe checkpoints (learner/base.py): a checkpoint becomes visible whole or not at all, resuming takes the
+newest complete checkpoint of the run that last wrote the directory, and never one an earlier run left there."""
+
+import json
+
+import pytest
+
+from learner.base import RUN_FILE, find_checkpoint, seal_checkpoint
+
+
+def write(root, step: int, run_id: str, payload: bytes = b"weights") -> None:
+    partial = root / "checkpoints" / f"step_{step}.partial"
+    (partial / "hf").mkdir(parents=True)
+    (partial / "hf" / "model.safetensors").write_bytes(payload)
+    seal_checkpoint(partial, root / "checkpoints" / f"step_{step}", {"version": step, "run_id": run_id})
+
+
+def test_sealed_checkpoints_are_found_newest_first_and_partial_ones_never(tmp_path):
+    (tmp_path / RUN_FILE).write_text(json.dumps({"run_id": "a"}))
+    write(tmp_path, 2, "a")
+    write(tmp_path, 4, "a")
+    (tmp_path / "checkpoints" / "step_6.partial" / "hf").mkdir(parents=True)  # a crash mid-save
+    assert find_checkpoint(str(tmp_path)).name == "step_4"
+    assert not (tmp_path / "checkpoints" / "step_4.partial").exists()
+    manifest = json.loads((tmp_path / "checkpoints" / "step_4" / "manifest.json").read_text())
+    assert manifest["files"]["hf/model.safetensors"] == len(b"weights") and manifest["run_id"] == "a"
+
+
+def test_a_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    (tmp_path / RUN_FILE).write_text(json.dumps({"run_id": "a"}))
+    write(tmp_path, 2, "a")
+    write(tmp_path, 4, "a")
+    (tmp_path / "checkpoints" / "step_4" / "hf" / "model.safetensors").write_bytes(b"trunc")  # torn write
+    assert find_checkpoint(str(tmp_path)).name == "step_2"
+    with pytest.raises(FileNotFoundError, match="incomplete checkpoint"):
+        find_checkpoint(str(tmp_path / "checkpoints" / "step_4"))
+
+
+def test_a_run_directory_reused_by_a_fresh_run_never_resumes_the_old_runs_checkpoints(tmp_path):
+    write(tmp_path, 300, "old")  # a finished run's last checkpoint
+    (tmp_path / RUN_FILE).write_text(json.dumps({"run_id": "new"}))  # a fresh run took the directory over
+    with pytest.raises(FileNotFoundError, match="complete checkpoint"):
+        find_checkpoint(str(tmp_path))
+    write(tmp_path, 10, "new")
+    assert find_checkpoint(str(tmp_path)).name == "step_10"
+
+
+def test_sealing_again_replaces_a_checkpoint_of_the_same_step(tmp_path):
+    (tmp_path / RUN_FILE).write_text(json.dumps({"run_id": "new"}))
+    write(tmp_path, 5, "old", b"old weights")
+    write(tmp_path, 5, "new", b"new")
+    found = find_checkpoint(str(tmp_path))
+    assert (found / "hf" / "model.safetensors").read_bytes() == b"new"
+    assert not (tmp_path / "checkpoints" / "step_5.old").exists()
