@@ -23,7 +23,7 @@ from learner.intake import Intake
 from models.zoo import copy_tokenizer
 from sampling.coupled import processed_logprobs
 from tasks.schedule import CursorPlan
-from transport.messages import Trajectory
+from transport.messages import Trajectory, WeightAck
 from transport.zmq import Inbox, WeightPublisher, pack_buckets
 
 
@@ -41,9 +41,12 @@ class Learner:
         self.cfg, self.policy_dir, self.reference_dir = cfg, policy_dir, reference_dir
         self.rank, self.world, self.micro = rank, cfg.learner.num_ranks, cfg.learner.micro_batch_size
         if rank == 0:
-            self.inbox = Inbox(cfg.transport.host, cfg.transport.max_message_mib << 20, cfg.transport.trajectory_queue)
+            self.inbox = Inbox(cfg.transport.host, cfg.transport.max_message_mib << 20, cfg.transport.trajectory_queue,
+                               accepts=Trajectory | WeightAck)  # a weight bucket sent here is malformed, dropped
             self.publisher = WeightPublisher(cfg.transport.host)
-            self.intake = Intake(cfg.rollout.group_size, cfg.algorithm.max_staleness, plan)
+            vocab = json.loads((Path(policy_dir) / "config.json").read_text())["vocab_size"]
+            self.intake = Intake(cfg.rollout.group_size, cfg.algorithm.max_staleness, plan, vocab,
+                                 cfg.model.max_model_len)
         self.published: list | None = None  # rank 0: the newest weight buckets sent, for a replacement actor
         self.version = 0
         self.groups: list[list[Trajectory]] = []  # rank 0: what `collect` gathered for the next `train`
@@ -201,6 +204,8 @@ class Learner:
             summary = self.intake.summary()
         metrics["rollout/dropped_stale"] = float(summary["dropped_stale"])
         metrics["transport/lost_trajectories"] = float(summary["lost"])
+        dropped = {**summary["dropped_invalid_by_reason"], **self.inbox.dropped}  # cumulative, by reason
+        metrics.update({f"transport/dropped/{reason}": float(n) for reason, n in dropped.items()})
         return metrics
 
     def micro_batch_loss(self, batch: list[Trajectory], advantages: torch.Tensor):

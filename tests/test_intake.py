@@ -54,6 +54,24 @@ def test_inconsistent_trajectories_are_dropped_as_invalid():
     assert intake.counts.dropped_invalid == 4 and intake.pending_trajectories() == 0 and balanced(intake)
 
 
+def test_trajectories_that_would_crash_or_poison_the_learner_are_dropped_by_reason():
+    from msgspec.structs import replace
+
+    intake = Intake(group_size=4, max_staleness=1, plan=CursorPlan(0, 2, 1), vocab_size=10, max_len=8)
+    good = trajectory(0, 0)  # actor 0 owns group 0 (two actors: even cursors)
+    bad = {"owner": [trajectory(1, 0)], "lengths": [replace(good, prompt_ids=[])],
+           "too_long": [trajectory(0, 0, versions=(0,) * 8)], "token_ids": [replace(good, response_ids=[10])],
+           "reward": [replace(good, reward=float("nan")), replace(good, reward=float("inf"))],
+           "logprobs": [replace(good, behaviour_logprobs=[0.5]), replace(good, behaviour_logprobs=[float("nan")])],
+           "versions": [trajectory(0, 0, versions=(2,)), trajectory(0, 0, versions=(-1,))]}
+    for reason, messages in bad.items():
+        for t in messages:
+            assert intake.take(t, version=1) is None, reason
+    assert intake.invalid == {reason: len(messages) for reason, messages in bad.items()}
+    assert intake.summary()["dropped_invalid_by_reason"] == dict(intake.invalid)
+    assert intake.take(good, version=1) is None and intake.pending_trajectories() == 1 and balanced(intake)
+
+
 def test_sequence_gaps_count_lost_trajectories_per_actor_incarnation():
     intake = Intake(group_size=8, max_staleness=1, plan=CursorPlan(0, 2, 1))
     for actor, seq in [(0, 0), (0, 1), (0, 4), (1, 0), (1, 2), (0, 5)]:

@@ -98,3 +98,17 @@ def test_a_wildcard_bind_advertises_an_address_peers_can_dial():
     assert got is not None and got.seq == 1
     out.close()
     box.close()
+
+
+def test_an_inbox_takes_only_the_messages_meant_for_it():
+    from transport.messages import TensorSpec, WeightBucket
+
+    inbox = Inbox("127.0.0.1", max_bytes=4096, accepts=Trajectory | WeightAck)  # the learner's
+    raw = zmq.Context.instance().socket(zmq.PUSH)
+    raw.connect(inbox.endpoint)
+    bucket = WeightBucket(SCHEMA_VERSION, 1, 0, 1, [TensorSpec("w", "float32", [1])])
+    raw.send_multipart([b"evil", msgspec.msgpack.encode(bucket)])  # well-typed, but not for this socket
+    raw.send_multipart([b"actor-0", msgspec.msgpack.encode(trajectory(1))])
+    assert inbox.recv(2000).seq == 1 and inbox.dropped == {"malformed": 1}
+    raw.close(0)
+    inbox.close()

@@ -41,7 +41,9 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 class Inbox:
-    def __init__(self, host: str, max_bytes: int, hwm: int = 1000, context: zmq.Context | None = None):
+    def __init__(self, host: str, max_bytes: int, hwm: int = 1000, context: zmq.Context | None = None,
+                 accepts=Message):
+        """`accepts`: the message types (a union) this inbox is for; any other is dropped as malformed."""
         self.socket = (context or zmq.Context.instance()).socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, hwm)
@@ -49,7 +51,7 @@ class Inbox:
         self.endpoint = f"tcp://{dialable(host)}:{port}"
         self.max_bytes = max_bytes
         self.dropped: Counter[str] = Counter()
-        self._decoder = msgspec.msgpack.Decoder(Message)
+        self._decoder = msgspec.msgpack.Decoder(accepts)
         self._logged: set[tuple[str, str]] = set()
 
     def recv(self, timeout_ms: int) -> Message | None:
@@ -78,7 +80,7 @@ class Inbox:
 
     def _drop(self, sender: str, reason: str, detail: str) -> None:
         self.dropped[reason] += 1
-        if (sender, reason) not in self._logged:
+        if (sender, reason) not in self._logged and len(self._logged) < 256:  # bounded: peers can invent names
             self._logged.add((sender, reason))
             log.warning("dropped a %s message from %s: %s (further ones are only counted)", reason, sender, detail)
         return None
