@@ -112,3 +112,30 @@ def test_an_inbox_takes_only_the_messages_meant_for_it():
     assert inbox.recv(2000).seq == 1 and inbox.dropped == {"malformed": 1}
     raw.close(0)
     inbox.close()
+
+
+def test_a_weight_subscriber_survives_forged_buckets():
+    from transport.messages import TensorSpec, WeightBucket
+
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.PUB)
+    port = raw.bind_to_random_port("tcp://127.0.0.1")
+    sub = WeightSubscriber(f"tcp://127.0.0.1:{port}")
+    real = torch.arange(4, dtype=torch.float32)
+
+    def bucket(version, index=0, count=1, dtype="float32", shape=(4,), payload=real.numpy().tobytes()):
+        header = WeightBucket(SCHEMA_VERSION, version, index, count, [TensorSpec("w", dtype, list(shape))])
+        return [msgspec.msgpack.encode(header), payload]
+
+    forged = [bucket(3, dtype="Tensor"), bucket(3, dtype="__class__"), bucket(3, index=5, count=2),
+              bucket(3, count=-1), bucket(3, shape=(5,)), bucket(3, shape=(-4,)), bucket(-2)]
+    forged += [bucket(100 + v, count=2) for v in range(10)]  # endless partial versions: bounded
+    deadline, result = time.time() + 5, None
+    while result is None and time.time() < deadline:  # PUB/SUB: resend until the subscription is live
+        for frames in forged + [bucket(2)]:
+            raw.send_multipart(frames)
+        result = sub.poll(200)
+    assert result is not None and result[0] == 2 and torch.equal(result[1][0][1], real)
+    assert sub.dropped >= 7 and len(sub._pending) <= 4
+    raw.close(0)
+    sub.close()

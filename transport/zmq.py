@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import socket
 from collections import Counter
 from collections.abc import Iterator
@@ -145,6 +146,26 @@ class WeightPublisher:
         self.socket.close(0)
 
 
+MAX_BUCKETS = 1 << 20  # a version of more buckets than this is not one a learner sent
+MAX_PENDING_VERSIONS = 4  # partial versions a subscriber assembles at once
+DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16", "float64", "int64", "int32",
+                                                  "int8", "uint8", "bool")}  # what a weight bucket may carry
+
+
+def _tensor(spec: TensorSpec, buffer) -> torch.Tensor:
+    """A bucket's tensor from its frame, after checking what the header claims (dtype, shape, byte size)."""
+    dtype = DTYPES.get(spec.dtype)
+    if dtype is None:
+        raise ValueError(f"{spec.name}: dtype {spec.dtype!r} is not a weight dtype")
+    if any(d < 0 for d in spec.shape):
+        raise ValueError(f"{spec.name}: shape {spec.shape}")
+    expected = math.prod(spec.shape) * dtype.itemsize
+    if len(buffer) != expected:
+        raise ValueError(f"{spec.name}: {len(buffer)} bytes for shape {spec.shape} {spec.dtype} ({expected})")
+    return torch.frombuffer(bytearray(buffer), dtype=dtype).reshape(spec.shape) if expected else \
+        torch.empty(spec.shape, dtype=dtype)
+
+
 class WeightSubscriber:
     def __init__(self, endpoint: str, context: zmq.Context | None = None):
         self.socket = (context or zmq.Context.instance()).socket(zmq.SUB)
@@ -166,17 +187,17 @@ class WeightSubscriber:
                 header = self._decoder.decode(frames[0].buffer)
                 if header.schema != SCHEMA_VERSION or len(frames) != len(header.tensors) + 1:
                     raise ValueError(f"schema {header.schema}, {len(frames) - 1} tensor frames")
-                tensors = [
-                    (spec.name, torch.frombuffer(bytearray(frame.buffer), dtype=getattr(torch, spec.dtype))
-                     .reshape(spec.shape))
-                    for spec, frame in zip(header.tensors, frames[1:])
-                ]
-            except (msgspec.DecodeError, msgspec.ValidationError, ValueError, AttributeError, RuntimeError) as e:
+                if not 0 <= header.bucket < header.num_buckets <= MAX_BUCKETS or header.version < 0:
+                    raise ValueError(f"bucket {header.bucket} of {header.num_buckets}, version {header.version}")
+                tensors = [(spec.name, _tensor(spec, frame.buffer)) for spec, frame in zip(header.tensors, frames[1:])]
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
                 self.dropped += 1
                 log.warning("dropped a malformed weight bucket: %s", e)
                 continue
             buckets = self._pending.setdefault(header.version, {})
             buckets[header.bucket] = tensors
+            while len(self._pending) > MAX_PENDING_VERSIONS:  # bounded: a peer could start endless versions
+                del self._pending[min(self._pending)]
             if len(buckets) == header.num_buckets:
                 complete = (header.version, [t for i in sorted(buckets) for t in buckets[i]])
                 self._pending = {v: b for v, b in self._pending.items() if v > header.version}
