@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from actor.draft_planner import Acceptance, DraftCost, StepCost, plan, relative_error
-from drafters.base import DraftRequest, Drafter
+from drafters.base import Drafter, DraftRequest
 from sampling.coupled import PLACEHOLDER, coupled_sample, verify
 
 

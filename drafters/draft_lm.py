@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from drafters.base import Drafter, DraftRequest
 from sampling.coupled import coupled_sample
 
-
 REQUIRED_MODULES = ("model.embed_tokens", "model.norm", "model.rotary_emb", "lm_head", "model.layers.0.mlp",
                     "model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
                     *(f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"))

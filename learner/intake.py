@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from itertools import chain
 from dataclasses import asdict, dataclass
+from itertools import chain
 
 from learner.base import admissible
 from tasks.schedule import CursorPlan

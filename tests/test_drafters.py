@@ -43,7 +43,10 @@ def test_proposals_follow_rejections_and_honour_per_request_budgets(draft_lm):
     rng = random.Random(2)
     vocab = draft_lm.model.config.vocab_size
     history = [rng.randrange(vocab) for _ in range(30)]
-    req = lambda h, **kw: DraftRequest("a", seed=3, position=len(h) - 10, token_ids=h, temperature=1.0, **kw)  # noqa
+
+    def req(h, **kw):
+        return DraftRequest("a", seed=3, position=len(h) - 10, token_ids=h, temperature=1.0, **kw)
+
     first = draft_lm.propose([req(history)], 4)[0]
     kept = history + first[:1] + [(first[1] + 1) % vocab]  # the verifier took one draft, then its own token
     # a view of an engine-like buffer, as the bridge passes it: answers as a fresh drafter on the same history
