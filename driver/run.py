@@ -170,7 +170,8 @@ class Run:
             (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
             unroute(self.log_handlers)
         learner = summary["learner"]
-        dropped = {k.removeprefix("dropped_"): v for k, v in learner.items() if k.startswith("dropped_") and v}
+        dropped = {k.removeprefix("dropped_"): v for k, v in learner.items()
+                   if k.startswith("dropped_") and isinstance(v, int) and v}
         reward = (f", reward {self.first_reward:.3f} (first step) -> {self.last['rl/reward_mean']:.3f} (last)"
                   if self.last else "")
         print(f"done: step {learner['version']}{reward}; trained {learner['trained']} trajectories, dropped "
