@@ -57,6 +57,10 @@ def load_config(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as e:
             raise ConfigError(f"command-line override {item!r} (on {path}): {_explain(e)}") from None
+    try:  # interpolations (${...}) resolved here, so a bad one is a config error naming its key, not a traceback
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{path}: {_explain(e)}") from None
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"{path}: required key '{missing[0]}' is not set; set it in the file or pass "
@@ -76,6 +80,8 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
         ("rollout.prompts_per_step", cfg.rollout.prompts_per_step >= 1, "must be >= 1"),
         ("rollout.group_size", cfg.rollout.group_size >= 2, "must be >= 2 (GRPO compares samples within a group)"),
         ("rollout.max_tokens", cfg.rollout.max_tokens >= 1, "must be >= 1"),
+        ("rollout.max_tokens", cfg.rollout.max_tokens < cfg.model.max_model_len,
+         f"must be < model.max_model_len ({cfg.model.max_model_len}): the prompt needs room too"),
         ("rollout.temperature", cfg.rollout.temperature >= 0, "must be >= 0"),
         ("rollout.top_p", 0 < cfg.rollout.top_p <= 1, "must be in (0, 1]"),
         ("rollout.top_k", cfg.rollout.top_k >= 0, "must be >= 0 (0: off)"),

@@ -47,6 +47,8 @@ def test_path_to_yaml_works(tmp_path):
     ("rollout.min_p=0.1", ["rollout.min_p"]),  # a sampling parameter the coupled sampler does not honour
     ("logging.engine_level=loud", ["logging.engine_level", "loud"]),
     ("trainer.steps", ["key=value"]),
+    ("rollout.max_tokens=5000", ["rollout.max_tokens", "model.max_model_len"]),
+    ("data.source=${no.such.key}", ["data.source", "no.such.key"]),
 ])
 def test_bad_override_names_the_key(override, needles):
     with pytest.raises(ConfigError) as e:
