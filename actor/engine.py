@@ -64,6 +64,8 @@ def make_engine(cfg: DictConfig, model_dir: Path):
                    "Async scheduling not supported with custom_class")
     quiet_expected("vllm.config.speculative", "Using a custom class-based proposer backend")
     quiet_expected("vllm.v1.sample.logits_processor", "min_p and logit_bias parameters won't work")
+    # the CPU worker pins its threads once; libraries that later ask torch for a thread count are refused, harmlessly
+    quiet_expected("vllm.v1.worker.cpu_worker", "CPU backend doesn't allow to use `torch.set_num_threads`")
     llm = LLM(**engine_kwargs(cfg, model_dir))
     method, options = cfg.speculation.method, OmegaConf.to_container(cfg.speculation.options)
     if method == "fastest_of_n":
