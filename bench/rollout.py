@@ -1,6 +1,6 @@
 """Rollout benchmark: the same GRPO groups, seeds and cores, every system in one run, paired and interleaved.
 
-    python -m bench.rollout [--preset smoke|full|longtail] [--out PATH]
+    python -m bench.rollout [--preset smoke|full|longtail|gpu] [--out PATH]
 
 Systems (fixed before the run; `specactor` is the configured default, never the best of several afterwards)
 - `vllm`: plain vLLM with its own sampler, no speculation, unseeded requests: what RL frameworks run today;
@@ -11,7 +11,9 @@ Systems (fixed before the run; `specactor` is the configured default, never the 
 - `specactor`: coupled speculation as configured by default (draft LM, the cost-model draft planner);
 - `specactor_ngram`, `specactor_suffix`, `specactor_fastest`: the same with the n-gram drafter, the history
   (suffix) drafter, fastest-of-N over suffix and the draft LM (listed, not chosen).
-The target is a cost-padded copy of the trained policy (bench/padded_target.py). Every repeat runs every system
+The target is a cost-padded copy of the trained policy (bench/padded_target.py): 70.8M parameters of cost in fp32 on
+CPU presets; for `gpu` (the long-tail workload on one CUDA GPU, bf16, CUDA graphs as vLLM uses them by default)
+~1.0B, so that decoding is memory-bound as on real rollout GPUs (the preset refuses to start without CUDA). Every repeat runs every system
 (vanilla first, then a rotating order); a system's speed-up is the median over repeats of vanilla's makespan over
 its own in the same repeat, with a 95% t-interval of that paired ratio (`vllm` samples other tokens, so compare it
 with vanilla in tokens/s). The JSON also holds the workload's shape
@@ -27,6 +29,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -42,8 +45,12 @@ PRESETS = {
     # most groups answer in a line or two; a few need a long scratchpad: the tail that runs at small batch
     "longtail": dict(ops=[1] * 8 + [2] * 5 + [3, 6, 24], group_size=8, max_tokens=400, repeats=3,
                      sweep=[1, 2, 4, 8, 16, 32, 64, 128]),
+    "gpu": dict(ops=[1] * 8 + [2] * 5 + [3, 6, 24], group_size=8, max_tokens=400, repeats=3,
+                sweep=[1, 2, 4, 8, 16, 32, 64, 128, 256], device="cuda"),
 }
-TARGET = dict(zero_layers=16, num_heads=32, intermediate_size=8192)
+TARGETS = {"cpu": dict(zero_layers=16, num_heads=32, intermediate_size=8192),  # 70.8M parameters of cost
+           "cuda": dict(zero_layers=28, num_heads=64, intermediate_size=81920)}  # ~1.0B: memory-bound decode
+ENGINE = {"cpu": [], "cuda": ["cluster.device=cuda", "model.dtype=bfloat16"]}  # config overrides per device
 SYSTEMS = ["vllm", "vanilla", "vllm_spec_draft", "vllm_spec_ngram", "oracle", "specactor", "specactor_ngram",
            "specactor_suffix", "specactor_fastest"]
 COUPLED = {"vanilla": "none", "oracle": "bench.oracle.OracleDrafter", "specactor": "draft_lm",
@@ -68,7 +75,7 @@ def workload(preset: dict, seed: int) -> tuple[list[str], list[int]]:
     return prompts, seeds
 
 
-def make_llm(name: str, target: Path, draft: Path, oracle: Path | None):
+def make_llm(name: str, target: Path, draft: Path, oracle: Path | None, device: str):
     """The engine of system `name` (in the calling process)."""
     from vllm import LLM
 
@@ -77,7 +84,7 @@ def make_llm(name: str, target: Path, draft: Path, oracle: Path | None):
     from configs.load import load_config
 
     overrides = [f"model.path={target}", "model.max_model_len=1024", "rollout.kv_cache_mib=1024",
-                 f"speculation.num_speculative_tokens={SPECULATIVE_TOKENS}"]
+                 f"speculation.num_speculative_tokens={SPECULATIVE_TOKENS}", *ENGINE[device]]
     if name in COUPLED:
         overrides.append(f"speculation.method={COUPLED[name]}")
         if name == "oracle":
@@ -93,7 +100,7 @@ def make_llm(name: str, target: Path, draft: Path, oracle: Path | None):
         kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": SPECULATIVE_TOKENS,
                                         "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     llm = LLM(**kwargs, disable_log_stats=False)
-    if name.startswith("vllm_spec"):
+    if name.startswith("vllm_spec") and device == "cpu":
         llm.collective_rpc(fix_cpu_rejection_sampler)  # else vLLM-CPU rejects nearly every draft at T > 0
     return llm
 
@@ -117,13 +124,13 @@ def generate(llm, prompt_ids: list[list[int]], params: list) -> dict:
 
 
 def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: list[int], max_tokens: int,
-               oracle: Path | None, sweep: list[int]) -> dict:
+               oracle: Path | None, sweep: list[int], device: str) -> dict:
     from vllm import SamplingParams
 
     from actor.engine import close_engine
     from actor.vllm_hooks import profile, take_spec_counts
 
-    llm = make_llm(name, target, draft, oracle)
+    llm = make_llm(name, target, draft, oracle, device)
     try:
         tokenizer = llm.get_tokenizer()
         prompt_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
@@ -244,6 +251,14 @@ def main(argv: list[str] | None = None) -> dict:
                         help="a subset to run (vanilla always runs: it is the reference)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the fixed-batch sweep")
     args = parser.parse_args(argv)
+    device = PRESETS[args.preset].get("device", "cpu")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"bench.rollout --preset {args.preset} needs a CUDA GPU; this machine has none "
+                  "(torch.cuda.is_available() is False)", file=sys.stderr)
+            raise SystemExit(2)
     set_env_defaults()  # one engine thread, no OpenMP busy-waiting (STACK-NOTES)
 
     from bench.padded_target import build_padded_target, parameter_count
@@ -258,13 +273,13 @@ def main(argv: list[str] | None = None) -> dict:
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(tmp) / "target"
-        target_config = build_padded_target(policy, target, **TARGET, seed=args.seed)
+        target_config = build_padded_target(policy, target, **TARGETS[device], seed=args.seed)
         oracle = Path(tmp) / "oracle.json"
         for repeat in range(preset["repeats"]):
             order = ["vanilla", *others[repeat % max(1, len(others)):], *others[: repeat % max(1, len(others))]]
             for name in order:  # one fresh process per engine: vLLM keeps global state between engines
                 run = in_fresh_process(log, run_system, name, target, draft, prompts, seeds, preset["max_tokens"],
-                                       oracle, sweep if name in ("vanilla", "specactor") else [])
+                                       oracle, sweep if name in ("vanilla", "specactor") else [], device)
                 if name == "vanilla" and repeat == 0:
                     oracle.write_text(json.dumps({s: t for s, t in zip(seeds, run["sequences"])}))
                 if name != "vllm" and runs.get(name) and run["sequences"] != runs[name][0]["sequences"]:
@@ -299,11 +314,12 @@ def main(argv: list[str] | None = None) -> dict:
     result["config"] = {
         "preset": args.preset, **preset, "sequences": len(reference), "temperature": TEMPERATURE, "seed": args.seed,
         "num_speculative_tokens": SPECULATIVE_TOKENS, "specactor": "draft_lm, cost-model draft planner",
-        "target": (f"cost-padded built-in policy: {TARGET['zero_layers']} zero-output layers in front of the 4 "
-                   f"trained ones, widened to {TARGET['num_heads']} heads / {TARGET['intermediate_size']} MLP units "
-                   "(bench/padded_target.py)"),
+        "target": (f"cost-padded built-in policy: {TARGETS[device]['zero_layers']} zero-output layers in front of "
+                   f"the 4 trained ones, widened to {TARGETS[device]['num_heads']} heads / "
+                   f"{TARGETS[device]['intermediate_size']} MLP units (bench/padded_target.py)"),
         "target_params": parameter_count(target_config), "draft": "builtin:draft",
-        "threads": "one engine thread (OMP_NUM_THREADS=1)", "sweep_tokens": SWEEP_TOKENS,
+        "device": "one CUDA GPU, bf16" if device == "cuda" else "CPU, one engine thread (OMP_NUM_THREADS=1), fp32",
+        "sweep_tokens": SWEEP_TOKENS,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
