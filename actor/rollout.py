@@ -149,13 +149,15 @@ class RolloutActor:
             spec = counts[f"{sample.cursor}-{sample.index}"]
             ids = list(completion.token_ids)
             logprobs = [completion.logprobs[j][t].logprob for j, t in enumerate(ids)]
-            self.outbox.send(Trajectory(
+            sent = self._send(Trajectory(
                 SCHEMA_VERSION, self.actor_id, self.seq, sample.cursor, len(group), sample.index,
                 sample.prompt_ids, ids, logprobs, sample.versions, score(completion.text, problem.answer).reward,
                 completion.finish_reason or "length", time.time() - sample.start, spec.verify_steps,
                 spec.draft_tokens, spec.accepted_tokens, spec.draft_seconds, spec.planned_steps,
                 spec.planned_tokens, spec.cost_error, spec.choices,
             ))
+            if not sent:
+                return
             for key in ("verify_steps", "draft_tokens", "accepted_tokens", "invalid_drafts"):
                 self.stats[key] += getattr(spec, key)
             self.seq += 1
@@ -178,7 +180,15 @@ class RolloutActor:
             raise RuntimeError(f"actor {self.actor_id}: vLLM could not reset its prefix cache after weights v{version}")
         self.version = version
         self.stats["weight_updates"] += 1
-        self.outbox.send(WeightAck(SCHEMA_VERSION, self.actor_id, version, time.time() - start))
+        self._send(WeightAck(SCHEMA_VERSION, self.actor_id, version, time.time() - start))
+
+    def _send(self, message) -> bool:
+        """Sends to the learner, waiting while its queue is full (back-pressure) but never past `stop()`: False
+        when the actor was stopped first (the run is ending; a learner that stopped reading must not hang it)."""
+        while not self.outbox.send(message, timeout_ms=500):
+            if self.stopping.is_set():
+                return False
+        return True
 
     def stop(self) -> None:
         self.stopping.set()

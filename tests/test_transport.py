@@ -139,3 +139,28 @@ def test_a_weight_subscriber_survives_forged_buckets():
     assert sub.dropped >= 7 and len(sub._pending) <= 4
     raw.close(0)
     sub.close()
+
+
+def test_an_actor_blocked_on_a_learner_that_stopped_reading_still_stops():
+    import threading
+    from types import SimpleNamespace
+
+    from actor.rollout import RolloutActor
+
+    inbox = Inbox("127.0.0.1", max_bytes=1 << 20, hwm=1)  # never read: its queue fills
+    actor = SimpleNamespace(outbox=Outbox(inbox.endpoint, "actor-0", hwm=1), stopping=threading.Event())
+    results = []
+
+    def send_until_refused():  # as the actor's group loop does: it gives up on the first refusal
+        while not results or results[-1]:
+            results.append(RolloutActor._send(actor, trajectory(len(results), n=8000)))
+
+    sender = threading.Thread(target=send_until_refused)
+    sender.start()
+    time.sleep(1.0)
+    assert sender.is_alive()  # back-pressure: it waits while the learner's queue is full
+    actor.stopping.set()  # stop() during the wait
+    sender.join(timeout=5)
+    assert not sender.is_alive() and results[-1] is False and all(results[:-1])
+    actor.outbox.socket.close(0)
+    inbox.close()
