@@ -180,7 +180,8 @@ class DrafterBridge:
         self.runner = None
         self.drafter: Drafter | None = None
         self.max_batch, self.planning = 0, True
-        self.live: set[str] = set()
+        self.live: set[str] = set()  # the requests of the last step's batch
+        self.known: set[str] = set()  # every request the drafter has state for
         self.step_cost, self.draft_cost, self.acceptance = StepCost(), DraftCost(), Acceptance()
         self.planned: dict[str, int] = {}  # draft tokens handed to the engine last step, per request
         self.predicted = 0.0  # the planner's engine seconds for the step now running
@@ -208,9 +209,13 @@ class DrafterBridge:
         batch, runner, sampler = self.runner.input_batch, self.runner, self.runner._sample
         req_ids = batch.req_ids[: batch.num_reqs]
         self._observe_step(start, req_ids)
-        for gone in self.live - set(req_ids):
+        # a request out of this step's batch may only be waiting (unscheduled, preempted by a weight update): its
+        # drafter state is dropped once vLLM no longer holds it (finished or aborted)
+        self.known.update(req_ids)
+        for gone in [r for r in self.known - set(req_ids) if r not in runner.requests]:
             self.drafter.remove(gone)
             self.acceptance.remove(gone)
+            self.known.discard(gone)
         self.live = set(req_ids)
         committed_rows = [row for row, committed in enumerate(sampled_token_ids[: len(req_ids)]) if committed]
         for row in committed_rows:  # the drafter always hears what was committed, drafting or not

@@ -32,22 +32,35 @@ class _State:
 
 
 class SlotCache:
-    """Keys and values of every live request: per layer `[slots, max_len, kv_heads, head_dim]`, grown by doubling."""
+    """Keys and values of every live request: per layer `[slots, length, kv_heads, head_dim]`, both dimensions grown
+    by doubling as needed (length up to `max_len`), so a draft model with a long context costs memory for the
+    lengths actually drafted at, not for its whole context per slot."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype):
-        self.shape, self.dtype, self.max_len = (max_len, kv_heads, head_dim), dtype, max_len
-        self.keys = [torch.zeros(0, *self.shape, dtype=dtype) for _ in range(layers)]
-        self.values = [torch.zeros(0, *self.shape, dtype=dtype) for _ in range(layers)]
+        self.heads, self.dtype, self.max_len = (kv_heads, head_dim), dtype, max_len
+        self.keys = [torch.zeros(0, min(256, max_len), *self.heads, dtype=dtype) for _ in range(layers)]
+        self.values = [torch.zeros(0, min(256, max_len), *self.heads, dtype=dtype) for _ in range(layers)]
         self.free: list[int] = []
+
+    def _grow(self, dim: int, new: int) -> None:
+        def grown(t: torch.Tensor) -> torch.Tensor:
+            shape = list(t.shape)
+            shape[dim] = new - shape[dim]
+            return torch.cat([t, torch.zeros(shape, dtype=self.dtype)], dim=dim)
+
+        self.keys, self.values = [grown(t) for t in self.keys], [grown(t) for t in self.values]
 
     def take(self) -> int:
         if not self.free:
             old = self.keys[0].shape[0]
-            new = max(2 * old, 8)
-            grow = lambda t: torch.cat([t, torch.zeros(new - old, *self.shape, dtype=self.dtype)])  # noqa: E731
-            self.keys, self.values = [grow(t) for t in self.keys], [grow(t) for t in self.values]
-            self.free = list(range(new - 1, old - 1, -1))
+            self._grow(0, max(2 * old, 8))
+            self.free = list(range(self.keys[0].shape[0] - 1, old - 1, -1))
         return self.free.pop()
+
+    def reserve(self, length: int) -> None:
+        """Room for `length` positions in every slot."""
+        if length > self.keys[0].shape[1]:
+            self._grow(1, min(max(2 * self.keys[0].shape[1], length), self.max_len))
 
     def give_back(self, slot: int) -> None:
         self.free.append(slot)
@@ -132,6 +145,7 @@ class DraftLM(Drafter):
         rows, cols = valid.nonzero(as_tuple=True)
         slots = torch.tensor([s.slot for s in states])
         span = int((start + lengths).max())
+        self.cache.reserve(span)
         mask = (torch.arange(span)[None, None, :] <= positions[:, :, None])[:, None]  # [m, 1, q, span]
         hidden = inner.embed_tokens(ids)
         cos, sin = inner.rotary_emb(hidden, positions)

@@ -1,19 +1,17 @@
-"""Fastest-of-N: several drafters, and per request the one expected to commit the most tokens per second.
+"""Fastest-of-N: several drafters, and per request the one whose proposal is expected to commit the most tokens.
 
 Every step each member drafter proposes for every request (members are batched or cheap, and the choice needs
 their proposals), and each request gets the proposal of the member with the best score. Scores come from full
 information, not a bandit's guess: the coupled sampler commits exactly the target's tokens whoever drafted, so
 after a verify step every member's last proposal is scored on the committed tokens (the length of its agreement
 with them; a proposal that agreed with all of them is scored by that many, a lower bound). A request's score per
-member is an exponential average of those counts, starting from the member's average over every request; a
-member's cost per request-step (measured) is charged against the engine step time (the interval between
-proposals), so an expensive member must accept more to win. No choice can change a trajectory; a bad one only
-costs speed.
+member is an exponential average of those counts, starting from the member's average over every request; the
+proposal chosen is the one with the most expected accepted tokens. Every member's drafting cost is paid whichever
+is chosen, so cost does not enter the choice (the draft planner charges the step's whole drafting cost when it
+decides how many tokens to draft). No choice can change a trajectory; a bad one only costs speed.
 """
 
 from __future__ import annotations
-
-import time
 
 from drafters.base import Drafter, DraftRequest, load_drafter
 
@@ -41,23 +39,12 @@ class FastestOfN(Drafter):
         self.members = [load_drafter(name, dict(options.get(name, {}))) for name in self.names]
         self.decay = decay
         self.average = [1.0] * len(self.members)  # per member: average agreement over every request (prior)
-        self.cost = [0.0] * len(self.members)  # per member: seconds per request-step
-        self.step_seconds = 0.0  # the engine's seconds between two proposals
-        self.last_end: float | None = None
         self.scores: dict[str, list[float]] = {}
         self.last: dict[str, list[list[int]]] = {}  # per request: each member's last proposal
         self.choices: list[str] = []  # the member that drafted each request of the last proposal
 
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
-        if self.last_end is not None:
-            self.step_seconds = 0.8 * self.step_seconds + 0.2 * (time.perf_counter() - self.last_end)
-        proposals = []
-        for m, member in enumerate(self.members):
-            start = time.perf_counter()
-            proposals.append(member.propose(requests, k) if requests else [])
-            if requests:
-                spent = (time.perf_counter() - start) / len(requests)
-                self.cost[m] = spent if self.cost[m] == 0 else 0.8 * self.cost[m] + 0.2 * spent
+        proposals = [member.propose(requests, k) if requests else [] for member in self.members]
         out, self.choices = [], []
         for i, request in enumerate(requests):
             mine = [list(p[i]) for p in proposals]
@@ -65,17 +52,14 @@ class FastestOfN(Drafter):
             best = max(range(len(self.members)), key=lambda m: self._value(request.request_id, m, mine[m]))
             self.choices.append(self.names[best])
             out.append(mine[best])
-        self.last_end = time.perf_counter()
         return out
 
     def sources(self) -> list[str]:
         return self.choices
 
     def _value(self, request_id: str, m: int, proposal: list[int]) -> float:
-        """Expected committed tokens per second of member `m`'s proposal for this request."""
-        score = self.scores.get(request_id, self.average)[m]
-        expected = 1.0 + min(score, len(proposal))
-        return expected / (self.step_seconds + self.cost[m] + 1e-9)
+        """Expected accepted tokens of member `m`'s proposal for this request."""
+        return min(self.scores.get(request_id, self.average)[m], len(proposal))
 
     def commit(self, request_id: str, committed: list[int]) -> None:
         for member in self.members:

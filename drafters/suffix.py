@@ -29,6 +29,7 @@ class _Prompt:
 
 @dataclass
 class _Sequence:
+    request_id: str
     prompt: tuple[int, ...]
     tokens: list[int]  # prompt followed by the committed output
 
@@ -79,8 +80,11 @@ class SuffixDrafter(Drafter):
                 self._count(sequence, None, -1)
                 self.prompts[sequence.prompt].live.discard(rid)
             tokens = [int(t) for t in history]
-            sequence = self.sequences[rid] = _Sequence(tuple(tokens[:prompt_len]), tokens)
+            sequence = self.sequences[rid] = _Sequence(rid, tuple(tokens[:prompt_len]), tokens)
             entry = self._prompt(sequence.prompt)
+            for old in [s for s in entry.past if s.request_id == rid]:  # back after a preemption: not a new sample
+                entry.past.remove(old)
+                self._count(old, None, -1)
             entry.live.add(rid)
             self._count(sequence, None, +1)
         self.prompts.move_to_end(sequence.prompt)

@@ -25,14 +25,16 @@ def reference_logits(drafter: DraftLM, history: list[int]) -> torch.Tensor:
 
 
 def test_batched_forward_matches_the_model_over_chunks_and_rollbacks(draft_lm):
+    assert draft_lm.cache.keys[0].shape[1] == 256  # positions are reserved as histories grow, not up front
     rng = random.Random(1)
     vocab = draft_lm.model.config.vocab_size
-    histories = [[rng.randrange(vocab) for _ in range(rng.randrange(2, 90))] for _ in range(6)]
+    histories = [[rng.randrange(vocab) for _ in range(rng.randrange(2, 400))] for _ in range(6)]  # cache grows
     states = [_State(draft_lm.cache.take()) for _ in histories]
     with torch.inference_mode():
         cut = [rng.randrange(1, len(h)) for h in histories]  # ragged chunks in one batch
         draft_lm._forward(states, [h[:c] for h, c in zip(histories, cut)])
         logits = draft_lm._forward(states, [h[c:] for h, c in zip(histories, cut)])
+    assert draft_lm.cache.keys[0].shape[1] >= max(len(h) for h in histories)
     for row, history in zip(logits, histories):
         torch.testing.assert_close(row, reference_logits(draft_lm, history), atol=2e-5, rtol=1e-4)
     for state in states:
@@ -131,4 +133,13 @@ def test_suffix_counts_after_a_rebuild_equal_a_fresh_drafters():
     drafter.commit("a", [4, 5])
     drafter.propose([req("a", [1, 2, 9])], 4)  # the engine shows another history for "a" (e.g. recomputed)
     fresh.propose([req("a", [1, 2, 9])], 4)
+    assert drafter.prompts[tuple(PROMPT)].counts == fresh.prompts[tuple(PROMPT)].counts
+
+
+def test_suffix_counts_a_request_back_from_preemption_once():
+    drafter, fresh = SuffixDrafter(), SuffixDrafter()
+    drafter.propose([req("a", [1, 2, 3])], 4)
+    drafter.remove("a")  # preempted (e.g. by a weight update): it left the batch with a partial output
+    drafter.propose([req("a", [1, 2, 3, 4])], 4)  # and comes back with its whole history
+    fresh.propose([req("a", [1, 2, 3, 4])], 4)
     assert drafter.prompts[tuple(PROMPT)].counts == fresh.prompts[tuple(PROMPT)].counts
