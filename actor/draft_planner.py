@@ -32,6 +32,9 @@ class StepCost:
         self.seen = np.zeros(len(self.BUCKETS), dtype=bool)
 
     def observe(self, tokens: int, seconds: float) -> None:
+        if self.seen.any():  # one stalled step (a weight update, a busy host) moves the curve, never replaces it
+            predicted = float(self.predict(tokens))
+            seconds = min(max(seconds, predicted / 2), 2 * predicted)
         b = min(int(np.searchsorted(self.BUCKETS, tokens, side="right")) - 1, len(self.BUCKETS) - 1)
         b = max(b, 0)
         if self.seen[b]:
@@ -49,8 +52,11 @@ class StepCost:
         slope = 0.0
         if len(x) >= 2:  # beyond the largest bucket: the trend of the last two buckets, never falling
             slope = max((y[-1] - y[-2]) / max(x[-1] - x[-2], 1e-9), 0.0)
-        inside = np.interp(tokens, x, y)  # below the smallest bucket: its value (small steps cost about the same)
-        return np.where(tokens > x[-1], y[-1] + slope * (tokens - x[-1]), inside)
+        inside = np.interp(tokens, x, y)
+        # below the smallest bucket: as if proportional to tokens, the cheapest a smaller step could be, so that a
+        # planner that has only seen drafted steps tries one with fewer drafts and learns what it really costs
+        below = y[0] * np.maximum(tokens, 1) / max(x[0], 1)
+        return np.where(tokens > x[-1], y[-1] + slope * (tokens - x[-1]), np.where(tokens < x[0], below, inside))
 
 
 class DraftCost:

@@ -88,3 +88,20 @@ def test_plan_counts_the_drafting_cost():
 def test_plan_before_any_measurement_drafts_everything_it_may():
     assert plan([0.5, 0.01], 3, 2, StepCost(), DraftCost())[0] == [3, 3]
     assert plan([], 4, 0, StepCost(), DraftCost())[0] == []
+
+
+def test_a_planner_that_has_only_seen_drafted_steps_tries_fewer_drafts():
+    cost = StepCost()
+    cost.observe(20, compute_bound(20))  # four requests, four drafts each: all it has seen
+    drafts, _ = plan([0.6] * 4, 4, 4, cost, DraftCost())
+    assert sum(drafts) < 16  # a step with fewer drafts looks cheaper until measured
+    for n in range(1, 64):
+        cost.observe(n, compute_bound(n))
+    assert plan([0.6] * 4, 4, 4, cost, DraftCost())[0] == [0, 0, 0, 0]  # measured: drafting cannot pay here
+
+
+def test_one_stalled_step_does_not_turn_drafting_off():
+    cost = learned(weight_bound)
+    cost.observe(20, 5.0)  # a step that waited on something else: a hundred times the usual
+    assert cost.predict(20) < 2 * weight_bound(20) + 1e-9
+    assert plan([0.9] * 4, 4, 4, cost, DraftCost())[0] == [4, 4, 4, 4]
