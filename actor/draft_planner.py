@@ -15,8 +15,6 @@ Correctness never depends on it: drafts only change how fast the coupled sampler
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 
@@ -131,6 +129,3 @@ def plan(rates: list[float], k: int, base_tokens: int, step: StepCost, draft: Dr
         chosen[i] += 1
     return chosen, float(engine[best])
 
-
-def relative_error(predicted: float, measured: float) -> float:
-    return abs(predicted - measured) / measured if measured > 0 and math.isfinite(predicted) else 0.0

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from actor.draft_planner import Acceptance, DraftCost, StepCost, plan, relative_error
+from actor.draft_planner import Acceptance, DraftCost, StepCost, plan
 from drafters.base import Drafter, DraftRequest
 from sampling.coupled import PLACEHOLDER, coupled_sample, verify
 
@@ -254,12 +254,13 @@ class DrafterBridge:
     def _observe_step(self, start: float, req_ids: list[str]) -> None:
         """Teaches the step cost model the engine step that just ran (only when it continued the last batch: an
         idle engine's wait is not a step's cost) and charges the planner's error to the requests it planned."""
-        if self.step_end is None or not self.live.intersection(req_ids) or not self.runner._sample.step_tokens:
+        continuing = self.live.intersection(req_ids)
+        if self.step_end is None or not continuing or not self.runner._sample.step_tokens:
             return
         measured = start - self.step_end
-        error = relative_error(self.predicted, measured) if self.step_cost.seen.any() else 0.0
+        error = abs(self.predicted - measured) / measured if self.step_cost.seen.any() and measured > 0 else 0.0
         self.step_cost.observe(self.runner._sample.step_tokens, measured)
-        for req_id in self.live.intersection(req_ids):
+        for req_id in continuing:
             self.runner._sample.counts_for(req_id).cost_error += error
 
     def _draft(self, requests: list[tuple[int, DraftRequest]], drafts: list[list[int]]) -> None:

@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from actor.engine import set_env_defaults
@@ -157,10 +158,7 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
             if planned:  # the draft planner: tokens it allowed per request and step, its error on step seconds
                 run["planner"] = {"planned_tokens": round(sum(c.planned_tokens for c in counts) / planned, 3),
                                   "cost_error": round(sum(c.cost_error for c in counts) / planned, 3)}
-            choices = {}
-            for c in counts:
-                for source, n in c.choices.items():
-                    choices[source] = choices.get(source, 0) + n
+            choices = sum((Counter(c.choices) for c in counts), Counter())
             if choices:  # a composite drafter: the share of draft steps each member drafted
                 run["choice_shares"] = {s: round(n / sum(choices.values()), 3) for s, n in sorted(choices.items())}
         run.update(steps=steps, verify_steps=verify, tokens=sum(len(t) for t in run["sequences"]),

@@ -87,18 +87,24 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def seal_checkpoint(partial: Path, final: Path, state: dict) -> None:
-    """Writes state.json and the manifest into the fully written `partial` directory, fsyncs every file and
+def partial(final: Path) -> Path:
+    """Where every rank writes checkpoint `final` until `seal_checkpoint` makes it visible."""
+    return final.with_name(final.name + ".partial")
+
+
+def seal_checkpoint(final: Path, state: dict) -> None:
+    """Writes state.json and the manifest into the fully written `partial(final)` directory, fsyncs every file and
     directory, and renames it to `final` (replacing an older checkpoint of that name) in one step."""
-    (partial / "state.json").write_text(json.dumps(state, indent=2))
-    files = {str(p.relative_to(partial)): p.stat().st_size for p in sorted(partial.rglob("*")) if p.is_file()}
-    (partial / MANIFEST).write_text(json.dumps({"run_id": state["run_id"], "files": files}, indent=1))
-    for p in [*partial.rglob("*"), partial]:
+    partial_dir = partial(final)
+    (partial_dir / "state.json").write_text(json.dumps(state, indent=2))
+    files = {str(p.relative_to(partial_dir)): p.stat().st_size for p in sorted(partial_dir.rglob("*")) if p.is_file()}
+    (partial_dir / MANIFEST).write_text(json.dumps({"run_id": state["run_id"], "files": files}, indent=1))
+    for p in [*partial_dir.rglob("*"), partial_dir]:
         _fsync(p)
     old = final.with_name(final.name + ".old")
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         final.rename(old)
-    partial.rename(final)
+    partial_dir.rename(final)
     _fsync(final.parent)
     shutil.rmtree(old, ignore_errors=True)

@@ -11,13 +11,14 @@ import os
 import socket
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
 from configs.schema import Dtype
-from learner.base import checkpoint_state, seal_checkpoint, staleness
+from learner.base import checkpoint_state, partial, seal_checkpoint, staleness
 from learner.grpo import group_advantages, policy_loss
 from learner.intake import Intake
 from models.zoo import copy_tokenizer
@@ -187,10 +188,7 @@ class Learner:
         if planned_steps:  # the draft planner's choices: tokens allowed per request and step, its step-cost error
             metrics["spec/planned_tokens"] = sum(t.planned_tokens for t in trajectories) / planned_steps
             metrics["spec/planner_cost_error"] = sum(t.cost_error for t in trajectories) / planned_steps
-        choices: dict[str, int] = {}
-        for t in trajectories:
-            for source, n in t.drafter_choices.items():
-                choices[source] = choices.get(source, 0) + n
+        choices = sum((Counter(t.drafter_choices) for t in trajectories), Counter())
         for source, n in choices.items():  # which member of a composite drafter drafted, as shares of draft steps
             metrics[f"spec/choice/{source.rsplit('.', 1)[-1]}"] = n / sum(choices.values())
         if self.cfg.speculation.method != "none":  # per drafter, so drafters can be compared across runs
@@ -308,7 +306,7 @@ class Learner:
     def save_checkpoint(self, root: str) -> str:
         """Every rank: `root/step_<version>.partial/` with the DeepSpeed state (weights, optimizer) and the weights
         as a Hugging Face checkpoint (what resumed actors load); `seal_checkpoint` then makes it visible."""
-        path = Path(root) / f"step_{self.version}.partial"  # files a crash mid-save left are overwritten
+        path = partial(Path(root) / f"step_{self.version}")  # files a crash mid-save left are overwritten
         self.engine.save_checkpoint(str(path / "deepspeed"), tag="state")
         self.save_pretrained(str(path / "hf"))
         return str(path)
@@ -319,7 +317,7 @@ class Learner:
         final = Path(root) / f"step_{self.version}"
         with self.lock:
             state = {"version": self.version, "run_id": run_id, **self.intake.state()}
-        seal_checkpoint(final.with_name(final.name + ".partial"), final, state)
+        seal_checkpoint(final, state)
         return str(final)
 
     def load_checkpoint(self, path: str) -> None:

@@ -5,14 +5,14 @@ import json
 
 import pytest
 
-from learner.base import RUN_FILE, find_checkpoint, seal_checkpoint
+from learner.base import RUN_FILE, find_checkpoint, partial, seal_checkpoint
 
 
 def write(root, step: int, run_id: str, payload: bytes = b"weights") -> None:
-    partial = root / "checkpoints" / f"step_{step}.partial"
-    (partial / "hf").mkdir(parents=True)
-    (partial / "hf" / "model.safetensors").write_bytes(payload)
-    seal_checkpoint(partial, root / "checkpoints" / f"step_{step}", {"version": step, "run_id": run_id})
+    final = root / "checkpoints" / f"step_{step}"
+    (partial(final) / "hf").mkdir(parents=True)
+    (partial(final) / "hf" / "model.safetensors").write_bytes(payload)
+    seal_checkpoint(final, {"version": step, "run_id": run_id})
 
 
 def test_sealed_checkpoints_are_found_newest_first_and_partial_ones_never(tmp_path):

@@ -107,14 +107,13 @@ def test_launcher_fails_fast_and_names_the_key(override):
 
 
 def test_resume_from_must_name_a_checkpoint_that_is_behind_trainer_steps(tmp_path):
-    from learner.base import seal_checkpoint
+    from learner.base import partial, seal_checkpoint
 
     with pytest.raises(ConfigError, match="trainer.resume_from.*complete checkpoint"):
         load_config("grpo_tiny", [f"trainer.resume_from={tmp_path}"])
-    partial = tmp_path / "checkpoints" / "step_30.partial"
-    partial.mkdir(parents=True)
-    seal_checkpoint(partial, tmp_path / "checkpoints" / "step_30",
-                    {"version": 30, "data_cursor": 120, "counts": {}, "run_id": "r"})
+    final = tmp_path / "checkpoints" / "step_30"
+    partial(final).mkdir(parents=True)
+    seal_checkpoint(final, {"version": 30, "data_cursor": 120, "counts": {}, "run_id": "r"})
     with pytest.raises(ConfigError, match="at step 30 but trainer.steps = 30"):
         load_config("grpo_tiny", [f"trainer.resume_from={tmp_path}", "trainer.steps=30"])
     assert load_config("grpo_tiny", [f"trainer.resume_from={tmp_path}", "trainer.steps=40"]).trainer.steps == 40
