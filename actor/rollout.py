@@ -24,6 +24,7 @@ from actor.vllm_hooks import SpecCounts, apply_weights, take_spec_counts
 from tasks.dataset import eval_set, open_dataset
 from tasks.reward import score
 from tasks.schedule import CursorPlan
+from transport.auth import ClientKeys
 from transport.messages import SCHEMA_VERSION, Trajectory, WeightAck
 from transport.zmq import Outbox, WeightSubscriber
 
@@ -42,14 +43,15 @@ INCARNATION_SHIFT = 32  # a replacement actor numbers its messages from incarnat
 
 class RolloutActor:
     def __init__(self, cfg: DictConfig, actor_id: int, model_dir: str, trajectory_endpoint: str,
-                 weight_endpoint: str, version: int, plan: CursorPlan, first_k: int = 0, incarnation: int = 0):
+                 weight_endpoint: str, version: int, plan: CursorPlan, first_k: int = 0, incarnation: int = 0,
+                 keys: ClientKeys | None = None):
         self.cfg, self.actor_id, self.plan = cfg, actor_id, plan
         self.llm = make_engine(cfg, model_dir)  # coupled sampler installed; drafting if speculation.method is set
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
         self.dataset = open_dataset(cfg.data, cfg.seed)
-        self.outbox = Outbox(trajectory_endpoint, f"actor-{actor_id}", hwm=cfg.transport.trajectory_queue)
-        self.weights = WeightSubscriber(weight_endpoint)
+        self.outbox = Outbox(trajectory_endpoint, f"actor-{actor_id}", hwm=cfg.transport.trajectory_queue, keys=keys)
+        self.weights = WeightSubscriber(weight_endpoint, keys=keys)  # keys: CURVE, as the driver admitted them
         self.version = version  # of the weights in model_dir
         self.first_k = first_k  # this actor's first group (a replacement resumes where the dead actor stopped)
         self.seq = incarnation << INCARNATION_SHIFT

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
+import socket
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -118,6 +121,7 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
             raise ConfigError(f"{path}: key '{key}' = {OmegaConf.select(cfg, key)!r} {why}")
     _check_model(path, "model.path", cfg.model.path)
     _check_drafter(path, cfg.speculation)
+    _check_places(path, cfg)
     if cfg.trainer.resume_from:
         from learner.base import checkpoint_state
 
@@ -136,6 +140,31 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
             load_jsonl(source)
         except DataFormatError as e:
             raise ConfigError(f"{path}: key '{key}' = {source!r}: {e}") from None
+
+
+def _check_places(path: Path, cfg: DictConfig) -> None:
+    """Where the run binds and writes: refused before any process starts, naming the key."""
+    host = cfg.transport.host
+    try:
+        loopback = ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        raise ConfigError(f"{path}: key 'transport.host' = {host!r} is not an address of this machine") from None
+    if cfg.transport.auth.value == "none" and not loopback:
+        raise ConfigError(f"{path}: key 'transport.auth' = 'none' with transport.host = {host!r}: a socket bound "
+                          "beyond loopback must be authenticated; set transport.auth=curve")
+    if cfg.cluster.address is None:  # an embedded cluster: learner rank 0 binds on this machine
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, 0))
+            except OSError as e:
+                raise ConfigError(f"{path}: key 'transport.host' = {host!r} cannot be bound here: {e}") from None
+    directory = Path(cfg.logging.dir).expanduser().absolute()
+    existing = next(p for p in [directory, *directory.parents] if p.exists())
+    try:  # written to, not judged by its mode bits (root passes those everywhere)
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as e:
+        raise ConfigError(f"{path}: key 'logging.dir' = {cfg.logging.dir!r}: {existing} is not a writable "
+                          f"directory ({e.strerror})") from None
 
 
 def _check_drafter(path: Path, spec: DictConfig) -> None:

@@ -33,6 +33,11 @@ class Device(Enum):
     cuda = "cuda"
 
 
+class TransportAuth(Enum):
+    curve = "curve"  # ZeroMQ CURVE: every socket authenticated and encrypted with keys made per run
+    none = "none"  # plain TCP: allowed only when transport.host is a loopback address
+
+
 class LossAggregation(Enum):
     token_mean = "token_mean"  # DAPO: mean over all tokens of the batch
     seq_mean_token_mean = "seq_mean_token_mean"  # GRPO: mean over tokens, then over sequences
@@ -123,6 +128,7 @@ class TrainerConfig:
 @dataclass
 class TransportConfig:
     host: str = "127.0.0.1"  # the address receivers bind; 0.0.0.0 binds all and advertises the outward address
+    auth: TransportAuth = TransportAuth.curve  # only the run's own processes can send, receive or read messages
     trajectory_queue: int = 64  # ZeroMQ high-water mark: back-pressure on rollout actors
     max_message_mib: int = 64
     weight_bucket_mib: int = 32

@@ -8,14 +8,18 @@ from omegaconf import DictConfig
 
 from learner.learner import Learner
 from tasks.schedule import CursorPlan
+from transport.auth import KeyPair
 
 
 class LearnerGroup:
     def __init__(self, cfg: DictConfig, policy_dir: str, reference_dir: str, plan: CursorPlan, resume: str | None,
-                 num_gpus: int):
+                 num_gpus: int, keys: KeyPair | None = None):
+        """`keys`: the CURVE pair of rank 0's sockets (None: plain TCP); actors dial with `server_public`."""
         cls = ray.remote(num_cpus=1, num_gpus=num_gpus, max_concurrency=2)(Learner)
-        self.ranks = [cls.options(name=f"learner-{r}").remote(cfg, policy_dir, reference_dir, plan, r)
+        self.ranks = [cls.options(name=f"learner-{r}").remote(cfg, policy_dir, reference_dir, plan, r,
+                                                              keys if r == 0 else None)
                       for r in range(cfg.learner.num_ranks)]
+        self.server_public = None if keys is None else keys.public
         self.rank0 = self.ranks[0]
         self.trajectory_endpoint, self.weight_endpoint = ray.get(self.rank0.endpoints.remote())
         master = ray.get(self.rank0.master_address.remote())

@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 from actor.rollout import RolloutActor
 from driver.learners import LearnerGroup
 from tasks.schedule import CursorPlan
+from transport.auth import ClientKeys, keypair
 
 
 class RolloutPool:
@@ -26,9 +27,13 @@ class RolloutPool:
 
     def spawn(self, i: int, first_k: int):
         name = f"rollout-{i}" if self.restarts == 0 else f"rollout-{i}-r{self.restarts}"
+        keys = None
+        if self.learners.server_public is not None:  # a key of its own, admitted as actor-<i> (the last one revoked)
+            keys = ClientKeys(keypair(), self.learners.server_public)
+            ray.get(self.learners.rank0.admit.remote(f"actor-{i}", keys.own.public))
         return self.cls.options(name=name).remote(
             self.cfg, i, self.model_dir, self.learners.trajectory_endpoint, self.learners.weight_endpoint,
-            self.version, self.plan, first_k, incarnation=self.restarts)
+            self.version, self.plan, first_k, incarnation=self.restarts, keys=keys)
 
     def wait(self, refs: list[ray.ObjectRef]) -> list:
         """`ray.get(refs)`, replacing every rollout actor that stops meanwhile; the first error among `refs` is raised

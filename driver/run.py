@@ -42,6 +42,7 @@ class Run:
         from learner.base import RUN_FILE, checkpoint_state
         from models.zoo import resolve
         from tasks.schedule import CursorPlan
+        from transport.auth import keypair
 
         OmegaConf.save(cfg, self.dir / "config.yaml", resolve=True)  # the resolved config, beside the event files
         reference_dir = policy_dir = str(resolve(cfg.model.path))  # builds the built-in models on first use
@@ -64,8 +65,10 @@ class Run:
         self.ray, self.interrupted = ray, False
         try:
             gpus = 1 if cfg.cluster.device.value == "cuda" else 0
+            curve = cfg.transport.auth.value == "curve"  # keys made here, per run; actors get theirs as they start
             self.learners = LearnerGroup(cfg, policy_dir, reference_dir, plan,
-                                         None if checkpoint is None else str(checkpoint), num_gpus=gpus)
+                                         None if checkpoint is None else str(checkpoint), num_gpus=gpus,
+                                         keys=keypair() if curve else None)
             self.rollouts = RolloutPool(cfg, policy_dir, self.learners, state["version"], plan,
                                         num_gpus=gpus * cfg.rollout.tensor_parallel_size)
         except BaseException:
@@ -84,7 +87,7 @@ class Run:
               f"  learner: {lr.num_ranks} rank(s), ZeRO-{lr.zero_stage}, {lr.dtype.value}, lr {lr.lr}, "
               f"steps {self.first_step}..{cfg.trainer.steps}\n"
               f"  transport: trajectories {self.learners.trajectory_endpoint}, weights "
-              f"{self.learners.weight_endpoint}\n"
+              f"{self.learners.weight_endpoint}, auth {cfg.transport.auth.value}\n"
               f"  logs: {self.dir} (engine log: {log_file})", flush=True)
 
     def evaluate_if_due(self, step: int) -> None:

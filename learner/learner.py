@@ -24,6 +24,7 @@ from learner.intake import Intake
 from models.zoo import copy_tokenizer
 from sampling.coupled import processed_logprobs
 from tasks.schedule import CursorPlan
+from transport.auth import Gate, KeyPair
 from transport.messages import Trajectory, WeightAck
 from transport.zmq import Inbox, WeightPublisher, pack_buckets
 
@@ -38,13 +39,17 @@ class Learner:
     """Built in two phases, since every rank must know where rank 0 meets them before any joins the process group:
     `__init__` on every rank, then `start(master)` on every rank with rank 0's `master_address()`."""
 
-    def __init__(self, cfg: DictConfig, policy_dir: str, reference_dir: str, plan: CursorPlan, rank: int = 0):
+    def __init__(self, cfg: DictConfig, policy_dir: str, reference_dir: str, plan: CursorPlan, rank: int = 0,
+                 keys: KeyPair | None = None):
+        """`keys` (rank 0): the servers' CURVE pair; then only clients `admit`ted may connect to the inbox or
+        the weight publisher (transport/auth.py)."""
         self.cfg, self.policy_dir, self.reference_dir = cfg, policy_dir, reference_dir
         self.rank, self.world, self.micro = rank, cfg.learner.num_ranks, cfg.learner.micro_batch_size
         if rank == 0:
+            self.gate = None if keys is None else Gate(keys)
             self.inbox = Inbox(cfg.transport.host, cfg.transport.max_message_mib << 20, cfg.transport.trajectory_queue,
-                               accepts=Trajectory | WeightAck)  # a weight bucket sent here is malformed, dropped
-            self.publisher = WeightPublisher(cfg.transport.host)
+                               accepts=Trajectory | WeightAck, gate=self.gate)  # a weight bucket sent here: dropped
+            self.publisher = WeightPublisher(cfg.transport.host, gate=self.gate)
             vocab = json.loads((Path(policy_dir) / "config.json").read_text())["vocab_size"]
             self.intake = Intake(cfg.rollout.group_size, cfg.algorithm.max_staleness, plan, vocab,
                                  cfg.model.max_model_len)
@@ -57,6 +62,10 @@ class Learner:
     def endpoints(self) -> tuple[str, str]:
         """Rank 0: (trajectory inbox, weight publisher) endpoints the actors dial."""
         return self.inbox.endpoint, self.publisher.endpoint
+
+    def admit(self, name: str, public: bytes) -> None:
+        """Rank 0: the CURVE key `name` (actor-<i>) connects with from now on; its earlier key is revoked."""
+        self.gate.admit(name, public)
 
     def master_address(self) -> str:
         """Rank 0: where the other ranks meet it (torch.distributed rendezvous)."""

@@ -17,7 +17,7 @@ ALLOWED = {
     "configs": {"tasks", "drafters", "models", "learner"},  # learner: reads a checkpoint's state to validate a resume
     "actor": {"sampling", "drafters", "transport", "tasks", "configs", "models"},
     "learner": {"sampling", "transport", "tasks", "configs", "models"},
-    "driver": {"actor", "learner", "tasks", "configs", "models"},
+    "driver": {"actor", "learner", "tasks", "configs", "models", "transport"},  # transport: makes the run's keys
     "bench": {"actor", "sampling", "drafters", "configs", "models", "tasks", "driver"},  # driver: log routing
 }
 THIRD_PARTY_FORBIDDEN = {"sampling": {"vllm", "transformers", "ray", "deepspeed", "zmq"}}

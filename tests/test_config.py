@@ -49,10 +49,16 @@ def test_path_to_yaml_works(tmp_path):
     ("trainer.steps", ["key=value"]),
     ("rollout.max_tokens=5000", ["rollout.max_tokens", "model.max_model_len"]),
     ("data.source=${no.such.key}", ["data.source", "no.such.key"]),
+    ("transport.auth=none transport.host=0.0.0.0", ["transport.auth", "curve"]),  # plain TCP beyond loopback
+    ("transport.auth=tls", ["transport.auth", "tls"]),
+    ("transport.host=192.0.2.1", ["transport.host", "192.0.2.1", "cannot be bound"]),  # TEST-NET: not this machine
+    ("transport.host=no-such-host.invalid", ["transport.host", "not an address"]),
+    ("logging.dir=/proc/specactor-run", ["logging.dir", "/proc", "writable"]),
+    (f"logging.dir={Path(__file__).resolve()}/run", ["logging.dir", "test_config.py", "writable"]),  # under a file
 ])
 def test_bad_override_names_the_key(override, needles):
     with pytest.raises(ConfigError) as e:
-        load_config("grpo_tiny", [override])
+        load_config("grpo_tiny", override.split(" "))
     for needle in needles:
         assert needle in str(e.value)
 

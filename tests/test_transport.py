@@ -164,3 +164,59 @@ def test_an_actor_blocked_on_a_learner_that_stopped_reading_still_stops():
     assert not sender.is_alive() and results[-1] is False and all(results[:-1])
     actor.outbox.socket.close(0)
     inbox.close()
+
+
+def test_with_curve_only_admitted_keys_get_in_and_a_key_speaks_only_for_itself():
+    """Through a gated inbox and publisher, clients without a key, with an unknown key, with a key replaced since
+    (a dead actor's) or with the key of another actor get nothing in and nothing out; the admitted client does."""
+    from transport.auth import ClientKeys, Gate, keypair
+
+    ctx = zmq.Context()  # a gate is the ZAP handler of its context
+    gate = Gate(keypair(), ctx)
+    inbox = Inbox("127.0.0.1", max_bytes=4096, context=ctx, gate=gate)
+    publisher = WeightPublisher("127.0.0.1", context=ctx, gate=gate)
+    old, actor0, actor1, stranger = keypair(), keypair(), keypair(), keypair()
+    gate.admit("actor-0", old.public)
+    gate.admit("actor-0", actor0.public)  # the replacement's key: the old one is revoked
+    gate.admit("actor-1", actor1.public)
+    raw = ctx.socket(zmq.PUSH)  # no CURVE at all
+    raw.connect(inbox.endpoint)
+    clients = {name: Outbox(inbox.endpoint, "actor-0", hwm=16, context=ctx, keys=ClientKeys(pair, gate.keys.public))
+               for name, pair in [("old", old), ("stranger", stranger), ("actor1", actor1), ("actor0", actor0)]}
+    forged_server = Outbox(inbox.endpoint, "actor-0", hwm=16, context=ctx,
+                           keys=ClientKeys(actor0, keypair().public))  # dials a server key that is not the run's
+    for seq in range(20):
+        try:  # its handshake never completes, so it has no peer to queue for
+            raw.send_multipart([b"actor-0", msgspec.msgpack.encode(trajectory(1000 + seq))], zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        for name, out in clients.items():  # every one claims actor 0 (trajectory()'s actor_id)
+            out.send(trajectory({"old": 2000, "stranger": 3000, "actor1": 4000, "actor0": 0}[name] + seq),
+                     timeout_ms=100)
+        forged_server.send(trajectory(5000 + seq), timeout_ms=100)
+    received = []
+    while (message := inbox.recv(1500)) is not None:
+        received.append(message.seq)
+    assert received == list(range(20))  # only actor 0's own key, in order
+    assert inbox.dropped == {"sender": 20}  # actor 1's key claiming actor 0's messages
+
+    weights = [("w", torch.arange(4, dtype=torch.float32))]
+    subscribers = {name: WeightSubscriber(publisher.endpoint, context=ctx, keys=keys) for name, keys in
+                   [("plain", None), ("stranger", ClientKeys(stranger, gate.keys.public)),
+                    ("actor0", ClientKeys(actor0, gate.keys.public))]}
+    got: dict[str, object] = {}
+    deadline = time.time() + 5
+    while "actor0" not in got and time.time() < deadline:  # PUB/SUB: resend until the subscription is live
+        publisher.publish(1, pack_buckets(iter(weights), 1 << 20))
+        for name, sub in subscribers.items():
+            if (result := sub.poll(100)) is not None:
+                got[name] = result
+    time.sleep(0.3)
+    got |= {name: r for name, sub in subscribers.items() if (r := sub.poll(100)) is not None}
+    assert list(got) == ["actor0"] and torch.equal(got["actor0"][1][0][1], weights[0][1])
+    for out in [*clients.values(), forged_server]:
+        out.socket.close(0)  # unsent messages of the refused ones: nothing to wait for
+    for socket in [raw, *subscribers.values(), inbox, publisher]:
+        socket.close()
+    gate.close()
+    ctx.term()

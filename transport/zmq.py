@@ -8,6 +8,9 @@
   which is the back-pressure on rollout actors.
 - `WeightPublisher` / `WeightSubscriber`: PUB/SUB for weight updates. Each bucket is one multipart message:
   a `WeightBucket` header, then one zero-copy frame per tensor.
+
+Servers (`Inbox`, `WeightPublisher`) given a `transport.auth.Gate` and clients given `ClientKeys` speak CURVE:
+authenticated and encrypted, and a gated inbox takes a message's sender from its key, not from its first frame.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import msgspec
 import torch
 import zmq
 
+from transport.auth import ClientKeys, Gate, dial
 from transport.messages import SCHEMA_VERSION, Message, TensorSpec, WeightBucket
 
 
@@ -41,13 +45,21 @@ log = logging.getLogger(__name__)
 _encoder = msgspec.msgpack.Encoder()
 
 
+MAXMSGSIZE_SLACK = 1 << 20  # a frame this far over `max_bytes` closes its peer's connection before it is buffered
+
+
 class Inbox:
     def __init__(self, host: str, max_bytes: int, hwm: int = 1000, context: zmq.Context | None = None,
-                 accepts=Message):
-        """`accepts`: the message types (a union) this inbox is for; any other is dropped as malformed."""
+                 accepts=Message, gate: Gate | None = None):
+        """`accepts`: the message types (a union) this inbox is for; any other is dropped as malformed. `gate`:
+        only clients it admits connect, and a message naming an `actor_id` must come from key `actor-<id>`."""
         self.socket = (context or zmq.Context.instance()).socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, hwm)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, max_bytes + MAXMSGSIZE_SLACK)
+        if gate is not None:
+            gate.serve(self.socket)
+        self.gated = gate is not None
         port = self.socket.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{dialable(host)}:{port}"
         self.max_bytes = max_bytes
@@ -58,15 +70,17 @@ class Inbox:
     def recv(self, timeout_ms: int) -> Message | None:
         """The next good message, or None once `timeout_ms` passes without one."""
         while self.socket.poll(timeout_ms):
-            frames = self.socket.recv_multipart()
-            message = self._decode(frames)
+            frames = self.socket.recv_multipart(copy=False)
+            # a gated socket knows the sender from its key; otherwise it is what the first frame says
+            sender = (frames[0].get("User-Id") if self.gated else
+                      frames[0].bytes.decode(errors="replace")[:64] if len(frames) == 2 else "unknown")
+            message = self._decode(sender, [f.bytes for f in frames])
             if message is not None:
                 return message
             timeout_ms = 0 if timeout_ms == 0 else max(1, timeout_ms // 2)
         return None
 
-    def _decode(self, frames: list[bytes]) -> Message | None:
-        sender = frames[0].decode(errors="replace")[:64] if len(frames) == 2 else "unknown"
+    def _decode(self, sender: str, frames: list[bytes]) -> Message | None:
         if len(frames) != 2:
             return self._drop(sender, "frames", f"{len(frames)} frames, expected 2")
         if len(frames[1]) > self.max_bytes:
@@ -77,6 +91,9 @@ class Inbox:
             return self._drop(sender, "malformed", str(e))
         if message.schema != SCHEMA_VERSION:
             return self._drop(sender, "schema_version", f"schema {message.schema}, expected {SCHEMA_VERSION}")
+        claimed = getattr(message, "actor_id", None)
+        if self.gated and claimed is not None and sender != f"actor-{claimed}":  # a key speaks only for itself
+            return self._drop(sender, "sender", f"claims to be actor {claimed}")
         return message
 
     def _drop(self, sender: str, reason: str, detail: str) -> None:
@@ -91,10 +108,13 @@ class Inbox:
 
 
 class Outbox:
-    def __init__(self, endpoint: str, sender: str, hwm: int, context: zmq.Context | None = None):
+    def __init__(self, endpoint: str, sender: str, hwm: int, context: zmq.Context | None = None,
+                 keys: ClientKeys | None = None):
         self.socket = (context or zmq.Context.instance()).socket(zmq.PUSH)
         self.socket.setsockopt(zmq.SNDHWM, hwm)
         self.socket.setsockopt(zmq.LINGER, 5000)
+        if keys is not None:
+            dial(self.socket, keys)
         self.socket.connect(endpoint)
         self.sender = sender.encode()
 
@@ -124,10 +144,12 @@ def pack_buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -
 
 
 class WeightPublisher:
-    def __init__(self, host: str, context: zmq.Context | None = None):
+    def __init__(self, host: str, context: zmq.Context | None = None, gate: Gate | None = None):
         self.socket = (context or zmq.Context.instance()).socket(zmq.PUB)
         self.socket.setsockopt(zmq.SNDHWM, 0)  # never drop a bucket
         self.socket.setsockopt(zmq.LINGER, 0)
+        if gate is not None:
+            gate.serve(self.socket)
         port = self.socket.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{dialable(host)}:{port}"
 
@@ -167,10 +189,12 @@ def _tensor(spec: TensorSpec, buffer) -> torch.Tensor:
 
 
 class WeightSubscriber:
-    def __init__(self, endpoint: str, context: zmq.Context | None = None):
+    def __init__(self, endpoint: str, context: zmq.Context | None = None, keys: ClientKeys | None = None):
         self.socket = (context or zmq.Context.instance()).socket(zmq.SUB)
         self.socket.setsockopt(zmq.RCVHWM, 0)
         self.socket.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            dial(self.socket, keys)
         self.socket.setsockopt(zmq.SUBSCRIBE, b"")
         self.socket.connect(endpoint)
         self._decoder = msgspec.msgpack.Decoder(WeightBucket)
