@@ -37,6 +37,7 @@ from pathlib import Path
 
 from actor.engine import set_env_defaults
 from bench.engine_process import in_fresh_process
+from bench.stats import paired
 
 PRESETS = {
     # `ops`: the number of operations of each prompt's problem (a group of `group_size` samples per prompt)
@@ -60,7 +61,6 @@ FASTEST_OF = "[suffix,draft_lm]"  # specactor_fastest's members
 SPECULATIVE_TOKENS = 4
 TEMPERATURE = 1.0  # GRPO samples at T = 1
 SWEEP_TOKENS = 64
-T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # Student t, 95% two-sided
 
 
 def workload(preset: dict, seed: int) -> tuple[list[str], list[int]]:
@@ -174,17 +174,6 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
         return run
     finally:
         close_engine(llm)
-
-
-def paired(reference: list[float], system: list[float]) -> dict:
-    """Median over repeats of reference/system, and a 95% t-interval of the paired log-ratio (from 2 repeats)."""
-    logs = [math.log(r / s) for r, s in zip(reference, system)]
-    out = {"speedup": round(math.exp(statistics.median(logs)), 3)}
-    if len(logs) >= 2:
-        half = T_975[min(len(logs) - 1, 9)] * statistics.stdev(logs) / math.sqrt(len(logs))
-        mean = statistics.fmean(logs)
-        out["speedup_ci95"] = [round(math.exp(mean - half), 3), round(math.exp(mean + half), 3)]
-    return out
 
 
 def shape(run: dict) -> dict:

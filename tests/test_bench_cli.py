@@ -1,5 +1,5 @@
-"""The rollout benchmark's command line without engines: the GPU preset refuses a machine without CUDA at once,
-in one line naming what is missing (no traceback, no model built)."""
+"""The benchmarks' command lines without engines: the rollout GPU preset refuses a machine without CUDA at once,
+in one line naming what is missing (no traceback, no model built); the weight-sync benchmark runs small."""
 
 import time
 
@@ -22,3 +22,20 @@ def test_gpu_preset_exits_at_once_without_cuda(capsys):
 def test_gpu_preset_runs_the_long_tail_workload_with_a_wider_sweep():
     assert PRESETS["gpu"]["ops"] == PRESETS["longtail"]["ops"] and PRESETS["gpu"]["device"] == "cuda"
     assert max(PRESETS["gpu"]["sweep"]) > max(PRESETS["longtail"]["sweep"])
+
+
+def test_weight_sync_benchmark_measures_every_channel_against_raw_zeromq(tmp_path):
+    """Every system delivers whole versions (the subscriber acknowledges each one), and the JSON pairs each with
+    raw ZeroMQ and names CURVE's cost."""
+    import json
+
+    from bench.weight_sync import SYSTEMS
+    from bench.weight_sync import main as weight_sync
+
+    out = tmp_path / "weight_sync.json"
+    weight_sync(["--mib", "8", "--bucket-mib", "2", "--repeats", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["config"]["bytes"] >= 8 << 20 and set(result["systems"]) == set(SYSTEMS)
+    for system in result["systems"].values():
+        assert system["gb_per_s"] > 0 and len(system["seconds"]) == 1 and system["of_raw"]["speedup"] > 0
+    assert result["systems"]["raw"]["of_raw"]["speedup"] == 1.0 and result["curve_cost"]["speedup"] > 0

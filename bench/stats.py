@@ -1,0 +1,19 @@
+"""Paired statistics for benchmarks that run every system in each repeat."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # Student t, 95% two-sided
+
+
+def paired(reference: list[float], system: list[float]) -> dict:
+    """Median over repeats of reference/system, and a 95% t-interval of the paired log-ratio (from 2 repeats)."""
+    logs = [math.log(r / s) for r, s in zip(reference, system)]
+    out = {"speedup": round(math.exp(statistics.median(logs)), 3)}
+    if len(logs) >= 2:
+        half = T_975[min(len(logs) - 1, 9)] * statistics.stdev(logs) / math.sqrt(len(logs))
+        mean = statistics.fmean(logs)
+        out["speedup_ci95"] = [round(math.exp(mean - half), 3), round(math.exp(mean + half), 3)]
+    return out
