@@ -178,7 +178,8 @@ class Run:
         reward = (f", reward {self.first_reward:.3f} (first step) -> {self.last['rl/reward_mean']:.3f} (last)"
                   if self.last else "")
         print(f"done: step {learner['version']}{reward}; trained {learner['trained']} trajectories, dropped "
-              f"{dropped or 'none'}, lost {learner['lost']}, actor restarts {summary['actor_restarts']}\n"
+              f"{dropped or 'none'}, lost {learner['lost']}, skipped steps {learner['skipped_steps']}, actor restarts "
+              f"{summary['actor_restarts']}\n"
               f"summary: {self.dir / 'summary.json'}, engine log: {self.dir / 'run.log'}\n"
               f"TensorBoard: tensorboard --logdir {self.dir}")
         if self.interrupted:

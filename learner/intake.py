@@ -100,7 +100,8 @@ class Intake:
             return "token_ids"
         if not math.isfinite(t.reward):
             return "reward"
-        if not all(math.isfinite(lp) and lp <= 1e-4 for lp in t.behaviour_logprobs):  # a log-probability is <= 0
+        # a log-probability is <= 0, and no float32 softmax gives a sampled token one below about -104
+        if not all(-1e4 <= lp <= 1e-4 for lp in t.behaviour_logprobs):  # (and NaN compares false)
             return "logprobs"
         if any(not 0 <= v <= version for v in t.policy_versions):  # never ahead of the weights the learner has
             return "versions"

@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import msgspec
 import torch
 from omegaconf import DictConfig
 
@@ -33,6 +34,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class FiniteAdamW(torch.optim.AdamW):
+    """AdamW that leaves the weights and its state untouched when the gradient is not finite, and says so in
+    `overflow`, which DeepSpeed's engine reads to count the step as skipped. DeepSpeed's ZeRO and bf16 optimizers
+    skip such steps themselves; its plain fp32 path would write NaN into every weight."""
+
+    overflow = False
+
+    def step(self, closure=None):
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        self.overflow = bool(grads) and not torch.isfinite(torch.nn.utils.get_total_norm(grads)).item()
+        return None if self.overflow else super().step(closure)
 
 
 class Learner:
@@ -55,6 +69,7 @@ class Learner:
                                  cfg.model.max_model_len)
         self.published: list | None = None  # rank 0: the newest weight buckets sent, for a replacement actor
         self.version = 0
+        self.skipped_steps = 0  # optimizer steps not taken: their gradient was not finite
         self.groups: list[list[Trajectory]] = []  # rank 0: what `collect` gathered for the next `train`
         self.reference = None  # the frozen reference policy when algorithm.kl_coef > 0
         self.lock = threading.Lock()  # collect() and a replacement actor's reissue()/republish() run concurrently
@@ -99,7 +114,10 @@ class Learner:
             "bf16": {"enabled": cfg.learner.dtype == Dtype.bfloat16},
             "steps_per_print": 1 << 30,
         }
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay)
+        # DeepSpeed's ZeRO and bf16 optimizers wrap this one and skip a non-finite gradient themselves
+        plain = cfg.learner.zero_stage == 0 and cfg.learner.dtype != Dtype.bfloat16
+        optimizer = (FiniteAdamW if plain else torch.optim.AdamW)(model.parameters(), lr=cfg.learner.lr,
+                                                                  weight_decay=cfg.learner.weight_decay)
         warmup = cfg.learner.warmup_steps
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
@@ -130,9 +148,7 @@ class Learner:
         """Every rank: one GRPO step on its share of the collected groups; rank 0's metrics, {} on the others."""
         groups = self.groups
         if self.world > 1:  # every rank gets the step's groups and trains on its share
-            box = [groups]
-            torch.distributed.broadcast_object_list(box, src=0)
-            groups = box[0]
+            groups = self.share(groups)
         algo = self.cfg.algorithm
         trajectories = [t for g in groups for t in g]
         rewards = torch.tensor([[t.reward for t in g] for g in groups])
@@ -156,6 +172,8 @@ class Learner:
             sums += torch.tensor([loss.item(), stats["clip_fraction"], stats["entropy"], stats["kl"], 1.0, 0.0])
             extremes = torch.maximum(extremes, torch.tensor([stats["ratio_max"], -stats["ratio_min"]]))
         sums[5] = grad_norm
+        if not self.engine.was_step_applied():  # a non-finite gradient (all-reduced: the same on every rank)
+            self.skipped_steps += 1  # the weights stay as they were; the next publish sends them unchanged
         if self.world > 1:
             sums, extremes = sums.to(self.engine.device), extremes.to(self.engine.device)
             torch.distributed.all_reduce(sums)
@@ -175,6 +193,7 @@ class Learner:
             "rl/clip_fraction": clip / batches,
             "rl/entropy": entropy / batches,
             "rl/grad_norm": grad_norm / self.world,  # every rank computed the same all-reduced norm
+            "rl/skipped_steps": float(self.skipped_steps),  # steps whose gradient was not finite, so not taken
             "rl/ratio_max": extremes[0].item(),
             "rl/ratio_min": -extremes[1].item(),
             "rl/lr": lr,
@@ -214,6 +233,19 @@ class Learner:
         dropped = {**summary["dropped_invalid_by_reason"], **self.inbox.dropped}  # cumulative, by reason
         metrics.update({f"transport/dropped/{reason}": float(n) for reason, n in dropped.items()})
         return metrics
+
+    def share(self, groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
+        """Every rank: rank 0's groups, sent as msgspec bytes in a tensor broadcast (no pickle between ranks: a
+        rank unpickling what it is sent would run whatever code the bytes name)."""
+        device = self.engine.device
+        payload = torch.frombuffer(bytearray(msgspec.msgpack.encode(groups)), dtype=torch.uint8) if self.rank == 0 \
+            else torch.empty(0, dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], device=device)
+        torch.distributed.broadcast(size, src=0)
+        payload = payload.to(device) if self.rank == 0 else torch.empty(int(size.item()), dtype=torch.uint8,
+                                                                        device=device)
+        torch.distributed.broadcast(payload, src=0)
+        return msgspec.msgpack.decode(payload.cpu().numpy().tobytes(), type=list[list[Trajectory]])
 
     def micro_batch_loss(self, batch: list[Trajectory], advantages: torch.Tensor):
         width = max(len(t.prompt_ids) + len(t.response_ids) for t in batch)
@@ -325,7 +357,7 @@ class Learner:
         written, everything fsynced, `step_<version>.partial` renamed to `step_<version>` (learner/base.py)."""
         final = Path(root) / f"step_{self.version}"
         with self.lock:
-            state = {"version": self.version, "run_id": run_id, **self.intake.state()}
+            state = {"version": self.version, "run_id": run_id, "skipped_steps": self.skipped_steps, **self.intake.state()}
         seal_checkpoint(final, state)
         return str(final)
 
@@ -333,7 +365,7 @@ class Learner:
         path, state = checkpoint_state(path)
         # the schedule follows this config (a changed learner.lr applies), fast-forwarded to the checkpoint's step
         self.engine.load_checkpoint(str(path / "deepspeed"), tag="state", load_lr_scheduler_states=False)
-        self.version = state["version"]
+        self.version, self.skipped_steps = state["version"], state.get("skipped_steps", 0)
         self.engine.lr_scheduler.last_epoch = self.version - 1
         self.engine.lr_scheduler.step()
         if self.rank == 0:
@@ -346,4 +378,5 @@ class Learner:
 
     def summary(self) -> dict:
         with self.lock:  # collect() may still be taking messages (Ctrl-C, an error elsewhere)
-            return {**self.intake.summary(), "version": self.version, "dropped_messages": dict(self.inbox.dropped)}
+            return {**self.intake.summary(), "version": self.version, "skipped_steps": self.skipped_steps,
+                    "dropped_messages": dict(self.inbox.dropped)}

@@ -62,7 +62,8 @@ def test_trajectories_that_would_crash_or_poison_the_learner_are_dropped_by_reas
     bad = {"owner": [trajectory(1, 0)], "lengths": [replace(good, prompt_ids=[])],
            "too_long": [trajectory(0, 0, versions=(0,) * 8)], "token_ids": [replace(good, response_ids=[10])],
            "reward": [replace(good, reward=float("nan")), replace(good, reward=float("inf"))],
-           "logprobs": [replace(good, behaviour_logprobs=[0.5]), replace(good, behaviour_logprobs=[float("nan")])],
+           "logprobs": [replace(good, behaviour_logprobs=[0.5]), replace(good, behaviour_logprobs=[float("nan")]),
+                        replace(good, behaviour_logprobs=[-1e30])],  # finite, but an infinite ratio in the loss
            "versions": [trajectory(0, 0, versions=(2,)), trajectory(0, 0, versions=(-1,))]}
     for reason, messages in bad.items():
         for t in messages:

@@ -66,6 +66,35 @@ def test_grpo_steps_raise_rewarded_and_lower_unrewarded_responses(kl_coef):
         assert "rl/kl" not in metrics
 
 
+@pytest.mark.parametrize("zero_stage", [0, 1])  # the plain optimizer (the learner skips) and ZeRO's (DeepSpeed does)
+def test_a_step_whose_gradient_is_not_finite_is_skipped_and_counted(zero_stage):
+    """A behaviour logprob that is finite but absurd (-1e30, as a buggy or hostile actor could send) makes the
+    ratio infinite and the gradient NaN: the step must leave every weight as it was and count itself; the next
+    sound step trains."""
+    from learner.learner import Learner
+
+    model_dir = str(resolve("builtin:dense"))
+    cfg = load_config("grpo_tiny", ["rollout.prompts_per_step=2", "rollout.group_size=4",
+                                    "learner.micro_batch_size=4", f"learner.zero_stage={zero_stage}"])
+    learner = Learner(cfg, model_dir, model_dir, CursorPlan(0, 1, 2))
+    learner.start()
+    groups = make_groups(learner.engine.module, transformers.AutoTokenizer.from_pretrained(model_dir))
+    before = {n: p.detach().clone() for n, p in learner.engine.module.named_parameters()}
+    poisoned = [g[:] for g in groups]
+    bad = poisoned[0][1]  # unrewarded: a negative advantage, so the unclipped (infinite) ratio term is the minimum
+    poisoned[0][1] = Trajectory(**{**{f: getattr(bad, f) for f in bad.__struct_fields__},
+                                   "behaviour_logprobs": [-1e30] + bad.behaviour_logprobs[1:]})
+    learner.groups = poisoned
+    metrics = learner.train()
+    assert metrics["rl/skipped_steps"] == 1.0 and learner.summary()["skipped_steps"] == 1
+    for name, p in learner.engine.module.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
+    learner.groups = groups
+    metrics = learner.train()
+    assert metrics["rl/skipped_steps"] == 1.0 and metrics["rl/grad_norm"] > 0
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in learner.engine.module.named_parameters())
+
+
 LR = 1e-3
 
 

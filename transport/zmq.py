@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import socket
+import time
 from collections import Counter
 from collections.abc import Iterator
 
@@ -68,26 +69,45 @@ class Inbox:
         self._logged: set[tuple[str, str]] = set()
 
     def recv(self, timeout_ms: int) -> Message | None:
-        """The next good message, or None once `timeout_ms` passes without one."""
+        """The next good message, or None once `timeout_ms` passes without one (bad ones are dropped meanwhile)."""
+        deadline = time.monotonic() + timeout_ms / 1000
         while self.socket.poll(timeout_ms):
-            frames = self.socket.recv_multipart(copy=False)
-            # a gated socket knows the sender from its key; otherwise it is what the first frame says
-            sender = (frames[0].get("User-Id") if self.gated else
-                      frames[0].bytes.decode(errors="replace")[:64] if len(frames) == 2 else "unknown")
-            message = self._decode(sender, [f.bytes for f in frames])
-            if message is not None:
-                return message
-            timeout_ms = 0 if timeout_ms == 0 else max(1, timeout_ms // 2)
+            frames, count = self._frames()
+            if frames:
+                # a gated socket knows the sender from its key; otherwise it is what the first frame says
+                sender = (frames[0].get("User-Id") if self.gated else
+                          frames[0].bytes.decode(errors="replace")[:64] if count == 2 else "unknown")
+                message = self._decode(sender, [f.bytes for f in frames], count)
+                if message is not None:
+                    return message
+            timeout_ms = max(0, round((deadline - time.monotonic()) * 1000))
         return None
 
-    def _decode(self, sender: str, frames: list[bytes]) -> Message | None:
-        if len(frames) != 2:
-            return self._drop(sender, "frames", f"{len(frames)} frames, expected 2")
+    def _frames(self) -> tuple[list[zmq.Frame], int]:
+        """One message: its first two frames and how many it had (the rest are read and let go, so a peer cannot
+        grow memory by frame count). ([], 0) when the message announced never comes: ZeroMQ signals a message as
+        it starts arriving, and drops it with its peer's connection if a frame exceeds MAXMSGSIZE."""
+        frames: list[zmq.Frame] = []
+        count = 0
+        try:
+            while True:
+                frame = self.socket.recv(zmq.NOBLOCK, copy=False)  # the rest of a message is there with its start
+                count += 1
+                if count <= 2:
+                    frames.append(frame)
+                if not frame.more:
+                    return frames, count
+        except zmq.Again:
+            return [], 0
+
+    def _decode(self, sender: str, frames: list[bytes], count: int) -> Message | None:
+        if count != 2:
+            return self._drop(sender, "frames", f"{count} frames, expected 2")
         if len(frames[1]) > self.max_bytes:
             return self._drop(sender, "oversized", f"{len(frames[1])} bytes > limit {self.max_bytes}")
         try:
             message = self._decoder.decode(frames[1])
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:  # (a string not UTF-8)
             return self._drop(sender, "malformed", str(e))
         if message.schema != SCHEMA_VERSION:
             return self._drop(sender, "schema_version", f"schema {message.schema}, expected {SCHEMA_VERSION}")

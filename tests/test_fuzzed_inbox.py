@@ -1,0 +1,154 @@
+"""A live, gated inbox feeding rank 0's intake under a storm of hostile messages from an admitted peer: every valid
+group still arrives once and intact, nothing crashes, and every bad message is accounted for under its reason."""
+
+import random
+import threading
+import time
+
+import msgspec
+import zmq
+from msgspec.structs import replace
+
+from learner.intake import Intake
+from tasks.schedule import CursorPlan
+from transport.auth import ClientKeys, Gate, keypair
+from transport.messages import SCHEMA_VERSION, TensorSpec, Trajectory, WeightAck, WeightBucket
+from transport.zmq import MAXMSGSIZE_SLACK, Inbox, Outbox
+
+FUZZED = 12_000
+GROUPS, GROUP_SIZE, VOCAB, MAX_LEN, MAX_BYTES = 40, 4, 64, 24, 4096
+VERSION = 1  # the learner's weights while the messages arrive
+
+
+def trajectory(actor: int, group: int, index: int, seq: int, rng: random.Random) -> Trajectory:
+    n = rng.randint(1, 8)
+    return Trajectory(SCHEMA_VERSION, actor, seq, group, GROUP_SIZE, index,
+                      [rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))], [rng.randrange(VOCAB) for _ in range(n)],
+                      [-rng.random() * 5 for _ in range(n)], [rng.randint(0, VERSION) for _ in range(n)],
+                      rng.choice([0.0, 1.0]), "stop", 0.1)
+
+
+def semantic_violations(t: Trajectory) -> dict[str, Trajectory]:
+    """One well-formed trajectory of actor 1 per reason the intake refuses (actor 1 owns the odd group ids)."""
+    n = len(t.response_ids)
+    return {"group": replace(t, group_size=GROUP_SIZE + 1), "owner": replace(t, group_id=t.group_id + 1),
+            "lengths": replace(t, behaviour_logprobs=t.behaviour_logprobs + [-1.0]),
+            "too_long": replace(t, prompt_ids=[1] * MAX_LEN), "token_ids": replace(t, response_ids=[VOCAB] * n),
+            "reward": replace(t, reward=float("nan")), "logprobs": replace(t, behaviour_logprobs=[float("-inf")] * n),
+            "versions": replace(t, policy_versions=[VERSION + 1] * n)}
+
+
+def hostile_messages(rng: random.Random) -> tuple[list[list[bytes]], dict[str, int], dict[str, int]]:
+    """FUZZED multipart messages, with how many of them the inbox and the intake must drop under each reason.
+    Randomly mutated encodings may land under any reason (or be well-formed): they are only counted in total."""
+    inbox_reasons: dict[str, int] = {}
+    intake_reasons: dict[str, int] = {}
+    messages = []
+    for i in range(FUZZED):
+        base = trajectory(1, 2 * rng.randrange(GROUPS) + 1, 0, i, rng)
+        encoded = msgspec.msgpack.encode(base)
+        kind = rng.randrange(9)
+        if kind == 0:
+            frames, reason = [b"x", rng.randbytes(rng.randint(0, 300))], "malformed"
+        elif kind == 1:
+            frames, reason = [b"x", encoded[: rng.randrange(len(encoded))]], "malformed"
+        elif kind == 2:
+            frames, reason = [b"x", msgspec.msgpack.encode(replace(base, schema=SCHEMA_VERSION + 1))], "schema_version"
+        elif kind == 3:
+            frames, reason = [b"x", rng.randbytes(MAX_BYTES + 1 + rng.randrange(MAXMSGSIZE_SLACK // 2))], "oversized"
+        elif kind == 4:
+            frames, reason = rng.choice([[encoded], [b"x", encoded, encoded], [b"x"] * 5]), "frames"
+        elif kind == 5:  # a message type that is not the inbox's
+            header = WeightBucket(SCHEMA_VERSION, 3, 0, 1, [TensorSpec("w", "float32", [2])])
+            frames, reason = [b"x", msgspec.msgpack.encode(header)], "malformed"
+        elif kind == 6:  # actor 1's key speaking for actor 0
+            frames, reason = [b"x", msgspec.msgpack.encode(replace(base, actor_id=0, group_id=base.group_id - 1))], \
+                "sender"
+        elif kind == 7:
+            reason, bad = rng.choice(list(semantic_violations(base).items()))
+            intake_reasons[reason] = intake_reasons.get(reason, 0) + 1
+            messages.append([b"x", msgspec.msgpack.encode(bad)])
+            continue
+        else:  # bytes flipped, inserted or cut anywhere: any outcome, as long as it is counted
+            mutated = bytearray(encoded)
+            for _ in range(rng.randint(1, 4)):
+                at = rng.randrange(len(mutated))
+                op = rng.randrange(3)
+                if op == 0:
+                    mutated[at] = rng.randrange(256)
+                elif op == 1:
+                    mutated.insert(at, rng.randrange(256))
+                elif len(mutated) > 1:
+                    del mutated[at]
+            messages.append([b"x", bytes(mutated)])
+            continue
+        inbox_reasons[reason] = inbox_reasons.get(reason, 0) + 1
+        messages.append(frames)
+    return messages, inbox_reasons, intake_reasons
+
+
+def test_fuzzed_messages_never_crash_the_inbox_nor_touch_a_valid_group():
+    rng = random.Random(0)
+    valid = [trajectory(0, 2 * g, i, g * GROUP_SIZE + i, rng) for g in range(GROUPS) for i in range(GROUP_SIZE)]
+    hostile, inbox_reasons, intake_reasons = hostile_messages(rng)
+    ctx = zmq.Context()
+    gate = Gate(keypair(), ctx)
+    inbox = Inbox("127.0.0.1", MAX_BYTES, hwm=64, context=ctx, accepts=Trajectory | WeightAck, gate=gate)
+    actor0, actor1 = keypair(), keypair()
+    gate.admit("actor-0", actor0.public)
+    gate.admit("actor-1", actor1.public)
+    good = Outbox(inbox.endpoint, "actor-0", hwm=16, context=ctx, keys=ClientKeys(actor0, gate.keys.public))
+    evil = ctx.socket(zmq.PUSH)
+    evil.curve_secretkey, evil.curve_publickey, evil.curve_serverkey = actor1.secret, actor1.public, gate.keys.public
+    evil.connect(inbox.endpoint)
+    huge = ctx.socket(zmq.PUSH)  # frames over the socket's size limit: ZeroMQ drops the connection, not the inbox
+    huge.curve_secretkey, huge.curve_publickey, huge.curve_serverkey = actor1.secret, actor1.public, gate.keys.public
+    huge.connect(inbox.endpoint)
+
+    def send() -> None:
+        every = len(hostile) // len(valid)
+        for i, frames in enumerate(hostile):
+            evil.send_multipart(frames)
+            if i % every == 0 and i // every < len(valid):
+                good.send(valid[i // every])
+            if i % 3000 == 0:
+                try:
+                    huge.send_multipart([b"x", bytes(MAX_BYTES + 2 * MAXMSGSIZE_SLACK)], zmq.NOBLOCK)
+                except zmq.Again:  # its connection was dropped and is not back yet
+                    pass
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    intake = Intake(GROUP_SIZE, max_staleness=1, plan=CursorPlan(0, 2, 1), vocab_size=VOCAB, max_len=MAX_LEN)
+    delivered, acks = [], 0
+    deadline = time.monotonic() + 120
+    while sum(inbox.dropped.values()) + intake.counts.received + acks < FUZZED + len(valid):
+        assert time.monotonic() < deadline, f"{dict(inbox.dropped)}, {intake.counts}"
+        if (message := inbox.recv(1000)) is None:
+            continue
+        if isinstance(message, WeightAck):
+            acks += 1
+        elif (group := intake.take(message, VERSION)) is not None:
+            delivered.append(group)
+    sender.join()
+    assert inbox.recv(500) is None  # nothing more: none of the oversize-limit frames reached the application
+
+    ours = [g for g in delivered if g[0].actor_id == 0]
+    assert sorted(t.group_id for g in ours for t in g[:1]) == [2 * g for g in range(GROUPS)]  # each once
+    assert sorted((t for g in ours for t in g), key=lambda t: t.seq) == valid  # intact
+    for reason, n in inbox_reasons.items():  # exactly these, plus whatever the mutated bytes turned into
+        assert inbox.dropped[reason] >= n, reason
+    for reason, n in intake_reasons.items():
+        assert intake.invalid[reason] >= n, reason
+    mutated = FUZZED - sum(inbox_reasons.values()) - sum(intake_reasons.values())
+    assert len(hostile) == FUZZED and mutated > 1000
+    # every hostile message was accounted for once (the loop's condition): dropped by the inbox, or taken by the
+    # intake (then dropped, pending, or trained as actor 1's own group)
+    c = intake.counts
+    assert c.received == c.trained + intake.pending_trajectories() + c.dropped_stale + c.dropped_duplicate + \
+        c.dropped_invalid
+    for socket in [good.socket, evil, huge]:
+        socket.close(0)
+    inbox.close()
+    gate.close()
+    ctx.term()
