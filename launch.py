@@ -1,10 +1,11 @@
-"""SpecActor launcher:  python launch.py --config NAME_OR_PATH [section.key=value ...]
+"""SpecActor launcher:  python launch.py --config NAME_OR_PATH [section.key=value ...] [--plan [--cluster 2x8:80]]
 
 The whole algorithm, top to bottom: validate the config, start the run's processes (Ray, L learner ranks, R
 rollout actors that stream GRPO groups from the moment they start), then `trainer.steps` times: collect the
 step's fresh-enough groups, train on them across the ranks, publish the new weights (the actors apply them between
-engine steps, requests in flight), log to TensorBoard and checkpoint when due. The processes, their supervision and
-the summary live in `driver/`.
+engine steps, requests in flight), log to TensorBoard and checkpoint when due. The processes, their placement,
+supervision and summary live in `driver/`. With `--plan` it only prints where the processes would go and what each
+GPU would hold, and says whether the cluster can hold the run.
 """
 
 from __future__ import annotations
@@ -14,9 +15,16 @@ import sys
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from driver.plan import described
+
     parser = argparse.ArgumentParser(description="SpecActor: asynchronous RL post-training with speculative rollouts")
     parser.add_argument("--config", required=True, help="a name in configs/ (e.g. grpo_tiny) or a YAML path")
     parser.add_argument("overrides", nargs="*", help="section.key=value, validated like the file")
+    parser.add_argument("--plan", action="store_true", help="print where every process goes, the memory each GPU "
+                        "holds and the weight-sync cost; start nothing (exit 3 if the cluster cannot hold the run)")
+    parser.add_argument("--cluster", metavar="NODESxGPUS[:GIB]", type=described, help="--plan on a described "
+                        "cluster, e.g. 2x8:80, instead of cluster.address or this machine")
+    parser.add_argument("--gpu-gib", type=float, default=80.0, help="--plan on cluster.address: memory per GPU")
     return parser.parse_args(argv)
 
 
@@ -29,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if args.plan:  # nothing starts: placement, memory per GPU and sync cost, checked against the cluster
+        from driver.plan import plan
+
+        return plan(cfg, args.cluster, args.gpu_gib)
     from tqdm import trange
 
     from driver.run import Run

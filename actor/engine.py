@@ -36,8 +36,9 @@ def engine_kwargs(cfg: DictConfig, model_dir: Path) -> dict:
     if cfg.speculation.method != "none":  # drafts come from a drafters/ plugin through actor/vllm_hooks.py
         kwargs["speculative_config"] = {"method": "custom_class", "model": "actor.vllm_hooks.DrafterBridge",
                                         "num_speculative_tokens": cfg.speculation.num_speculative_tokens}
+    kwargs["kv_cache_memory_bytes"] = cfg.rollout.kv_cache_mib << 20  # per device (vLLM's memory fraction unused)
     if cfg.cluster.device == Device.cpu:
-        kwargs.update(enforce_eager=True, kv_cache_memory_bytes=cfg.rollout.kv_cache_mib << 20)
+        kwargs.update(enforce_eager=True)
     else:
         kwargs.update(tensor_parallel_size=cfg.rollout.tensor_parallel_size)
     return kwargs

@@ -52,7 +52,7 @@ PRESETS = {
 }
 TARGETS = {"cpu": dict(zero_layers=16, num_heads=32, intermediate_size=8192),  # 70.8M parameters of cost
            "cuda": dict(zero_layers=28, num_heads=64, intermediate_size=81920)}  # ~1.0B: memory-bound decode
-ENGINE = {"cpu": [], "cuda": ["cluster.device=cuda", "model.dtype=bfloat16"]}  # config overrides per device
+ENGINE = {"cpu": [], "cuda": ["cluster.device=cuda", "model.dtype=bfloat16", "rollout.kv_cache_mib=16384"]}  # overrides
 SYSTEMS = ["vllm", "vanilla", "vllm_spec_draft", "vllm_spec_ngram", "oracle", "specactor", "specactor_ngram",
            "specactor_suffix", "specactor_fastest"]
 COUPLED = {"vanilla": "none", "oracle": "bench.oracle.OracleDrafter", "specactor": "draft_lm",

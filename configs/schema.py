@@ -74,7 +74,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
-    kv_cache_mib: int = 256
+    kv_cache_mib: int = 256  # KV cache per device: the CPU engine's, or each GPU's of a tensor-parallel engine
     max_restarts: int = 3  # a rollout actor that dies is replaced (its unfinished groups re-issued) this often per run
 
 
@@ -139,6 +139,10 @@ class ClusterConfig:
     address: Optional[str] = None  # None: start an embedded local Ray; else join this Ray cluster
     device: Device = Device.cpu  # cuda: each rollout engine and learner rank gets dedicated GPUs
     num_cpus: Optional[int] = None  # embedded Ray only; None: all cores; at least one per learner rank and actor
+    # the Ray custom resource the nodes meant for a role advertise (`ray start --resources='{"learner": 8}'`, one
+    # unit per GPU, or per process on CPU); each role is reserved whole as a placement group. None: any node
+    learner_resource: Optional[str] = None
+    rollout_resource: Optional[str] = None
 
 
 @dataclass

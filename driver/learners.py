@@ -6,6 +6,7 @@ from __future__ import annotations
 import ray
 from omegaconf import DictConfig
 
+from driver.placement import reserve, slot
 from learner.learner import Learner
 from tasks.schedule import CursorPlan
 from transport.auth import KeyPair
@@ -16,8 +17,9 @@ class LearnerGroup:
                  num_gpus: int, keys: KeyPair | None = None):
         """`keys`: the CURVE pair of rank 0's sockets (None: plain TCP); actors dial with `server_public`."""
         cls = ray.remote(num_cpus=1, num_gpus=num_gpus, max_concurrency=2)(Learner)
-        self.ranks = [cls.options(name=f"learner-{r}").remote(cfg, policy_dir, reference_dir, plan, r,
-                                                              keys if r == 0 else None)
+        self.group = reserve(cfg, "learner")  # every rank's resources at once, packed onto the learner nodes
+        self.ranks = [cls.options(name=f"learner-{r}", scheduling_strategy=slot(self.group, r)).remote(
+                          cfg, policy_dir, reference_dir, plan, r, keys if r == 0 else None)
                       for r in range(cfg.learner.num_ranks)]
         self.server_public = None if keys is None else keys.public
         self.rank0 = self.ranks[0]

@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 from actor.rollout import RolloutActor
 from driver.learners import LearnerGroup
+from driver.placement import reserve, slot
 from tasks.schedule import CursorPlan
 from transport.auth import ClientKeys, keypair
 
@@ -22,6 +23,7 @@ class RolloutPool:
         # threads: run(), stop() or a replacement's wait_for_version(), and evaluations waiting on run()
         self.cls = ray.remote(num_cpus=1, num_gpus=num_gpus, max_concurrency=4)(RolloutActor)
         self.restarts = 0
+        self.group = reserve(cfg, "rollout")  # a bundle per actor, on the rollout nodes; its replacements take it
         self.actors = [self.spawn(i, first_k=0) for i in range(cfg.rollout.num_actors)]
         self.runs = [a.run.remote() for a in self.actors]
 
@@ -31,7 +33,7 @@ class RolloutPool:
         if self.learners.server_public is not None:  # a key of its own, admitted as actor-<i> (the last one revoked)
             keys = ClientKeys(keypair(), self.learners.server_public)
             ray.get(self.learners.rank0.admit.remote(f"actor-{i}", keys.own.public))
-        return self.cls.options(name=name).remote(
+        return self.cls.options(name=name, scheduling_strategy=slot(self.group, i)).remote(
             self.cfg, i, self.model_dir, self.learners.trajectory_endpoint, self.learners.weight_endpoint,
             self.version, self.plan, first_k, incarnation=self.restarts, keys=keys)
 

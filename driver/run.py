@@ -38,6 +38,7 @@ class Run:
         from torch.utils.tensorboard import SummaryWriter
 
         from driver.learners import LearnerGroup
+        from driver.placement import nodes_of
         from driver.rollouts import RolloutPool
         from learner.base import RUN_FILE, checkpoint_state
         from models.zoo import resolve
@@ -58,8 +59,11 @@ class Run:
         self.first_step = state["version"]
         plan = CursorPlan(state["data_cursor"], cfg.rollout.num_actors, cfg.rollout.prompts_per_step)
         processes = cfg.learner.num_ranks + cfg.rollout.num_actors
+        embedded = cfg.cluster.address is None  # this machine is the cluster: it offers every role's resource
         ray.init(address=cfg.cluster.address, include_dashboard=False, log_to_driver=True, configure_logging=False,
-                 num_cpus=None if cfg.cluster.address else max(cfg.cluster.num_cpus or os.cpu_count(), processes),
+                 num_cpus=max(cfg.cluster.num_cpus or os.cpu_count(), processes) if embedded else None,
+                 resources={name: 1 << 16 for name in (cfg.cluster.learner_resource, cfg.cluster.rollout_resource)
+                            if name} if embedded else None,
                  runtime_env={"env_vars": {k: os.environ[k] for k in env}, "working_dir": None,
                               "worker_process_setup_hook": "driver.logs.route_worker_logs"})
         self.ray, self.interrupted = ray, False
@@ -75,6 +79,8 @@ class Run:
             ray.shutdown()
             unroute(self.log_handlers)
             raise
+        self.placement = {**nodes_of(self.learners.group, [f"learner-{r}" for r in range(cfg.learner.num_ranks)]),
+                          **nodes_of(self.rollouts.group, [f"rollout-{i}" for i in range(cfg.rollout.num_actors)])}
         self.writer = SummaryWriter(str(self.dir))
         self.evaluations: dict[int, list] = {}  # step asked at -> one ref per actor, until logged
         self.step_started = time.time()
@@ -88,6 +94,7 @@ class Run:
               f"steps {self.first_step}..{cfg.trainer.steps}\n"
               f"  transport: trajectories {self.learners.trajectory_endpoint}, weights "
               f"{self.learners.weight_endpoint}, auth {cfg.transport.auth.value}\n"
+              f"  placement: {placed(self.placement)}\n"
               f"  logs: {self.dir} (engine log: {log_file})", flush=True)
 
     def evaluate_if_due(self, step: int) -> None:
@@ -161,7 +168,8 @@ class Run:
         from driver.logs import unroute
 
         ray = self.ray
-        summary: dict = {"interrupted": self.interrupted, "actor_restarts": self.rollouts.restarts}
+        summary: dict = {"interrupted": self.interrupted, "actor_restarts": self.rollouts.restarts,
+                         "placement": self.placement}
         try:
             try:
                 summary["actors"] = self.rollouts.stop(timeout_s=120)
@@ -185,3 +193,12 @@ class Run:
         if self.interrupted:
             print(f"interrupted at step {learner['version']}; every process is shut down", file=sys.stderr)
         return summary
+
+
+def placed(placement: dict[str, dict[str, str]]) -> str:
+    """The console's placement line: each node (short id and address) and the processes it holds."""
+    nodes: dict[str, list[str]] = {}
+    for name, where in placement.items():
+        nodes.setdefault(f"node {where['node_id'][:8]} ({where['address']})", []).append(name)
+    return "; ".join(f"{node}: {', '.join(names)}" for node, names in nodes.items())
+

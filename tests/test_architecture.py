@@ -18,7 +18,8 @@ ALLOWED = {
     "actor": {"sampling", "drafters", "transport", "tasks", "configs", "models"},
     "learner": {"sampling", "transport", "tasks", "configs", "models"},
     "driver": {"actor", "learner", "tasks", "configs", "models", "transport"},  # transport: makes the run's keys
-    "bench": {"actor", "sampling", "drafters", "configs", "models", "tasks", "driver"},  # driver: log routing
+    # driver: log routing; transport: bench.weight_sync
+    "bench": {"actor", "sampling", "drafters", "configs", "models", "tasks", "driver", "transport"},
 }
 THIRD_PARTY_FORBIDDEN = {"sampling": {"vllm", "transformers", "ray", "deepspeed", "zmq"}}
 

@@ -1,0 +1,56 @@
+"""Where a run's processes go: one Ray placement group per role, reserved whole before any process starts.
+
+Each learner rank and each rollout actor is one bundle: a CPU, its GPUs (a rollout actor's `tensor_parallel_size`
+on one node) and, when the config names one (`cluster.learner_resource`, `cluster.rollout_resource`), a unit of the
+custom resource per GPU (one per process on CPU) that only the nodes meant for the role advertise
+(`ray start --resources='{"learner": 8}'`). Learner ranks are packed onto as few nodes as possible (their
+collectives stay inside a node where they can); rollout actors are spread. A replacement actor takes the bundle
+of the actor it replaces. A cluster that cannot hold a role gets an error naming what was asked and what is free.
+"""
+
+from __future__ import annotations
+
+import ray
+from omegaconf import DictConfig
+from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+WAIT_S = 120  # for the cluster to grant a role's resources (an autoscaler may be adding nodes)
+
+
+def bundles(cfg: DictConfig, role: str) -> list[dict[str, float]]:
+    """The resources of every process of `role` ("learner" or "rollout")."""
+    gpu = cfg.cluster.device.value == "cuda"
+    gpus, count, resource = ((1 if gpu else 0, cfg.learner.num_ranks, cfg.cluster.learner_resource) if role == "learner"
+                             else (cfg.rollout.tensor_parallel_size if gpu else 0, cfg.rollout.num_actors,
+                                   cfg.cluster.rollout_resource))
+    bundle = {"CPU": 1.0, **({"GPU": float(gpus)} if gpus else {}), **({resource: float(max(gpus, 1))}
+                                                                         if resource else {})}
+    return [dict(bundle) for _ in range(count)]
+
+
+def reserve(cfg: DictConfig, role: str) -> PlacementGroup:
+    """The role's placement group, once the cluster has granted all of it."""
+    asked = bundles(cfg, role)
+    group = placement_group(asked, strategy="PACK" if role == "learner" else "SPREAD", name=f"specactor-{role}")
+    try:
+        ray.get(group.ready(), timeout=WAIT_S)
+    except ray.exceptions.GetTimeoutError:
+        ray.util.remove_placement_group(group)
+        free = {k: v for k, v in ray.available_resources().items() if not k.startswith("node:")}
+        raise RuntimeError(f"the cluster cannot place the {role} processes within {WAIT_S} s: asked "
+                           f"{len(asked)} x {asked[0]}, free {free} (cluster.{role}_resource names the resource the "
+                           "nodes for this role advertise)") from None
+    return group
+
+
+def slot(group: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
+    """Ray actor `options(scheduling_strategy=...)` for the process of bundle `index`."""
+    return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
+
+
+def nodes_of(group: PlacementGroup, names: list[str]) -> dict[str, dict[str, str]]:
+    """Where the process of each bundle runs (`names[i]` holds bundle i): its node's id and address."""
+    table = ray.util.placement_group_table(group)["bundles_to_node_id"]
+    addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+    return {name: {"node_id": table[i], "address": addresses.get(table[i], "?")} for i, name in enumerate(names)}

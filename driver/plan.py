@@ -1,0 +1,168 @@
+"""`launch.py --plan`: what a run will need and whether the cluster holds it, before any process starts.
+
+From the validated config and the model's `config.json` (the model is built on PyTorch's meta device: exact
+parameter counts, no weights read) it places the roles as `driver/placement.py` will (learner ranks packed, one
+GPU each; rollout actors on `tensor_parallel_size` GPUs of one node; each on the nodes that offer its
+`cluster.<role>_resource` when named), and prints per GPU the memory each role holds: weights, gradients and Adam
+state under the ZeRO stage for a learner rank (activations come on top), weight shard and KV cache budget
+(`rollout.kv_cache_mib`) for a rollout GPU; the bytes of one weight sync and its time at the bandwidth
+`bench/weight_sync.py` measured. The cluster is a described one (`--cluster 2x8:80`, nodes x GPUs : GiB per GPU),
+the one at `cluster.address`, or this machine. It returns 3 naming the first shortfall when the run does not fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+GIB = 1 << 30
+WEIGHT_SYNC_RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results" / "weight_sync.json"
+
+
+@dataclass
+class Node:
+    name: str
+    gpus: int
+    memory_gib: float  # per GPU on cuda; the host's on cpu
+    resources: dict[str, float] = field(default_factory=dict)  # custom ones; a described node offers every role
+
+
+def described(spec: str) -> list[Node]:
+    """`NODESxGPUS[:GIB]`, e.g. `2x8:80`: that many identical GPU nodes (80 GiB per GPU unless given)."""
+    match = re.fullmatch(r"(\d+)x(\d+)(?::(\d+(?:\.\d+)?))?", spec)
+    if match is None or int(match[1]) < 1 or int(match[2]) < 1:
+        raise argparse.ArgumentTypeError(f"{spec!r} is not NODESxGPUS[:GIB_PER_GPU], e.g. 2x8:80")
+    return [Node(f"node-{i}", int(match[2]), float(match[3] or 80)) for i in range(int(match[1]))]
+
+
+def connected(address: str, gpu_gib: float) -> list[Node]:
+    """The alive nodes of the Ray cluster at `address` (Ray does not report GPU memory: `gpu_gib` is assumed)."""
+    import ray
+
+    ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    try:
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+    finally:
+        ray.shutdown()
+    standard = {"CPU", "GPU", "memory", "object_store_memory"}
+    return [Node(f"{n['NodeManagerAddress']} ({n['NodeID'][:8]})", int(n["Resources"].get("GPU", 0)),
+                 gpu_gib if n["Resources"].get("GPU") else
+                 n["Resources"].get("memory", 0) / GIB,
+                 {k: v for k, v in n["Resources"].items() if k not in standard and not k.startswith(("node:",
+                                                                                                      "accelerator"))})
+            for n in nodes]
+
+
+def this_machine() -> list[Node]:
+    import psutil
+    import torch
+
+    gpus = torch.cuda.device_count()
+    memory = torch.cuda.get_device_properties(0).total_memory / GIB if gpus else psutil.virtual_memory().total / GIB
+    return [Node("this machine", gpus, memory)]
+
+
+def parameters(model_path: str) -> tuple[str, int]:
+    """The architecture name and parameter count of the model at `model_path` (built on the meta device)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from models.zoo import resolve
+
+    config = AutoConfig.from_pretrained(str(resolve(model_path)))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return config.model_type, sum(p.numel() for p in model.parameters())
+
+
+def learner_bytes(cfg: DictConfig, params: int) -> dict[str, float]:
+    """Per learner rank: weights and gradients in the training dtype, AdamW's fp32 state (and fp32 master weights
+    under bf16), each divided over the ranks as the ZeRO stage shards it; the frozen reference when kl_coef > 0."""
+    ranks, stage = cfg.learner.num_ranks, cfg.learner.zero_stage
+    width = 2 if cfg.learner.dtype.value == "bfloat16" else 4
+    out = {"weights": width * params / (ranks if stage >= 3 else 1),
+           "gradients": width * params / (ranks if stage >= 2 else 1),
+           "optimizer": (8 + (4 if width == 2 else 0)) * params / (ranks if stage >= 1 else 1)}
+    if cfg.algorithm.kl_coef > 0:
+        out["reference"] = out["weights"]
+    return out
+
+
+def rollout_bytes(cfg: DictConfig, params: int) -> dict[str, float]:
+    """Per rollout device: its tensor-parallel share of the weights and the KV cache budget."""
+    width = 2 if cfg.model.dtype.value in ("bfloat16", "float16") else 4
+    tp = cfg.rollout.tensor_parallel_size if cfg.cluster.device.value == "cuda" else 1
+    return {"weights": width * params / tp, "kv_cache": cfg.rollout.kv_cache_mib * float(1 << 20)}
+
+
+def place(cfg: DictConfig, nodes: list[Node]) -> tuple[dict[str, list[str]], str | None]:
+    """Node name -> the processes placed there, and the first shortfall (None when everything is placed)."""
+    cuda = cfg.cluster.device.value == "cuda"
+    free = {n.name: (n.gpus if cuda else 1 << 30) for n in nodes}
+    placed: dict[str, list[str]] = {n.name: [] for n in nodes}
+    roles = [("learner", cfg.learner.num_ranks, 1, cfg.cluster.learner_resource),
+             ("rollout", cfg.rollout.num_actors, cfg.rollout.tensor_parallel_size if cuda else 1,
+              cfg.cluster.rollout_resource)]
+    for role, count, width, resource in roles:
+        offering = [n for n in nodes if not resource or not n.resources or resource in n.resources]
+        units = {n.name: n.resources.get(resource, 1 << 30) if resource and n.resources else 1 << 30
+                 for n in offering}
+        for i in range(count):
+            node = next((n for n in offering if free[n.name] >= width and units[n.name] >= width), None)
+            if node is None:
+                what = f"{width} GPU(s)" if cuda else "a slot"
+                named = resource and any(n.resources for n in nodes)
+                return placed, (f"no node has {what} left for {role}-{i} ({count} x {width} asked"
+                                + (f", on the nodes offering resource '{resource}'" if named else "") + ")")
+            free[node.name] -= width
+            units[node.name] -= width
+            placed[node.name].append(f"{role}-{i}")
+    return placed, None
+
+
+def plan(cfg: DictConfig, cluster: list[Node] | None, gpu_gib: float) -> int:
+    """Prints the plan on `cluster` (a described one), or else the one at `cluster.address` or this machine; 0 if
+    it holds the run, 3 naming the first shortfall otherwise."""
+    nodes = cluster or (connected(cfg.cluster.address, gpu_gib) if cfg.cluster.address else this_machine())
+    cuda = cfg.cluster.device.value == "cuda"
+    kind, params = parameters(cfg.model.path)
+    sync_bytes = rollout_bytes(cfg, params)["weights"] * (cfg.rollout.tensor_parallel_size if cuda else 1)
+    where = "described" if cluster else cfg.cluster.address or "this machine (embedded Ray)"
+    print(f"plan: model {cfg.model.path} ({kind}), {params / 1e9:.3f} B parameters ({params:,})\n"
+          f"  cluster: {where}, {len(nodes)} node(s): " + ", ".join(
+              f"{n.name} {n.gpus} GPU x {n.memory_gib:.0f} GiB" if cuda else f"{n.name} {n.memory_gib:.0f} GiB"
+              for n in nodes))
+    placed, shortfall = place(cfg, nodes)
+    for node, names in placed.items():
+        if names:
+            print(f"  {node}: {', '.join(names)}")
+    learner, rollout = learner_bytes(cfg, params), rollout_bytes(cfg, params)
+    budget = min(n.memory_gib for n in nodes) * GIB
+    lines = [("learner rank", learner, f"ZeRO-{cfg.learner.zero_stage} over {cfg.learner.num_ranks} rank(s), "
+                                       "activations on top"),
+             ("rollout " + ("GPU" if cuda else "actor"), rollout, f"tensor parallel {cfg.rollout.tensor_parallel_size}"
+              if cuda else "one engine")]
+    for name, parts, note in lines:
+        total = sum(parts.values())
+        print(f"  {name}: " + " + ".join(f"{k} {v / GIB:.2f}" for k, v in parts.items())
+              + f" = {total / GIB:.2f} GiB of {budget / GIB:.0f} ({note})")
+        if cuda and total > budget and shortfall is None:
+            shortfall = f"a {name} needs {total / GIB:.2f} GiB, a GPU has {budget / GIB:.0f}"
+    if not cuda:  # one host: every process's memory together
+        total = cfg.learner.num_ranks * sum(learner.values()) + cfg.rollout.num_actors * sum(rollout.values())
+        if total > budget and shortfall is None:
+            shortfall = f"the processes need {total / GIB:.2f} GiB, the machine has {budget / GIB:.0f}"
+    system = "weights_curve" if cfg.transport.auth.value == "curve" else "weights"
+    rate = json.loads(WEIGHT_SYNC_RESULTS.read_text())["systems"][system]["gb_per_s"]
+    print(f"  weight sync: {sync_bytes / 1e9:.2f} GB per version over ZeroMQ ({cfg.transport.auth.value}), "
+          f"~{sync_bytes / 1e9 / rate:.1f} s at the {rate:.2f} GB/s bench/weight_sync.py measured on one host")
+    if shortfall is not None:
+        print(f"plan: the cluster cannot hold the run: {shortfall}")
+        return 3
+    print("plan: the cluster holds the run")
+    return 0

@@ -1,0 +1,53 @@
+"""`launch.py --plan`: the production shape (grpo_moe, a Qwen3-30B-A3B-shaped config.json, no weights) plans on a
+described 2-node x 8-GPU cluster, learner ranks packed on one node and tensor-parallel actors on the other; a
+cluster too small in GPUs or in memory is refused with the shortfall named; nothing is started."""
+
+import pytest
+
+import launch
+from configs.load import load_config
+from driver.plan import learner_bytes, rollout_bytes
+
+MOE = ["--config", "grpo_moe", "model.path=configs/shapes/qwen3_30b_a3b", "--plan"]
+QWEN3_30B_A3B = 30_532_122_624  # parameters
+
+
+def test_grpo_moe_plans_on_two_nodes_of_eight_gpus(capsys):
+    assert launch.main([*MOE, "--cluster", "2x8:80"]) == 0
+    out = capsys.readouterr().out
+    assert f"({QWEN3_30B_A3B:,})" in out and "61.06 GB per version" in out
+    assert "node-0: " + ", ".join(f"learner-{r}" for r in range(8)) in out
+    assert "node-1: " + ", ".join(f"rollout-{i}" for i in range(4)) in out
+    assert "learner rank: weights 7.11 + gradients 7.11 + optimizer 42.65 = 56.87 GiB of 80" in out
+    assert "rollout GPU: weights 28.44 + kv_cache 40.00 = 68.44 GiB of 80" in out
+    assert out.strip().endswith("plan: the cluster holds the run")
+
+
+@pytest.mark.parametrize("cluster,shortfall", [
+    ("1x8:80", "no node has 2 GPU(s) left for rollout-0"),  # the learner ranks fill the only node
+    ("2x8:40", "a learner rank needs 56.87 GiB, a GPU has 40"),
+    ("6x3:80", "no node has 2 GPU(s) left for rollout-3"),  # 18 GPUs, but only 3 pairs on one node after ranks
+])
+def test_a_cluster_that_cannot_hold_the_run_is_refused_naming_the_shortfall(capsys, cluster, shortfall):
+    assert launch.main([*MOE, "--cluster", cluster]) == 3
+    assert f"plan: the cluster cannot hold the run: {shortfall}" in capsys.readouterr().out
+
+
+def test_memory_per_device_follows_the_zero_stage_and_tensor_parallelism():
+    p = 1_000_000_000
+    for stage, (weights, gradients, optimizer) in {0: (2, 2, 12), 1: (2, 2, 1.5), 2: (2, 0.25, 1.5),
+                                                   3: (0.25, 0.25, 1.5)}.items():
+        cfg = load_config("grpo_moe", ["model.path=configs/shapes/qwen3_30b_a3b", f"learner.zero_stage={stage}"])
+        assert learner_bytes(cfg, p) == {"weights": weights * p, "gradients": gradients * p, "optimizer": optimizer * p}
+    cfg = load_config("grpo_tiny", ["algorithm.kl_coef=0.1"])  # fp32, ZeRO-0: no master copy; a reference model
+    assert learner_bytes(cfg, p) == {"weights": 4 * p, "gradients": 4 * p, "optimizer": 8 * p, "reference": 4 * p}
+    cfg = load_config("grpo_moe", ["model.path=configs/shapes/qwen3_30b_a3b", "rollout.tensor_parallel_size=4"])
+    assert rollout_bytes(cfg, p) == {"weights": 0.5 * p, "kv_cache": 40960 * 2.0**20}
+
+
+def test_plan_on_this_machine_starts_nothing(capsys):
+    import ray
+
+    assert launch.main(["--config", "grpo_tiny", "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "this machine: learner-0, rollout-0" in out and not ray.is_initialized()
