@@ -357,7 +357,8 @@ class Learner:
         written, everything fsynced, `step_<version>.partial` renamed to `step_<version>` (learner/base.py)."""
         final = Path(root) / f"step_{self.version}"
         with self.lock:
-            state = {"version": self.version, "run_id": run_id, "skipped_steps": self.skipped_steps, **self.intake.state()}
+            state = {"version": self.version, "run_id": run_id, "skipped_steps": self.skipped_steps,
+                     **self.intake.state()}
         seal_checkpoint(final, state)
         return str(final)
 

@@ -22,8 +22,9 @@ VERSION = 1  # the learner's weights while the messages arrive
 
 def trajectory(actor: int, group: int, index: int, seq: int, rng: random.Random) -> Trajectory:
     n = rng.randint(1, 8)
-    return Trajectory(SCHEMA_VERSION, actor, seq, group, GROUP_SIZE, index,
-                      [rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))], [rng.randrange(VOCAB) for _ in range(n)],
+    prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))]
+    response = [rng.randrange(VOCAB) for _ in range(n)]
+    return Trajectory(SCHEMA_VERSION, actor, seq, group, GROUP_SIZE, index, prompt, response,
                       [-rng.random() * 5 for _ in range(n)], [rng.randint(0, VERSION) for _ in range(n)],
                       rng.choice([0.0, 1.0]), "stop", 0.1)
 
