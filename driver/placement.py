@@ -32,7 +32,7 @@ def bundles(cfg: DictConfig, role: str) -> list[dict[str, float]]:
 def reserve(cfg: DictConfig, role: str) -> PlacementGroup:
     """The role's placement group, once the cluster has granted all of it."""
     asked = bundles(cfg, role)
-    group = placement_group(asked, strategy="PACK" if role == "learner" else "SPREAD", name=f"specactor-{role}")
+    group = placement_group(asked, strategy="PACK" if role == "learner" else "SPREAD")
     try:
         ray.get(group.ready(), timeout=WAIT_S)
     except ray.exceptions.GetTimeoutError:

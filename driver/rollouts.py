@@ -5,6 +5,7 @@ replacement starts; the replacement catches up to the newest weights before it a
 from __future__ import annotations
 
 import sys
+import time
 
 import ray
 from omegaconf import DictConfig
@@ -14,6 +15,9 @@ from driver.learners import LearnerGroup
 from driver.placement import reserve, slot
 from tasks.schedule import CursorPlan
 from transport.auth import ClientKeys, keypair
+
+
+CATCH_UP_S = 900  # a replacement's engine start and first weights (a large checkpoint takes minutes to load)
 
 
 class RolloutPool:
@@ -51,24 +55,41 @@ class RolloutPool:
         return ray.get(refs)
 
     def replace(self, i: int) -> None:
+        """Replaces actor `i`, which stopped: a replacement that dies or does not catch up within `CATCH_UP_S` is
+        replaced in turn, while `rollout.max_restarts` allows."""
         try:
             ray.get(self.runs[i])
             error = "its run() returned"
         except Exception as e:  # noqa: BLE001 -- any failure of the actor is handled the same way
             error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
-        if self.restarts == self.cfg.rollout.max_restarts:
-            raise RuntimeError(f"rollout actor {i} stopped ({error}) after {self.restarts} restarts "
-                               "(rollout.max_restarts)")
-        self.restarts += 1
-        ray.kill(self.actors[i])
-        first_k = ray.get(self.learners.rank0.reissue.remote(i))
-        actor = self.spawn(i, first_k)
-        target = ray.get(self.learners.rank0.republish.remote())
-        while ray.get(actor.wait_for_version.remote(target, 2.0)) < target:  # its subscription may miss a send
-            target = ray.get(self.learners.rank0.republish.remote())
+        while True:
+            if self.restarts == self.cfg.rollout.max_restarts:
+                raise RuntimeError(f"rollout actor {i} stopped ({error}) after {self.restarts} restarts "
+                                   "(rollout.max_restarts)")
+            self.restarts += 1
+            ray.kill(self.actors[i])
+            first_k = ray.get(self.learners.rank0.reissue.remote(i))
+            self.actors[i] = actor = self.spawn(i, first_k)
+            try:
+                target = self.catch_up(actor)
+                break
+            except ray.exceptions.RayError as e:  # it died, or the deadline passed (GetTimeoutError)
+                print(f"rollout actor {i} stopped ({error}); replacement {self.restarts} failed to catch up",
+                      file=sys.stderr)
+                error = f"replacement {self.restarts} catching up: {type(e).__name__}: {str(e).splitlines()[0]}"
         print(f"rollout actor {i} stopped ({error}); replacement {self.restarts} runs weights v{target} from data "
               f"cursor {self.plan.cursor(i, first_k)}", file=sys.stderr)
-        self.actors[i], self.runs[i] = actor, actor.run.remote()
+        self.runs[i] = actor.run.remote()
+
+    def catch_up(self, actor) -> int:
+        """Has a new `actor` start its engine and apply the newest weights (rank 0 re-sends them until it holds
+        them: its subscription may miss a send) within `CATCH_UP_S`; returns their version."""
+        deadline = time.monotonic() + CATCH_UP_S
+        target = ray.get(self.learners.rank0.republish.remote())
+        while ray.get(actor.wait_for_version.remote(target, 2.0), timeout=max(0.0, deadline - time.monotonic())) \
+                < target:
+            target = ray.get(self.learners.rank0.republish.remote())
+        return target
 
     def stop(self, timeout_s: float) -> list[dict]:
         for a in self.actors:

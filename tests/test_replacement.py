@@ -1,0 +1,101 @@
+"""The rollout pool's supervision with stand-in actors on a real (embedded) Ray: a replacement that dies while it
+catches up, or does not catch up in time, is replaced in turn while `rollout.max_restarts` allows; then the run
+stops naming the limit. Each replacement re-issues the dead actor's work (rank 0's `reissue`)."""
+
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import ray
+
+import driver.rollouts
+from configs.load import load_config
+from driver.placement import reserve
+from driver.rollouts import RolloutPool
+from tasks.schedule import CursorPlan
+
+NEWEST = 3  # the weight version rank 0 holds
+
+
+class Rank0:
+    def __init__(self):
+        self.reissued = 0
+
+    def reissue(self, actor: int) -> int:
+        self.reissued += 1
+        return 0
+
+    def republish(self) -> int:
+        return NEWEST
+
+    def count(self) -> int:
+        return self.reissued
+
+
+class StandIn:
+    """Takes a RolloutActor's arguments; incarnation `n` behaves as `behaviour[n]` says."""
+
+    def __init__(self, *args, incarnation: int, keys, behaviour: dict[int, str]):
+        self.what = behaviour.get(incarnation, "healthy")
+
+    def run(self) -> dict:
+        if self.what == "fails":
+            raise RuntimeError("engine died")
+        time.sleep(3600)
+        return {}
+
+    def wait_for_version(self, version: int, timeout_s: float) -> int:
+        if self.what == "dies":
+            os._exit(1)
+        if self.what == "stalls":
+            time.sleep(timeout_s)
+            return version - 1
+        return version
+
+    def incarnation_behaviour(self) -> str:
+        return self.what
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    here = Path(__file__).resolve().parent  # workers import the stand-ins from this module
+    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}})
+    yield
+    ray.shutdown()
+
+
+def pool(behaviour: dict[int, str], max_restarts: int) -> RolloutPool:
+    cfg = load_config("grpo_tiny", [f"rollout.max_restarts={max_restarts}"])
+    p = object.__new__(RolloutPool)  # the pool without a run: its learners and actors are stand-ins
+    p.cfg, p.model_dir, p.version, p.plan, p.restarts = cfg, "", 0, CursorPlan(0, 1, 1), 0
+    p.learners = SimpleNamespace(rank0=ray.remote(Rank0).remote(), server_public=None, trajectory_endpoint="",
+                                 weight_endpoint="")
+    cls = ray.remote(num_cpus=0.1, max_concurrency=4)(StandIn)
+    p.cls = SimpleNamespace(options=lambda **kw: SimpleNamespace(
+        remote=lambda *a, **k: cls.options(**kw).remote(*a, **k, behaviour=behaviour)))
+    p.group = reserve(cfg, "rollout")
+    p.actors = [p.spawn(0, first_k=0)]
+    p.runs = [p.actors[0].run.remote()]
+    return p
+
+
+def test_a_replacement_that_dies_while_catching_up_is_replaced(local_ray):
+    p = pool({0: "fails", 1: "dies"}, max_restarts=3)
+    p.replace(0)
+    assert p.restarts == 2 and ray.get(p.learners.rank0.count.remote()) == 2
+    assert ray.get(p.actors[0].incarnation_behaviour.remote()) == "healthy"
+    assert ray.wait(p.runs, timeout=0.5)[0] == []  # the healthy replacement is generating
+    ray.kill(p.actors[0])
+
+
+def test_a_replacement_that_never_catches_up_is_replaced_until_the_limit(local_ray, monkeypatch):
+    monkeypatch.setattr(driver.rollouts, "CATCH_UP_S", 3)
+    p = pool({0: "fails", 1: "stalls", 2: "stalls"}, max_restarts=2)
+    with pytest.raises(RuntimeError, match=r"after 2 restarts \(rollout.max_restarts\)") as e:
+        p.replace(0)
+    assert "replacement 2 catching up: GetTimeoutError" in str(e.value)
+    assert ray.get(p.learners.rank0.count.remote()) == 2
+    ray.kill(p.actors[0])
