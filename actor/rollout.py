@@ -25,7 +25,7 @@ from tasks.dataset import eval_set, open_dataset
 from tasks.reward import score
 from tasks.schedule import CursorPlan
 from transport.auth import ClientKeys
-from transport.messages import SCHEMA_VERSION, Trajectory, WeightAck
+from transport.messages import SCHEMA_VERSION, Heartbeat, Trajectory, WeightAck
 from transport.zmq import Outbox, WeightSubscriber
 
 
@@ -39,6 +39,7 @@ class Sample:
 
 
 INCARNATION_SHIFT = 32  # a replacement actor numbers its messages from incarnation << 32 (learner/intake.py)
+HEARTBEAT_S = 2.0  # while it has nothing in flight, an actor says how far it got this often
 
 
 class RolloutActor:
@@ -57,10 +58,11 @@ class RolloutActor:
         self.seq = incarnation << INCARNATION_SHIFT
         self.stopping = threading.Event()
         self.evaluations: queue.Queue[Evaluation] = queue.Queue()  # asked by evaluate(), run by run()
+        self.rewinds: queue.Queue[int] = queue.Queue()  # asked by rewind(), done by run()
         self.eval_problems: dict | None = None  # the run's held-out set, built at the first evaluation
         self.stats = {"groups": 0, "trajectories": 0, "tokens": 0, "weight_updates": 0, "generate_seconds": 0.0,
                       "sent_while_generating": 0,  # streamed while other requests were still in the engine
-                      "draft_tokens": 0, "accepted_tokens": 0, "verify_steps": 0, "invalid_drafts": 0}
+                      "draft_tokens": 0, "accepted_tokens": 0, "verify_steps": 0, "invalid_drafts": 0, "rewinds": 0}
 
     def run(self) -> dict:
         """Generates until `stop()`; returns counters."""
@@ -72,8 +74,12 @@ class RolloutActor:
         finished: dict[int, list] = {}
         evaluating: dict[str, Evaluation] = {}  # request id -> its evaluation
         k = self.first_k
+        beat = time.time()
         while not self.stopping.is_set():
             self.poll_weights(0)
+            while not self.rewinds.empty():  # trajectories of this actor were lost: regenerate from the learner's k
+                k = self.rewinds.get()
+                self.abandon(samples, finished)
             while not self.evaluations.empty():
                 evaluating.update(self.start_evaluation(self.evaluations.get(), tokens_input))
             cursor = self.plan.cursor(self.actor_id, k)
@@ -90,6 +96,9 @@ class RolloutActor:
                 cursor = self.plan.cursor(self.actor_id, k)
             if not self.engine.has_unfinished_requests():
                 self.poll_weights(100)  # ahead of the learner: wait for new weights
+                if time.time() - beat > HEARTBEAT_S:  # how far it got, so a lost last trajectory shows
+                    beat = time.time()
+                    self._send(Heartbeat(SCHEMA_VERSION, self.actor_id, self.seq))
                 continue
             start = time.time()
             outputs = self.engine.step()
@@ -115,6 +124,21 @@ class RolloutActor:
         for evaluation in set(evaluating.values()) | set(self.evaluations.queue):
             evaluation.done.set()  # an evaluation cut short by stop() reports what it has
         return {**self.stats, "abandoned_requests": len(samples), "version": self.version, "dropped_weight_buckets": self.weights.dropped}
+
+    def rewind(self, first_k: int) -> None:
+        """Trajectories of this actor were lost (the learner saw a gap in its sequence numbers): it abandons the
+        groups in flight and generates again from its `first_k`-th group, the first the learner lacks."""
+        self.rewinds.put(first_k)
+
+    def abandon(self, samples: dict[str, Sample], finished: dict[int, list]) -> None:
+        """Drops every training request in flight and every unsent finished sample, with their speculation counts
+        (their request ids come back when the groups are generated again)."""
+        ids = list(samples) + [f"{s.cursor}-{s.index}" for group in finished.values() for s, _ in group]
+        self.engine.abort_request(list(samples))
+        self.llm.collective_rpc(take_spec_counts, args=(ids,))
+        self.stats["rewinds"] += 1
+        samples.clear()
+        finished.clear()
 
     def evaluate(self, tag: int) -> dict:
         """Answers this actor's share of the held-out set (its every R-th problem) while `run` goes on training;

@@ -18,6 +18,7 @@ from transport.auth import ClientKeys, keypair
 
 
 CATCH_UP_S = 900  # a replacement's engine start and first weights (a large checkpoint takes minutes to load)
+GAP_CHECK_S = 5.0  # how often, while waiting on the learner, the driver asks rank 0 for lost trajectories
 
 
 class RolloutPool:
@@ -46,7 +47,14 @@ class RolloutPool:
         as soon as it happens (a failed learner rank would otherwise leave the others waiting in a collective)."""
         pending = list(refs)
         while pending:
-            ready = ray.wait([*pending, *self.runs], num_returns=1)[0][0]
+            ready = ray.wait([*pending, *self.runs], num_returns=1, timeout=GAP_CHECK_S)[0]
+            if not ready:  # meanwhile: an actor whose trajectories were lost regenerates the groups they belonged to
+                for i, first_k in ray.get(self.learners.rank0.take_gaps.remote()).items():
+                    print(f"rollout actor {i} lost trajectories; it generates again from data cursor "
+                          f"{self.plan.cursor(i, first_k)}", file=sys.stderr)
+                    self.actors[i].rewind.remote(first_k)
+                continue
+            ready = ready[0]
             if ready in pending:
                 ray.get(ready)
                 pending.remove(ready)

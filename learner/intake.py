@@ -6,7 +6,8 @@ and counts everything else under a reason, so that at any moment
     received == trained + pending + dropped_stale + dropped_duplicate + dropped_reissued + dropped_invalid
 
 where `trained` counts the trajectories of delivered groups. `lost` counts gaps in an actor's sequence numbers
-(messages that never arrived). A replacement actor numbers its messages from `incarnation << 32`.
+(messages that never arrived); `take_gaps` names the actors to rewind so the groups they left short are
+regenerated. A replacement actor numbers its messages from `incarnation << 32`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from itertools import chain
 
 from learner.base import admissible
 from tasks.schedule import CursorPlan
-from transport.messages import Trajectory, WeightAck
+from transport.messages import Heartbeat, Trajectory, WeightAck
 
 INCARNATION_SHIFT = 32
 
@@ -47,21 +48,28 @@ class Intake:
         self.delivered: set[int] = set()  # group ids delivered whole (trained or dropped stale) by this process
         self.data_cursor = plan.start  # one past the newest group trained on: where a resumed run starts
         self.trained_groups = [1 << 62, -1]  # lowest and highest group id trained on by this process
-        self.next_seq: dict[tuple[int, int], int] = {}  # (actor, incarnation) -> the sequence number expected next
+        self.next_seq: dict[int, int] = {}  # actor -> the sequence number expected next from its newest incarnation
+        self.gapped: set[int] = set()  # actors with lost messages whose groups are not re-issued yet
         self.apply_seconds: list[float] = []  # weight-apply times the actors acknowledged since the last take
 
-    def take(self, message: Trajectory | WeightAck, version: int) -> list[Trajectory] | None:
+    def take(self, message: Trajectory | WeightAck | Heartbeat, version: int) -> list[Trajectory] | None:
         """A whole, fresh-enough group (sorted by sample index) when `message` completes one; else None."""
         if isinstance(message, WeightAck):
             self.apply_seconds.append(message.apply_seconds)
             return None
+        if isinstance(message, Heartbeat):
+            if self._advance(message.actor_id, message.seq, arrived=0):  # its last trajectories never came
+                self.gapped.add(message.actor_id)
+            return None
         self.counts.received += 1
-        self._check_sequence(message)
+        gap = self._advance(message.actor_id, message.seq, arrived=1)
         reason = self._invalid(message, version)
         if reason is not None:
             self.counts.dropped_invalid += 1
             self.invalid[reason] += 1
             return None
+        if gap:  # (only a trajectory the run could use names an actor whose work to re-issue)
+            self.gapped.add(message.actor_id)
         group = self.pending[message.group_id]
         if any(t.sample_index == message.sample_index for t in group):  # a dead actor's, still in flight
             self.counts.dropped_duplicate += 1
@@ -107,12 +115,27 @@ class Intake:
             return "versions"
         return None
 
-    def _check_sequence(self, t: Trajectory) -> None:
-        key = (t.actor_id, t.seq >> INCARNATION_SHIFT)
-        expected = self.next_seq.get(key, key[1] << INCARNATION_SHIFT)
-        if t.seq > expected:
-            self.counts.lost += t.seq - expected
-        self.next_seq[key] = max(expected, t.seq + 1)
+    def _advance(self, actor: int, seq: int, arrived: int) -> int:
+        """Notes that `actor` sent every message below `seq` (and `seq` itself if `arrived`); returns how many of
+        them never came, counted as lost. Only an actor's newest incarnation is followed (one entry per actor of
+        the run): a dead one's late messages count nothing."""
+        if not 0 <= actor < self.plan.num_actors:
+            return 0
+        expected = self.next_seq.get(actor, 0)
+        if seq >> INCARNATION_SHIFT != expected >> INCARNATION_SHIFT:
+            if seq >> INCARNATION_SHIFT < expected >> INCARNATION_SHIFT:
+                return 0
+            expected = seq >> INCARNATION_SHIFT << INCARNATION_SHIFT  # a replacement numbers from its incarnation
+        gap = max(0, seq - expected)
+        self.counts.lost += gap
+        self.next_seq[actor] = max(expected, seq + arrived)
+        return gap
+
+    def take_gaps(self) -> dict[int, int]:
+        """Actors whose messages were lost since the last call, each with the k it regenerates from: its partial
+        groups are forgotten as for a dead actor (`reissue`), since a lost trajectory leaves one of them short."""
+        gapped, self.gapped = self.gapped, set()
+        return {actor: self.reissue(actor) for actor in sorted(gapped)}
 
     def take_apply_seconds(self) -> list[float]:
         taken, self.apply_seconds = self.apply_seconds, []

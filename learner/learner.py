@@ -26,7 +26,7 @@ from models.zoo import copy_tokenizer
 from sampling.coupled import processed_logprobs
 from tasks.schedule import CursorPlan
 from transport.auth import Gate, KeyPair
-from transport.messages import Trajectory, WeightAck
+from transport.messages import Heartbeat, Trajectory, WeightAck
 from transport.zmq import Inbox, WeightPublisher, pack_buckets
 
 
@@ -62,7 +62,7 @@ class Learner:
         if rank == 0:
             self.gate = None if keys is None else Gate(keys)
             self.inbox = Inbox(cfg.transport.host, cfg.transport.max_message_mib << 20, cfg.transport.trajectory_queue,
-                               accepts=Trajectory | WeightAck, gate=self.gate)  # a weight bucket sent here: dropped
+                               accepts=Trajectory | WeightAck | Heartbeat, gate=self.gate)  # a weight bucket: dropped
             self.publisher = WeightPublisher(cfg.transport.host, gate=self.gate)
             vocab = json.loads((Path(policy_dir) / "config.json").read_text())["vocab_size"]
             self.intake = Intake(cfg.rollout.group_size, cfg.algorithm.max_staleness, plan, vocab,
@@ -376,6 +376,11 @@ class Learner:
         """Rank 0: a rollout actor died; the k its replacement starts from (see `Intake.reissue`)."""
         with self.lock:
             return self.intake.reissue(actor)
+
+    def take_gaps(self) -> dict[int, int]:
+        """Rank 0: actors that lost messages, each with the k to regenerate from (see `Intake.take_gaps`)."""
+        with self.lock:
+            return self.intake.take_gaps()
 
     def summary(self) -> dict:
         with self.lock:  # collect() may still be taking messages (Ctrl-C, an error elsewhere)

@@ -12,7 +12,7 @@ from msgspec.structs import replace
 from learner.intake import Intake
 from tasks.schedule import CursorPlan
 from transport.auth import ClientKeys, Gate, keypair
-from transport.messages import SCHEMA_VERSION, TensorSpec, Trajectory, WeightAck, WeightBucket
+from transport.messages import SCHEMA_VERSION, Heartbeat, TensorSpec, Trajectory, WeightAck, WeightBucket
 from transport.zmq import MAXMSGSIZE_SLACK, Inbox, Outbox
 
 FUZZED = 12_000
@@ -94,7 +94,7 @@ def test_fuzzed_messages_never_crash_the_inbox_nor_touch_a_valid_group():
     hostile, inbox_reasons, intake_reasons = hostile_messages(rng)
     ctx = zmq.Context()
     gate = Gate(keypair(), ctx)
-    inbox = Inbox("127.0.0.1", MAX_BYTES, hwm=64, context=ctx, accepts=Trajectory | WeightAck, gate=gate)
+    inbox = Inbox("127.0.0.1", MAX_BYTES, hwm=64, context=ctx, accepts=Trajectory | WeightAck | Heartbeat, gate=gate)
     actor0, actor1 = keypair(), keypair()
     gate.admit("actor-0", actor0.public)
     gate.admit("actor-1", actor1.public)
@@ -121,14 +121,14 @@ def test_fuzzed_messages_never_crash_the_inbox_nor_touch_a_valid_group():
     sender = threading.Thread(target=send)
     sender.start()
     intake = Intake(GROUP_SIZE, max_staleness=1, plan=CursorPlan(0, 2, 1), vocab_size=VOCAB, max_len=MAX_LEN)
-    delivered, acks = [], 0
+    delivered, others = [], 0  # others: acknowledgements and heartbeats
     deadline = time.monotonic() + 120
-    while sum(inbox.dropped.values()) + intake.counts.received + acks < FUZZED + len(valid):
+    while sum(inbox.dropped.values()) + intake.counts.received + others < FUZZED + len(valid):
         assert time.monotonic() < deadline, f"{dict(inbox.dropped)}, {intake.counts}"
         if (message := inbox.recv(1000)) is None:
             continue
-        if isinstance(message, WeightAck):
-            acks += 1
+        if isinstance(message, WeightAck | Heartbeat):
+            others += 1
         elif (group := intake.take(message, VERSION)) is not None:
             delivered.append(group)
     sender.join()

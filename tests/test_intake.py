@@ -3,7 +3,7 @@ cursor a replacement actor resumes from; and the one cursor-ownership rule."""
 
 from learner.intake import INCARNATION_SHIFT, Intake
 from tasks.schedule import CursorPlan
-from transport.messages import SCHEMA_VERSION, Trajectory, WeightAck
+from transport.messages import SCHEMA_VERSION, Heartbeat, Trajectory, WeightAck
 
 
 def trajectory(group: int, index: int, seq: int = 0, actor: int = 0, versions=(0,), group_size: int = 4,
@@ -82,6 +82,26 @@ def test_sequence_gaps_count_lost_trajectories_per_actor_incarnation():
     intake.take(trajectory(2, 0, seq=replacement, actor=0), version=0)
     intake.take(trajectory(2, 1, seq=6, actor=0), version=0)  # the dead one's last message, late: no gap either
     assert intake.counts.lost == 3
+
+
+def test_a_lost_trajectory_names_its_actor_once_with_where_to_regenerate_from():
+    """A gap shows at the actor's next trajectory, or, for its last one, at its next heartbeat; `take_gaps` forgets
+    the actor's partial groups (one is short for good) and names the k it regenerates from, once."""
+    plan = CursorPlan(start=0, num_actors=2, prompts_per_step=2)
+    intake = Intake(group_size=2, max_staleness=1, plan=plan)
+    for i in range(2):  # actor 0 delivers group 0 whole (seq 0, 1); seq 2 (group 2, sample 0) is lost
+        intake.take(trajectory(0, i, seq=i, group_size=2), version=0)
+    intake.take(trajectory(2, 1, seq=3, group_size=2), version=0)
+    assert intake.counts.lost == 1 and intake.take_gaps() == {0: 1} and plan.cursor(0, 1) == 2
+    assert intake.take_gaps() == {} and intake.counts.dropped_reissued == 1 and balanced(intake)
+    intake.take(trajectory(1, 0, seq=0, actor=1, group_size=2), version=0)  # actor 1: its last one (seq 1) is lost
+    intake.take(Heartbeat(SCHEMA_VERSION, actor_id=1, seq=1), version=0)  # nothing missing yet
+    assert intake.take_gaps() == {}
+    intake.take(Heartbeat(SCHEMA_VERSION, actor_id=1, seq=2), version=0)
+    assert intake.counts.lost == 2 and intake.take_gaps() == {1: 0} and intake.counts.dropped_reissued == 2
+    intake.take(Heartbeat(SCHEMA_VERSION, actor_id=7, seq=1 << 40), version=0)  # not an actor of this run
+    intake.take(trajectory(1, 1, seq=9, actor=0, group_size=2), version=0)  # a gap, but an invalid message (owner)
+    assert intake.take_gaps() == {} and len(intake.next_seq) == 2 and balanced(intake)
 
 
 def test_reissue_forgets_the_dead_actors_partial_groups_and_names_its_first_undelivered_group():

@@ -64,4 +64,13 @@ class WeightAck(msgspec.Struct, tag="weight_ack", frozen=True):
     apply_seconds: float
 
 
-Message = Trajectory | WeightBucket | WeightAck
+class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
+    """A rollout actor with nothing in flight says how far it got: `seq` is the sequence number its next
+    trajectory will carry, so the learner learns of a lost last trajectory, which no later one would reveal."""
+
+    schema: int
+    actor_id: int
+    seq: int
+
+
+Message = Trajectory | WeightBucket | WeightAck | Heartbeat
