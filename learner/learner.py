@@ -36,6 +36,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def tensor_count(model_dir: str) -> int:
+    """How many tensors the Hugging Face checkpoint in `model_dir` holds (safetensors headers only)."""
+    from safetensors import safe_open
+
+    return sum(len(safe_open(str(f), "pt").keys()) for f in Path(model_dir).glob("*.safetensors"))
+
+
 class FiniteAdamW(torch.optim.AdamW):
     """AdamW that leaves the weights and its state untouched when the gradient is not finite, and says so in
     `overflow`, which DeepSpeed's engine reads to count the step as skipped. DeepSpeed's ZeRO and bf16 optimizers
@@ -63,7 +70,9 @@ class Learner:
             self.gate = None if keys is None else Gate(keys)
             self.inbox = Inbox(cfg.transport.host, cfg.transport.max_message_mib << 20, cfg.transport.trajectory_queue,
                                accepts=Trajectory | WeightAck | Heartbeat, gate=self.gate)  # a weight bucket: dropped
-            self.publisher = WeightPublisher(cfg.transport.host, gate=self.gate)
+            # a subscriber that stops reading holds up at most two versions here (a bucket holds >= 1 tensor)
+            self.publisher = WeightPublisher(cfg.transport.host, gate=self.gate,
+                                             queued_buckets=2 * (tensor_count(policy_dir) + 1))
             vocab = json.loads((Path(policy_dir) / "config.json").read_text())["vocab_size"]
             self.intake = Intake(cfg.rollout.group_size, cfg.algorithm.max_staleness, plan, vocab,
                                  cfg.model.max_model_len)

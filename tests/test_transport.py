@@ -89,6 +89,36 @@ def test_weight_buckets_arrive_whole_and_bounded():
     sub.close()
 
 
+def test_a_subscriber_that_never_reads_costs_the_publisher_a_bounded_queue():
+    """Past `queued_buckets`, a stuck subscriber's buckets are dropped (it would take the next whole version);
+    a subscriber that reads as versions come still gets every one whole."""
+    pub = WeightPublisher("127.0.0.1", queued_buckets=8)
+    stuck = zmq.Context.instance().socket(zmq.SUB)
+    stuck.setsockopt(zmq.RCVHWM, 1)
+    stuck.setsockopt(zmq.RCVBUF, 1 << 16)
+    stuck.setsockopt(zmq.SUBSCRIBE, b"")
+    stuck.connect(pub.endpoint)
+    live = WeightSubscriber(pub.endpoint)
+    buckets = pack_buckets(iter([(f"w{i}", torch.randn(1 << 18)) for i in range(4)]), bucket_bytes=1 << 20)
+    deadline = time.time() + 5
+    while live.poll(100) is None and time.time() < deadline:  # both subscriptions live
+        pub.publish(0, buckets)
+    for version in range(1, 31):  # a version per step, as the learner publishes
+        pub.publish(version, buckets)
+        deadline, newest = time.time() + 5, None
+        while newest != version and time.time() < deadline:
+            newest = (live.poll(100) or (None,))[0]
+        assert newest == version
+    held = 0
+    while stuck.poll(500):
+        stuck.recv_multipart()
+        held += 1
+    assert held < 40  # of the 120 buckets published after it stopped reading (unbounded: all 120)
+    stuck.close(0)
+    live.close()
+    pub.close()
+
+
 def test_a_wildcard_bind_advertises_an_address_peers_can_dial():
     box = Inbox("0.0.0.0", max_bytes=4096)  # what a multi-node config sets (transport.host)
     assert "0.0.0.0" not in box.endpoint

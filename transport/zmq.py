@@ -164,9 +164,13 @@ def pack_buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -
 
 
 class WeightPublisher:
-    def __init__(self, host: str, context: zmq.Context | None = None, gate: Gate | None = None):
+    def __init__(self, host: str, context: zmq.Context | None = None, gate: Gate | None = None,
+                 queued_buckets: int = 0):
+        """`queued_buckets`: how many buckets the socket holds for a subscriber that does not read (0: all). Past
+        that, that subscriber's buckets are dropped, so its versions arrive incomplete and it takes the next whole
+        one; the publisher's memory stays bounded."""
         self.socket = (context or zmq.Context.instance()).socket(zmq.PUB)
-        self.socket.setsockopt(zmq.SNDHWM, 0)  # never drop a bucket
+        self.socket.setsockopt(zmq.SNDHWM, queued_buckets)
         self.socket.setsockopt(zmq.LINGER, 0)
         if gate is not None:
             gate.serve(self.socket)
