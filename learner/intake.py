@@ -50,12 +50,14 @@ class Intake:
         self.trained_groups = [1 << 62, -1]  # lowest and highest group id trained on by this process
         self.next_seq: dict[int, int] = {}  # actor -> the sequence number expected next from its newest incarnation
         self.gapped: set[int] = set()  # actors with lost messages whose groups are not re-issued yet
-        self.apply_seconds: list[float] = []  # weight-apply times the actors acknowledged since the last take
+        self.apply_seconds: dict[int, float] = {}  # actor -> its slowest acknowledged weight apply since the last take
 
     def take(self, message: Trajectory | WeightAck | Heartbeat, version: int) -> list[Trajectory] | None:
         """A whole, fresh-enough group (sorted by sample index) when `message` completes one; else None."""
         if isinstance(message, WeightAck):
-            self.apply_seconds.append(message.apply_seconds)
+            if 0 <= message.actor_id < self.plan.num_actors and math.isfinite(message.apply_seconds):
+                slowest = self.apply_seconds.get(message.actor_id, 0.0)
+                self.apply_seconds[message.actor_id] = max(slowest, message.apply_seconds)
             return None
         if isinstance(message, Heartbeat):
             if self._advance(message.actor_id, message.seq, arrived=0):  # its last trajectories never came
@@ -99,6 +101,8 @@ class Intake:
             return "group"
         if t.group_id < 0 or self.plan.owner(t.group_id) != t.actor_id:  # only a cursor's owner may send its group
             return "owner"
+        if self.plan.step(t.group_id) > version + self.max_staleness:  # no actor admits it yet (bounds `pending`)
+            return "ahead"
         if not t.prompt_ids or n == 0 or len(t.behaviour_logprobs) != n or len(t.policy_versions) != n:
             return "lengths"
         if self.max_len is not None and len(t.prompt_ids) + n > self.max_len:
@@ -138,7 +142,7 @@ class Intake:
         return {actor: self.reissue(actor) for actor in sorted(gapped)}
 
     def take_apply_seconds(self) -> list[float]:
-        taken, self.apply_seconds = self.apply_seconds, []
+        taken, self.apply_seconds = list(self.apply_seconds.values()), {}
         return taken
 
     def reissue(self, actor: int) -> int:

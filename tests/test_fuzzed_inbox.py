@@ -36,7 +36,8 @@ def semantic_violations(t: Trajectory) -> dict[str, Trajectory]:
             "lengths": replace(t, behaviour_logprobs=t.behaviour_logprobs + [-1.0]),
             "too_long": replace(t, prompt_ids=[1] * MAX_LEN), "token_ids": replace(t, response_ids=[VOCAB] * n),
             "reward": replace(t, reward=float("nan")), "logprobs": replace(t, behaviour_logprobs=[float("-inf")] * n),
-            "versions": replace(t, policy_versions=[VERSION + 1] * n)}
+            "versions": replace(t, policy_versions=[VERSION + 1] * n),
+            "ahead": replace(t, group_id=t.group_id + 6 * GROUPS)}  # a step no actor admits yet
 
 
 def hostile_messages(rng: random.Random) -> tuple[list[list[bytes]], dict[str, int], dict[str, int]]:
@@ -120,7 +121,8 @@ def test_fuzzed_messages_never_crash_the_inbox_nor_touch_a_valid_group():
 
     sender = threading.Thread(target=send)
     sender.start()
-    intake = Intake(GROUP_SIZE, max_staleness=1, plan=CursorPlan(0, 2, 1), vocab_size=VOCAB, max_len=MAX_LEN)
+    plan = CursorPlan(0, 2, 2 * GROUPS)  # every valid group is step 0's
+    intake = Intake(GROUP_SIZE, max_staleness=1, plan=plan, vocab_size=VOCAB, max_len=MAX_LEN)
     delivered, others = [], 0  # others: acknowledgements and heartbeats
     deadline = time.monotonic() + 120
     while sum(inbox.dropped.values()) + intake.counts.received + others < FUZZED + len(valid):

@@ -20,7 +20,7 @@ def balanced(intake: Intake) -> bool:
 
 
 def test_a_group_is_delivered_whole_and_sorted_once():
-    intake = Intake(group_size=4, max_staleness=1, plan=CursorPlan(0, 1, 1))
+    intake = Intake(group_size=4, max_staleness=1, plan=CursorPlan(0, 1, 8))
     delivered = [intake.take(trajectory(7, i, seq=s), version=0) for s, i in enumerate([2, 0, 3, 1])]
     assert delivered[:3] == [None, None, None]
     assert [t.sample_index for t in delivered[3]] == [0, 1, 2, 3]
@@ -30,7 +30,7 @@ def test_a_group_is_delivered_whole_and_sorted_once():
 
 def test_a_group_never_holds_one_sample_twice():
     """A dead actor's trajectories still in flight may arrive after its replacement regenerated them."""
-    intake = Intake(group_size=4, max_staleness=1, plan=CursorPlan(0, 1, 1))
+    intake = Intake(group_size=4, max_staleness=1, plan=CursorPlan(0, 1, 8))
     groups = [g for i in [0, 1, 1, 2, 0, 3] if (g := intake.take(trajectory(7, i), version=0)) is not None]
     assert [t.sample_index for t in groups[0]] == [0, 1, 2, 3]
     assert intake.counts.received == 6 and intake.counts.dropped_duplicate == 2 and balanced(intake)
@@ -64,7 +64,8 @@ def test_trajectories_that_would_crash_or_poison_the_learner_are_dropped_by_reas
            "reward": [replace(good, reward=float("nan")), replace(good, reward=float("inf"))],
            "logprobs": [replace(good, behaviour_logprobs=[0.5]), replace(good, behaviour_logprobs=[float("nan")]),
                         replace(good, behaviour_logprobs=[-1e30])],  # finite, but an infinite ratio in the loss
-           "versions": [trajectory(0, 0, versions=(2,)), trajectory(0, 0, versions=(-1,))]}
+           "versions": [trajectory(0, 0, versions=(2,)), trajectory(0, 0, versions=(-1,))],
+           "ahead": [trajectory(4, 0)]}  # step 4 > version 1 + max_staleness 1: no actor admits it yet
     for reason, messages in bad.items():
         for t in messages:
             assert intake.take(t, version=1) is None, reason
@@ -105,7 +106,7 @@ def test_a_lost_trajectory_names_its_actor_once_with_where_to_regenerate_from():
 
 
 def test_reissue_forgets_the_dead_actors_partial_groups_and_names_its_first_undelivered_group():
-    plan = CursorPlan(start=10, num_actors=2, prompts_per_step=2)
+    plan = CursorPlan(start=10, num_actors=2, prompts_per_step=8)
     intake = Intake(group_size=2, max_staleness=1, plan=plan)
     for group in (10, 12):  # actor 0 delivered its first two groups whole
         for i in range(2):
@@ -116,10 +117,16 @@ def test_reissue_forgets_the_dead_actors_partial_groups_and_names_its_first_unde
     assert intake.counts.dropped_reissued == 1 and intake.pending_trajectories() == 1 and balanced(intake)
 
 
-def test_acknowledged_apply_times_are_taken_once():
-    intake = Intake(group_size=2, max_staleness=1, plan=CursorPlan(0, 1, 1))
+def test_acknowledged_apply_times_are_taken_once_and_kept_per_actor():
+    """What the learner keeps of acknowledgements is one number per actor of the run (the slowest since the last
+    take), however many a peer sends."""
+    intake = Intake(group_size=2, max_staleness=1, plan=CursorPlan(0, 2, 1))
     intake.take(WeightAck(SCHEMA_VERSION, 0, 1, 0.25), version=1)
     assert intake.take_apply_seconds() == [0.25] and intake.take_apply_seconds() == []
+    for i in range(10_000):
+        intake.take(WeightAck(SCHEMA_VERSION, i % 3, 1, i / 1e4), version=1)  # actor 2 is not one of this run's
+    intake.take(WeightAck(SCHEMA_VERSION, 1, 1, float("nan")), version=1)
+    assert sorted(intake.take_apply_seconds()) == [0.9997, 0.9999]
     assert intake.counts.received == 0
 
 
