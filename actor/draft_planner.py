@@ -9,13 +9,17 @@ drafter, so the planner learns it online from the engine's own steps instead of 
 - `Acceptance`: each request's per-token acceptance probability, shrunk towards the drafter's running average.
 With acceptance `a`, the `j`-th draft token of a request adds `a**j` expected committed tokens. `plan` takes
 draft tokens in order of that gain and keeps the prefix that maximises expected committed tokens per second
-`(n + sum of gains) / (step(n + drafted) + draft(passes, drafted))`; 0 everywhere when no drafting pays.
+`(n + sum of gains) / (step(n + drafted) + draft(passes, drafted))`; 0 everywhere when no drafting pays (but
+for a rare exploring step, so the estimates never freeze where drafting stopped).
 Correctness never depends on it: drafts only change how fast the coupled sampler's tokens come out.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+
+EXPLORE_EVERY = 32  # engine steps without a draft before one request drafts anyway (`plan(explore=True)`)
 
 
 class StepCost:
@@ -105,13 +109,22 @@ class Acceptance:
         self.rejected.pop(request_id, None)
 
 
-def plan(rates: list[float], k: int, base_tokens: int, step: StepCost, draft: DraftCost) -> tuple[list[int], float]:
+def plan(rates: list[float], k: int, base_tokens: int, step: StepCost, draft: DraftCost,
+         explore: bool = False) -> tuple[list[int], float]:
     """Draft tokens per request (0..k) maximising expected committed tokens per second,
     and the predicted step seconds of that plan (engine step only). `base_tokens`: tokens the step computes
-    without drafts (one per decoding request, plus any prefill)."""
+    without drafts (one per decoding request, plus any prefill). `explore`: where no drafting pays, the request
+    most likely to accept drafts gets `k` anyway, so that a planner that stopped drafting keeps measuring what
+    drafting gives (acceptance and costs drift with the policy and the batch); its caller decides how rarely."""
     n = len(rates)
     if not step.seen.any():  # nothing measured yet: draft fully, and learn what verifying costs
         return [k] * n, 0.0
+    if explore and n:
+        chosen, engine = plan(rates, k, base_tokens, step, draft)
+        if not any(chosen):
+            chosen[int(np.argmax(rates))] = k
+            engine = float(step.predict(base_tokens + k))
+        return chosen, engine
     gains = [(rates[i] ** (j + 1), i) for i in range(n) for j in range(k)]
     gains.sort(key=lambda g: -g[0])  # per request, gains fall with j, so each request's drafts stay in order
     drafted = np.arange(len(gains) + 1)

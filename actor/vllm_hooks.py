@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from actor.draft_planner import Acceptance, DraftCost, StepCost, plan
+from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, StepCost, plan
 from drafters.base import Drafter, DraftRequest
 from sampling.coupled import PLACEHOLDER, coupled_sample, verify
 
@@ -184,7 +184,7 @@ class DrafterBridge:
         self.known: set[str] = set()  # every request the drafter has state for
         self.step_cost, self.draft_cost, self.acceptance = StepCost(), DraftCost(), Acceptance()
         self.planned: dict[str, int] = {}  # draft tokens handed to the engine last step, per request
-        self.predicted = 0.0  # the planner's engine seconds for the step now running
+        self.predicted, self.undrafted_steps = 0.0, 0  # the planner's engine seconds for this step; steps undrafted
         self.step_end: float | None = None  # when the last propose() returned: the next step's engine time starts
         self.seconds = self.drafter_seconds = 0.0  # in propose(), and of that in the drafter (a benchmark's profile)
 
@@ -231,7 +231,9 @@ class DrafterBridge:
         budgets = [self.k] * len(committed_rows)
         if self.planning:
             budgets, self.predicted = plan([self.acceptance.rate(req_ids[row]) for row in committed_rows], self.k,
-                                           len(req_ids), self.step_cost, self.draft_cost)
+                                           len(req_ids), self.step_cost, self.draft_cost,
+                                           explore=self.undrafted_steps >= EXPLORE_EVERY)
+            self.undrafted_steps = 0 if any(budgets) else self.undrafted_steps + 1
         else:
             self.predicted = float(self.step_cost.predict(len(req_ids) + sum(budgets)))
         requests = []
@@ -252,8 +254,7 @@ class DrafterBridge:
         return drafts
 
     def _observe_step(self, start: float, req_ids: list[str]) -> None:
-        """Teaches the step cost model the engine step that just ran (only when it continued the last batch: an
-        idle engine's wait is not a step's cost) and charges the planner's error to the requests it planned."""
+        """Teaches the step cost the step that just ran if it continued the last batch; charges the plan's error."""
         continuing = self.live.intersection(req_ids)
         if self.step_end is None or not continuing or not self.runner._sample.step_tokens:
             return

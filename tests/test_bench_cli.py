@@ -39,3 +39,17 @@ def test_weight_sync_benchmark_measures_every_channel_against_raw_zeromq(tmp_pat
     for system in result["systems"].values():
         assert system["gb_per_s"] > 0 and len(system["seconds"]) == 1 and system["of_raw"]["speedup"] > 0
     assert result["systems"]["raw"]["of_raw"]["speedup"] == 1.0 and result["curve_cost"]["speedup"] > 0
+
+
+def test_every_end_to_end_system_is_a_valid_run_config():
+    """bench.e2e launches each system as grpo_tiny plus overrides: every combination must pass the launcher's
+    config checks (a misspelt key would only surface minutes into the benchmark)."""
+    from bench.e2e import PRESETS, SYSTEMS
+    from configs.load import load_config
+
+    assert list(SYSTEMS) == ["sync", "async", "frozen", "fastest_of_n"]  # the issue's order, distilled missing
+    for preset in PRESETS.values():
+        for name, overrides in SYSTEMS.items():
+            cfg = load_config("grpo_tiny", [*preset["overrides"], *overrides])
+            assert (cfg.algorithm.max_staleness == 0) == (name == "sync")
+            assert (cfg.speculation.method == "none") == (name in ("sync", "async"))

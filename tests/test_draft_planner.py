@@ -70,6 +70,17 @@ def test_plan_does_not_draft_where_every_token_costs_a_step_share():
     assert drafts == [0] * 32
 
 
+def test_an_exploring_plan_drafts_for_the_likeliest_request_only_where_nothing_pays():
+    """Without exploration a planner that stopped drafting never observes acceptance again, so it never starts
+    again however the policy or batch changes; an exploring step drafts fully for one request, the likeliest."""
+    cost = learned(compute_bound)
+    assert plan([0.5, 0.7, 0.4], 4, 3, cost, DraftCost())[0] == [0, 0, 0]
+    drafts, predicted = plan([0.5, 0.7, 0.4], 4, 3, cost, DraftCost(), explore=True)
+    assert drafts == [0, 4, 0] and predicted == pytest.approx(compute_bound(7), rel=0.15)
+    weight = learned(weight_bound)  # where drafting pays, exploring changes nothing
+    assert plan([0.8] * 4, 4, 4, weight, DraftCost(), explore=True) == plan([0.8] * 4, 4, 4, weight, DraftCost())
+
+
 def test_plan_gives_drafts_to_requests_that_accept_them():
     # a mid curve: some drafting pays, so it goes to the requests with the best acceptance
     drafts, _ = plan([0.95, 0.2, 0.9, 0.05], 4, 4, learned(lambda n: 0.01 + 0.001 * n), DraftCost())

@@ -1,0 +1,135 @@
+"""End-to-end benchmark: whole GRPO runs of the launcher, side by side, one fresh process per run.
+
+    python -m bench.e2e --preset smoke|full --out PATH      (smoke ~6 min here; full for the README)
+
+Systems, fixed before the run, in this order, each `launch.py --config grpo_tiny` with the same seed:
+- `sync`: rollout, then train, then the next rollout (`algorithm.max_staleness: 0`: an actor starts a step's groups
+  only with the weights of that step), no speculation: the schedule of verl-style colocated loops;
+- `async`: the asynchronous loop (`max_staleness: 1`), no speculation;
+- `frozen`: the async loop speculating with the built-in draft LM, never updated;
+- `fastest_of_n`: the async loop with fastest-of-N over the suffix (history) drafter, the draft LM and n-gram.
+`distilled` (the async loop with an online-distilled draft LM) is listed under `missing`: online distillation is
+not built yet. Each repeat runs every system (rotating order). Per system: seconds per step (the median gap
+between consecutive steps' TensorBoard events, the first step excluded: it holds the engines' start), the actors'
+engine seconds per step (`rollout_s`), acceptance length per step, and the final held-out reward (T = 1), which
+must agree across `async`, `frozen` and `fastest_of_n` within noise: the coupled sampler makes the trajectories
+independent of the drafter. JSON, with a PNG of acceptance over steps beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.stats import paired
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS = {
+    "smoke": {"steps": 16, "repeats": 1, "overrides": ["rollout.prompts_per_step=8", "data.eval_size=64"]},
+    "full": {"steps": 120, "repeats": 2, "overrides": ["data.eval_size=256"]},
+}
+SYSTEMS = {
+    "sync": ["algorithm.max_staleness=0", "speculation.method=none"],
+    "async": ["algorithm.max_staleness=1", "speculation.method=none"],
+    "frozen": ["algorithm.max_staleness=1", "speculation.method=draft_lm"],
+    "fastest_of_n": ["algorithm.max_staleness=1", "speculation.method=fastest_of_n",
+                     "speculation.drafters=[suffix,draft_lm,ngram]"],
+}
+MISSING = {"distilled": "online distillation of the draft LM is not built yet (issue 12, item 2)"}
+
+
+def run(system: str, steps: int, overrides: list[str], logdir: Path, log: Path) -> dict:
+    """One launch in a fresh process; its per-step numbers read back from TensorBoard and summary.json."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    command = [sys.executable, "launch.py", "--config", "grpo_tiny", f"trainer.steps={steps}",
+               f"trainer.eval_every={steps}", f"logging.dir={logdir}", *overrides, *SYSTEMS[system]]
+    with log.open("a") as out:
+        done = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise RuntimeError(f"{system}: launch exited {done.returncode} (log: {log})")
+    events = EventAccumulator(str(logdir)).Reload()
+    times = [e.wall_time for e in events.Scalars("rl/reward_mean")]
+    summary = json.loads((logdir / "summary.json").read_text())
+    return {
+        "step_s": statistics.median(b - a for a, b in zip(times[1:], times[2:])),
+        "rollout_s": sum(a["generate_seconds"] for a in summary["actors"]) / steps,
+        "acceptance_by_step": [] if "speculation.method=none" in SYSTEMS[system] else
+        [round(e.value, 3) for e in events.Scalars("spec/acceptance_length")],
+        "heldout_reward": events.Scalars("eval/reward_mean")[-1].value,
+        "reward_by_step": [round(e.value, 4) for e in events.Scalars("rl/reward_mean")],
+        "trained": summary["learner"]["trained"],
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, system in result["systems"].items():
+        if system["acceptance_by_step"]:
+            left.plot(system["acceptance_by_step"], label=name)
+    left.set(xlabel="step", ylabel="acceptance length (tokens per verify step)", title="drafters over the run")
+    left.legend()
+    names = list(result["systems"])
+    right.bar(names, [result["systems"][n]["step_s"] for n in names])
+    right.set(ylabel="seconds per step (median)", title="end-to-end step time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    preset = PRESETS[args.preset]
+    names = list(SYSTEMS)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    log = args.out.with_suffix(".log")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("")
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(preset["repeats"]):
+            for name in names[repeat % len(names):] + names[: repeat % len(names)]:
+                runs[name].append(run(name, preset["steps"], preset["overrides"], Path(tmp) / f"{name}-{repeat}",
+                                      log))
+                print(f"repeat {repeat + 1}: {name} {runs[name][-1]['step_s']:.2f} s/step, held-out reward "
+                      f"{runs[name][-1]['heldout_reward']:.3f}", flush=True)
+    systems = {}
+    for name in names:
+        first = runs[name][0]
+        systems[name] = {
+            "step_s": statistics.median(r["step_s"] for r in runs[name]),
+            "rollout_s": statistics.median(r["rollout_s"] for r in runs[name]),
+            "acceptance_by_step": first["acceptance_by_step"],
+            "heldout_reward": statistics.median(r["heldout_reward"] for r in runs[name]),
+            "speedup_over_sync": paired([r["step_s"] for r in runs["sync"]], [r["step_s"] for r in runs[name]]),
+            "runs": runs[name],
+        }
+    result = {"systems": systems, "missing": MISSING,
+              "config": {"preset": args.preset, **preset, "config": "grpo_tiny", "systems": SYSTEMS,
+                         "host_cpus": os.cpu_count()}}
+    args.out.write_text(json.dumps(result, indent=2))
+    plot(result, args.out.with_suffix(".png"))
+    print("| system | s/step | rollout s/step | speed-up over sync | mean acceptance | held-out reward |")
+    print("|---|---|---|---|---|---|")
+    for name, s in systems.items():
+        acceptance = statistics.fmean(s["acceptance_by_step"]) if s["acceptance_by_step"] else 1.0
+        print(f"| {name} | {s['step_s']:.2f} | {s['rollout_s']:.2f} | {s['speedup_over_sync']['speedup']:.2f} | "
+              f"{acceptance:.2f} | {s['heldout_reward']:.3f} |")
+    print(f"missing: {MISSING}\nwrote {args.out} and {args.out.with_suffix('.png')}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
