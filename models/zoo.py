@@ -57,7 +57,7 @@ def resolve(spec: str, recipe: Recipe | None = None, build_if_missing: bool = Tr
                                      + ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_NAMES))
         if not is_built(recipe):
             if not build_if_missing:
-                raise ModelNotFoundError(f"built-in models are not built yet; run `python -m models`")
+                raise ModelNotFoundError("built-in models are not built yet; run `python -m models`")
             build(recipe)
         return builtin_dir(recipe) / name
     path = Path(spec).expanduser()
