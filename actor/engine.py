@@ -90,14 +90,6 @@ def check_coupled(llm) -> None:
         raise RuntimeError(f"vLLM sampled without the coupled sampler (coupled steps per worker: {calls})")
 
 
-SEED_STRIDE = 1_000_003  # runs with seeds s and s + 1 share no request seed for their first ~10^6 samples
-
-
-def group_seed(run_seed: int, cursor: int, group_size: int) -> int:
-    """Sample `i` of the group for data cursor `cursor` samples with seed `group_seed(...) + i`."""
-    return run_seed * SEED_STRIDE + cursor * group_size
-
-
 def sampling_params(cfg: DictConfig, seed: int, n: int = 1):
     """Sampling for one prompt's group; vLLM gives the i-th child request `seed + i`."""
     from vllm import SamplingParams

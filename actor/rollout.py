@@ -4,7 +4,8 @@ It admits GRPO groups (one request per sample, seeds `group_seed + i`) while the
 most `algorithm.max_staleness` versions ahead of the weights it holds, streams each trajectory as soon as its
 group completes, and applies a new weight version between two engine steps with requests in flight
 (reload, re-pack the tied CPU lm_head, reset the prefix cache and recompute running requests' context under
-the new weights). Every token records the version it was sampled under and comes from the coupled sampler
+the new weights); a new draft LM version (distilled by the learner) is swapped in the same way, between steps.
+Every token records the version it was sampled under and comes from the coupled sampler
 (sampling/coupled.py), speculating with the configured drafter or not; per-sequence draft/accept counts ride
 along in each trajectory. Which prompts it takes is `tasks.schedule.CursorPlan`'s rule.
 """
@@ -18,9 +19,10 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
-from actor.engine import group_seed, make_engine, sampling_params
+from actor.engine import make_engine, sampling_params
 from actor.evaluation import EVAL_SEED_BASE, Evaluation
-from actor.vllm_hooks import SpecCounts, apply_weights, take_spec_counts
+from actor.vllm_hooks import SpecCounts, apply_weights, swap_draft_weights, take_spec_counts
+from sampling.coupled import group_seed
 from tasks.dataset import eval_set, open_dataset
 from tasks.reward import score
 from tasks.schedule import CursorPlan
@@ -62,7 +64,8 @@ class RolloutActor:
         self.eval_problems: dict | None = None  # the run's held-out set, built at the first evaluation
         self.stats = {"groups": 0, "trajectories": 0, "tokens": 0, "weight_updates": 0, "generate_seconds": 0.0,
                       "sent_while_generating": 0,  # streamed while other requests were still in the engine
-                      "draft_tokens": 0, "accepted_tokens": 0, "verify_steps": 0, "invalid_drafts": 0, "rewinds": 0}
+                      "draft_tokens": 0, "accepted_tokens": 0, "verify_steps": 0, "invalid_drafts": 0, "rewinds": 0,
+                      "draft_version": 0, "draft_swaps": 0}  # of the draft LM (distilled online, if asked)
 
     def run(self) -> dict:
         """Generates until `stop()`; returns counters."""
@@ -195,6 +198,14 @@ class RolloutActor:
 
     def poll_weights(self, timeout_ms: int) -> None:
         update = self.weights.poll(timeout_ms)
+        draft = self.weights.take_draft()  # a distilled draft LM (learner/distill.py): no trajectory changes
+        if draft is not None and draft[0] > self.stats["draft_version"]:
+            start = time.time()
+            if not any(self.llm.collective_rpc(swap_draft_weights, args=(draft[1],))):
+                raise RuntimeError(f"actor {self.actor_id}: draft LM weights v{draft[0]} arrived, but the drafter "
+                                   f"{self.cfg.speculation.method!r} has no draft LM to take them")
+            self.stats["draft_version"], self.stats["draft_swaps"] = draft[0], self.stats["draft_swaps"] + 1
+            self._send(WeightAck(SCHEMA_VERSION, self.actor_id, draft[0], time.time() - start, "draft"))
         if update is None or update[0] <= self.version:  # a re-send for a replacement actor: already applied
             return
         version, tensors = update

@@ -6,8 +6,9 @@ Everything here runs inside the vLLM worker (through `collective_rpc`). `install
   both draw the coupled sample of `sampling/coupled.py`, keyed by each row's request seed and output position;
   vLLM's per-request torch generators are never used (which also avoids vLLM-CPU's seeded chunked-prefill crash);
 - binds a `Drafter` plugin to the `custom_class` proposer `DrafterBridge`, which vLLM calls once per step.
-`apply_weights` updates weights in place with the CPU re-packing fixes; `take_spec_counts` returns per-request
-speculation counts; `fix_cpu_rejection_sampler` repairs vLLM's own rejection sampler for the benchmark baseline.
+`apply_weights` updates weights in place with the CPU re-packing fixes (`swap_draft_weights` the drafter's own);
+`take_spec_counts` returns per-request speculation counts; `fix_cpu_rejection_sampler` repairs vLLM's own
+rejection sampler for the benchmark baseline.
 """
 
 from __future__ import annotations
@@ -318,20 +319,10 @@ def install(worker, drafter_path: str | None = None, drafter_options: dict | Non
         runner.drafter.bind(runner, load_drafter(drafter_path, drafter_options or {}), max_batch, planning)
 
 
-class _Expected(logging.Filter):
+def quiet_expected(logger: str, *prefixes: str) -> None:
     """Drops a logger's records that start with one of `prefixes`: vLLM's notices about what this project does on
     purpose, which would read as trouble on every run. Anything else the logger says still shows."""
-
-    def __init__(self, prefixes: tuple[str, ...]):
-        super().__init__()
-        self.prefixes = prefixes
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.prefixes)
-
-
-def quiet_expected(logger: str, *prefixes: str) -> None:
-    logging.getLogger(logger).addFilter(_Expected(prefixes))
+    logging.getLogger(logger).addFilter(lambda record: not record.getMessage().startswith(prefixes))
 
 
 def _quiet_expected_reload_warnings(model) -> None:
@@ -362,6 +353,12 @@ def apply_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         if kernel is not None and isinstance(kernel.fused_experts, CPUUnquantizedExperts):
             kernel.fused_experts.process_weights_after_loading(module)
+
+
+def swap_draft_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> bool:
+    """New weights for the drafter's own model, between engine steps (`Drafter.swap_weights`); False: it has none."""
+    bridge = getattr(worker.model_runner, "drafter", None)
+    return isinstance(bridge, DrafterBridge) and bridge.drafter.swap_weights(weights)
 
 
 def _expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):

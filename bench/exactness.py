@@ -21,7 +21,8 @@ DRAFTERS = ["ngram", "draft_lm"]
 def rollouts(method: str, sequences: int, max_tokens: int, seed: int) -> dict:
     from vllm import SamplingParams
 
-    from actor.engine import close_engine, group_seed, make_engine
+    from actor.engine import close_engine, make_engine
+    from sampling.coupled import group_seed
     from configs.load import load_config
     from models.zoo import resolve
     from tasks.arithmetic import ArithmeticTask

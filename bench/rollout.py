@@ -64,7 +64,7 @@ SWEEP_TOKENS = 64
 
 
 def workload(preset: dict, seed: int) -> tuple[list[str], list[int]]:
-    from actor.engine import group_seed
+    from sampling.coupled import group_seed
     from tasks.arithmetic import ArithmeticTask
 
     task = ArithmeticTask(seed=seed)

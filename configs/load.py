@@ -111,6 +111,11 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
         ("trainer.eval_every", cfg.trainer.eval_every >= 0, "must be >= 0 (0: no held-out evaluation)"),
         ("learner.warmup_steps", cfg.learner.warmup_steps >= 0, "must be >= 0"),
         ("model.max_model_len", cfg.model.max_model_len >= 16, "must be >= 16"),
+        ("speculation.distill.every_versions", cfg.speculation.distill.every_versions >= 0,
+         "must be >= 0 (0: the draft LM stays frozen)"),
+        ("speculation.distill.lr", cfg.speculation.distill.lr > 0, "must be > 0"),
+        ("speculation.distill.top_k", cfg.speculation.distill.top_k >= 1, "must be >= 1"),
+        ("speculation.distill.wrong_weight", cfg.speculation.distill.wrong_weight >= 0, "must be >= 0"),
     ]
     batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     rules.append(("learner.micro_batch_size", batch % (cfg.learner.micro_batch_size * cfg.learner.num_ranks) == 0,
@@ -122,16 +127,26 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
     _check_model(path, "model.path", cfg.model.path)
     _check_drafter(path, cfg.speculation)
     _check_places(path, cfg)
-    if cfg.trainer.resume_from:
-        from learner.base import checkpoint_state
+    from learner.base import checkpoint_state
 
+    resumed_run = None
+    if cfg.trainer.resume_from:
         try:
-            step = checkpoint_state(cfg.trainer.resume_from)[1]["version"]
+            state = checkpoint_state(cfg.trainer.resume_from)[1]
+            step, resumed_run = state["version"], state.get("run_id")
         except (FileNotFoundError, KeyError, ValueError) as e:
             raise ConfigError(f"{path}: key 'trainer.resume_from': {e}") from None
         if step >= cfg.trainer.steps:
             raise ConfigError(f"{path}: key 'trainer.resume_from' is at step {step} but trainer.steps = "
                               f"{cfg.trainer.steps}; raise trainer.steps to train further")
+    try:  # a directory that holds another run's checkpoints is that run's, unless this run continues it
+        held, state = checkpoint_state(cfg.logging.dir)
+    except (FileNotFoundError, KeyError, ValueError):
+        held = None
+    if held is not None and state.get("run_id") != resumed_run and not cfg.logging.overwrite:
+        raise ConfigError(f"{path}: key 'logging.dir' = {cfg.logging.dir!r} holds another run's checkpoints (newest "
+                          f"{held.name}); pass trainer.resume_from={cfg.logging.dir} to continue that run, another "
+                          "logging.dir, or logging.overwrite=true to delete its checkpoints and event files first")
     for key in ("data.source", "data.eval_source"):
         source = OmegaConf.select(cfg, key)
         if source == "arithmetic":
@@ -171,9 +186,15 @@ def _check_drafter(path: Path, spec: DictConfig) -> None:
     if spec.drafters and spec.method != "fastest_of_n":
         raise ConfigError(f"{path}: key 'speculation.drafters' is read by method fastest_of_n only "
                           f"(method is {spec.method!r})")
+    members = {} if spec.method == "none" else {spec.method: spec.options}
+    if spec.method == "fastest_of_n":
+        members = {name: spec.options.get(name, {}) for name in spec.drafters}
+    if spec.distill.every_versions > 0 and "draft_lm" not in members:
+        raise ConfigError(f"{path}: key 'speculation.distill.every_versions' = {spec.distill.every_versions}: "
+                          "distillation trains the draft LM, but no drafter of speculation.method "
+                          f"{spec.method!r} is draft_lm (method draft_lm, or fastest_of_n with draft_lm among drafters)")
     if spec.method == "none":
         return
-    members = {spec.method: spec.options}
     if spec.method == "fastest_of_n":
         if len(spec.drafters) < 2 or len(set(spec.drafters)) != len(spec.drafters):
             raise ConfigError(f"{path}: key 'speculation.drafters' = {list(spec.drafters)}: fastest_of_n needs two or "
@@ -181,7 +202,6 @@ def _check_drafter(path: Path, spec: DictConfig) -> None:
         unknown = set(spec.options) - set(spec.drafters)
         if unknown:
             raise ConfigError(f"{path}: key 'speculation.options': {sorted(unknown)} not among speculation.drafters")
-        members = {name: spec.options.get(name, {}) for name in spec.drafters}
     for name, options in members.items():
         key = "speculation.method" if name == spec.method else "speculation.drafters"
         try:

@@ -79,6 +79,16 @@ class RolloutConfig:
 
 
 @dataclass
+class DistillConfig:
+    """Online distillation of the draft LM the actors run (learner/distill.py), on learner rank 0."""
+
+    every_versions: int = 0  # publish a new draft version at most every N policy versions (0: the draft LM is frozen)
+    lr: float = 1.0e-4  # AdamW, one step per micro-batch of the policy's step (1e-3 undoes the draft on grpo_tiny)
+    top_k: int = 16  # the policy's top-k tokens per position are the soft targets
+    wrong_weight: float = 1.0  # extra loss weight where the draft would have proposed another token than committed
+
+
+@dataclass
 class SpeculationConfig:
     # "none", or the drafter that proposes tokens for coupled verification: a built-in (ngram, draft_lm), a
     # dotted path to a drafters.base.Drafter subclass, or the name of a `specactor.drafters` entry point
@@ -91,6 +101,7 @@ class SpeculationConfig:
     options: Dict[str, Any] = field(default_factory=dict)  # keyword arguments of the drafter's constructor
     # method fastest_of_n only: its members (names as for `method`); `options` then maps a member to its arguments
     drafters: List[str] = field(default_factory=list)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 @dataclass
@@ -151,6 +162,8 @@ class LoggingConfig:
     # what the engines (vLLM, DeepSpeed, Ray workers) may print on the console; everything from info up (debug too
     # when asked) goes to logging.dir/run.log
     engine_level: LogLevel = LogLevel.warning
+    # a fresh run refuses a dir holding another run's checkpoints; true: deletes them and its event files first
+    overwrite: bool = False
 
 
 @dataclass

@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
+from typing import Any
 
 BUILTIN = {"ngram": "drafters.ngram.NgramDrafter", "draft_lm": "drafters.draft_lm.DraftLM",
            "suffix": "drafters.suffix.SuffixDrafter", "fastest_of_n": "drafters.fastest_of_n.FastestOfN"}
@@ -53,6 +54,12 @@ class Drafter(ABC):
     @abstractmethod
     def remove(self, request_id: str) -> None:
         """The request finished or was aborted; drop its state."""
+
+    def swap_weights(self, weights: list[tuple[str, Any]]) -> bool:
+        """Optional: a drafter with weights of its own (a draft LM) takes a new version of them, named as its
+        Hugging Face checkpoint names them, between two engine steps; True if it took them. No trajectory
+        changes whatever the weights are (the verifier decides), only how many drafts are accepted."""
+        return False
 
     def sources(self) -> list[str] | None:
         """Optional: for the last `propose` call, the name of what drafted each request (a composite drafter's

@@ -171,6 +171,16 @@ class DraftLM(Drafter):
     def commit(self, request_id: str, committed: list[int]) -> None:
         pass  # the next proposal rolls the slot back to the longest prefix it shares with the history
 
+    @torch.inference_mode()
+    def swap_weights(self, weights: list[tuple[str, torch.Tensor]]) -> bool:
+        """New weights in place (every tensor of the model, checkpoint names); the slot caches, computed by the old
+        weights, are refilled from each request's history at its next proposal."""
+        self.model.load_state_dict(dict(weights), strict=True)
+        for state in self.states.values():
+            state.fed.clear()
+            state.verified = 0
+        return True
+
     def remove(self, request_id: str) -> None:
         state = self.states.pop(request_id, None)
         if state is not None:

@@ -73,6 +73,10 @@ class FastestOfN(Drafter):
             scores[m] = self.decay * scores[m] + (1 - self.decay) * agreed
             self.average[m] = 0.98 * self.average[m] + 0.02 * agreed
 
+    def swap_weights(self, weights) -> bool:
+        """To every member with weights of its own (the draft LM): true if one took them."""
+        return any([member.swap_weights(weights) for member in self.members])
+
     def remove(self, request_id: str) -> None:
         for member in self.members:
             member.remove(request_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 import uuid
@@ -40,7 +41,7 @@ class Run:
         from driver.learners import LearnerGroup
         from driver.placement import nodes_of
         from driver.rollouts import RolloutPool
-        from learner.base import RUN_FILE, checkpoint_state
+        from learner.base import RUN_FILE, checkpoint_state, run_of
         from models.zoo import resolve
         from tasks.schedule import CursorPlan
         from transport.auth import keypair
@@ -55,6 +56,10 @@ class Run:
         # a run's checkpoints carry its id, and the directory names the run that writes it: resuming from it never
         # picks up checkpoints an earlier run left there (a resumed run keeps the id of the run it continues)
         self.run_id = state.get("run_id") or uuid.uuid4().hex
+        if cfg.logging.overwrite and run_of(self.dir) not in (None, self.run_id):  # checked at load: asked for
+            shutil.rmtree(self.dir / "checkpoints", ignore_errors=True)
+            for old in [*self.dir.glob("events.out.tfevents.*"), self.dir / "summary.json"]:
+                old.unlink(missing_ok=True)
         (self.dir / RUN_FILE).write_text(json.dumps({"run_id": self.run_id}))
         self.first_step = state["version"]
         plan = CursorPlan(state["data_cursor"], cfg.rollout.num_actors, cfg.rollout.prompts_per_step)

@@ -50,6 +50,14 @@ def manifest(checkpoint: Path) -> dict | None:
     return listed if whole else None
 
 
+def run_of(directory: Path) -> str | None:
+    """The id of the run that last wrote run directory `directory` (None: none did, or its run.json is unreadable)."""
+    try:
+        return json.loads((directory / RUN_FILE).read_text())["run_id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def find_checkpoint(path: str) -> Path:
     """`path` is a checkpoint or a run directory (then its newest complete checkpoints/step_N of the run that last
     wrote it)."""
@@ -59,10 +67,7 @@ def find_checkpoint(path: str) -> Path:
             raise FileNotFoundError(f"{root}: an incomplete checkpoint (its {MANIFEST} is missing or lists files "
                                     "that are not there whole)")
         return root
-    try:
-        run_id = json.loads((root / RUN_FILE).read_text())["run_id"]
-    except (OSError, ValueError, KeyError):
-        run_id = None
+    run_id = run_of(root)
     steps = sorted((p for p in root.glob("checkpoints/step_*") if p.name.split("_")[1].isdigit()),
                    key=lambda p: int(p.name.split("_")[1]), reverse=True)
     for step in steps:

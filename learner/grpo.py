@@ -1,10 +1,35 @@
-"""GRPO-family losses: group-normalised advantages and a clipped ratio against behaviour logprobs."""
+"""GRPO-family losses: group-normalised advantages and a clipped ratio against behaviour logprobs, over
+trajectories packed as the model reads them (`Packed`)."""
 
 from __future__ import annotations
 
 import torch
 
 from configs.schema import LossAggregation
+from transport.messages import Trajectory
+
+
+class Packed:
+    """A micro-batch of trajectories as tensors: `ids`/`attention` [B, W] (prompt + response, right-padded);
+    per response token [B, T]: `targets` (its id), `behaviour` (its rollout logprob), `mask` (1 on real tokens),
+    and `index`, the position whose logits predict it (prompt length + j - 1)."""
+
+    def __init__(self, batch: list[Trajectory]):
+        width = max(len(t.prompt_ids) + len(t.response_ids) for t in batch)
+        resp_width = max(len(t.response_ids) for t in batch)
+        self.ids = torch.zeros(len(batch), width, dtype=torch.long)
+        self.attention = torch.zeros(len(batch), width, dtype=torch.long)
+        self.targets = torch.zeros(len(batch), resp_width, dtype=torch.long)
+        self.behaviour = torch.zeros(len(batch), resp_width)
+        self.mask = torch.zeros(len(batch), resp_width)
+        for row, t in enumerate(batch):
+            seq = t.prompt_ids + t.response_ids
+            self.ids[row, : len(seq)] = torch.tensor(seq)
+            self.attention[row, : len(seq)] = 1
+            self.targets[row, : len(t.response_ids)] = torch.tensor(t.response_ids)
+            self.behaviour[row, : len(t.response_ids)] = torch.tensor(t.behaviour_logprobs)
+            self.mask[row, : len(t.response_ids)] = 1
+        self.index = torch.stack([torch.arange(resp_width) + len(t.prompt_ids) - 1 for t in batch]).clamp(max=width - 1)
 
 
 def group_advantages(rewards: torch.Tensor, normalize_std: bool, eps: float = 1e-6) -> torch.Tensor:

@@ -50,14 +50,16 @@ class Intake:
         self.trained_groups = [1 << 62, -1]  # lowest and highest group id trained on by this process
         self.next_seq: dict[int, int] = {}  # actor -> the sequence number expected next from its newest incarnation
         self.gapped: set[int] = set()  # actors with lost messages whose groups are not re-issued yet
-        self.apply_seconds: dict[int, float] = {}  # actor -> its slowest acknowledged weight apply since the last take
+        # (model, actor) -> the actor's slowest acknowledged apply of `model`'s weights since the last take
+        self.apply_seconds: dict[tuple[str, int], float] = {}
 
     def take(self, message: Trajectory | WeightAck | Heartbeat, version: int) -> list[Trajectory] | None:
         """A whole, fresh-enough group (sorted by sample index) when `message` completes one; else None."""
         if isinstance(message, WeightAck):
-            if 0 <= message.actor_id < self.plan.num_actors and math.isfinite(message.apply_seconds):
-                slowest = self.apply_seconds.get(message.actor_id, 0.0)
-                self.apply_seconds[message.actor_id] = max(slowest, message.apply_seconds)
+            key = (message.model, message.actor_id)
+            if 0 <= message.actor_id < self.plan.num_actors and math.isfinite(message.apply_seconds) \
+                    and message.model in ("policy", "draft"):
+                self.apply_seconds[key] = max(self.apply_seconds.get(key, 0.0), message.apply_seconds)
             return None
         if isinstance(message, Heartbeat):
             if self._advance(message.actor_id, message.seq, arrived=0):  # its last trajectories never came
@@ -141,8 +143,9 @@ class Intake:
         gapped, self.gapped = self.gapped, set()
         return {actor: self.reissue(actor) for actor in sorted(gapped)}
 
-    def take_apply_seconds(self) -> list[float]:
-        taken, self.apply_seconds = list(self.apply_seconds.values()), {}
+    def take_apply_seconds(self, model: str = "policy") -> list[float]:
+        taken = [seconds for (m, _), seconds in self.apply_seconds.items() if m == model]
+        self.apply_seconds = {key: seconds for key, seconds in self.apply_seconds.items() if key[0] != model}
         return taken
 
     def reissue(self, actor: int) -> int:

@@ -11,7 +11,6 @@ import os
 import socket
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 import msgspec
@@ -20,8 +19,10 @@ from omegaconf import DictConfig
 
 from configs.schema import Dtype
 from learner.base import checkpoint_state, partial, seal_checkpoint, staleness
-from learner.grpo import group_advantages, policy_loss
+from learner.distill import DraftDistiller
+from learner.grpo import Packed, group_advantages, policy_loss
 from learner.intake import Intake
+from learner.metrics import rollout_metrics
 from models.zoo import copy_tokenizer
 from sampling.coupled import processed_logprobs
 from tasks.schedule import CursorPlan
@@ -66,17 +67,22 @@ class Learner:
         the weight publisher (transport/auth.py)."""
         self.cfg, self.policy_dir, self.reference_dir = cfg, policy_dir, reference_dir
         self.rank, self.world, self.micro = rank, cfg.learner.num_ranks, cfg.learner.micro_batch_size
+        self.distiller: DraftDistiller | None = None  # rank 0, when the draft LM is distilled
         if rank == 0:
             self.gate = None if keys is None else Gate(keys)
             self.inbox = Inbox(cfg.transport.host, cfg.transport.max_message_mib << 20, cfg.transport.trajectory_queue,
                                accepts=Trajectory | WeightAck | Heartbeat, gate=self.gate)  # a weight bucket: dropped
+            # the draft LM distilled beside the policy, published on the same channel (learner/distill.py)
+            self.distiller = DraftDistiller(cfg) if cfg.speculation.distill.every_versions > 0 else None
+            draft_tensors = len(self.distiller.model.state_dict()) + 1 if self.distiller else 0
             # a subscriber that stops reading holds up at most two versions here (a bucket holds >= 1 tensor)
             self.publisher = WeightPublisher(cfg.transport.host, gate=self.gate,
-                                             queued_buckets=2 * (tensor_count(policy_dir) + 1))
+                                             queued_buckets=2 * (tensor_count(policy_dir) + 1 + draft_tensors))
             vocab = json.loads((Path(policy_dir) / "config.json").read_text())["vocab_size"]
             self.intake = Intake(cfg.rollout.group_size, cfg.algorithm.max_staleness, plan, vocab,
                                  cfg.model.max_model_len)
         self.published: list | None = None  # rank 0: the newest weight buckets sent, for a replacement actor
+        self.draft_published: list | None = None  # rank 0: the same for the draft LM, when distilled
         self.version = 0
         self.skipped_steps = 0  # optimizer steps not taken: their gradient was not finite
         self.groups: list[list[Trajectory]] = []  # rank 0: what `collect` gathered for the next `train`
@@ -192,10 +198,6 @@ class Learner:
         if self.rank != 0:
             return {}
         loss, clip, entropy, kl, batches, grad_norm = sums.tolist()
-        lengths = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.float32)
-        verify_steps = sum(t.verify_steps for t in trajectories)
-        drafted = sum(t.draft_tokens for t in trajectories)
-        accepted = sum(t.accepted_tokens for t in trajectories)
         metrics = {
             "rl/reward_mean": rewards.mean().item(),
             "rl/loss": loss / batches,
@@ -208,33 +210,12 @@ class Learner:
             "rl/lr": lr,
             "rl/staleness_max": max(staleness(t.policy_versions, self.version - 1) for t in trajectories),
             "rl/train_seconds": time.time() - start,
-            "rollout/trajectories": float(len(trajectories)),
-            "rollout/tokens": lengths.sum().item(),
-            "rollout/response_length": lengths.mean().item(),
-            "rollout/response_length_max": lengths.max().item(),
-            "rollout/response_length_p50": lengths.quantile(0.5).item(),
-            "rollout/response_length_p90": lengths.quantile(0.9).item(),
-            "rollout/truncated_fraction": sum(t.finish_reason == "length" for t in trajectories) / len(trajectories),
-            "rollout/generate_seconds_max": max(t.generate_seconds for t in trajectories),
-            # tokens emitted per verify step that carried drafts (1 = nothing accepted, or no drafts at all)
-            "spec/acceptance_length": (accepted + verify_steps) / verify_steps if verify_steps else 1.0,
-            "spec/draft_tokens": float(drafted),
-            "spec/accepted_tokens": float(accepted),
+            **rollout_metrics(trajectories, self.cfg.speculation.method),
         }
-        planned_steps = sum(t.planned_steps for t in trajectories)
-        if planned_steps:  # the draft planner's choices: tokens allowed per request and step, its step-cost error
-            metrics["spec/planned_tokens"] = sum(t.planned_tokens for t in trajectories) / planned_steps
-            metrics["spec/planner_cost_error"] = sum(t.cost_error for t in trajectories) / planned_steps
-        choices = sum((Counter(t.drafter_choices) for t in trajectories), Counter())
-        for source, n in choices.items():  # which member of a composite drafter drafted, as shares of draft steps
-            metrics[f"spec/choice/{source.rsplit('.', 1)[-1]}"] = n / sum(choices.values())
-        if self.cfg.speculation.method != "none":  # per drafter, so drafters can be compared across runs
-            name = self.cfg.speculation.method.rsplit(".", 1)[-1]
-            metrics.update({f"spec/{name}/acceptance_length": metrics["spec/acceptance_length"],
-                            f"spec/{name}/draft_tokens": float(drafted), f"spec/{name}/accepted_tokens": float(accepted),
-                            f"spec/{name}/draft_seconds": sum(t.draft_seconds for t in trajectories)})
         if algo.kl_coef > 0:
             metrics["rl/kl"] = kl / batches
+        if self.distiller is not None:
+            metrics.update(self.distiller.step(self.version))
         with self.lock:
             summary = self.intake.summary()
         metrics["rollout/dropped_stale"] = float(summary["dropped_stale"])
@@ -257,22 +238,8 @@ class Learner:
         return msgspec.msgpack.decode(payload.cpu().numpy().tobytes(), type=list[list[Trajectory]])
 
     def micro_batch_loss(self, batch: list[Trajectory], advantages: torch.Tensor):
-        width = max(len(t.prompt_ids) + len(t.response_ids) for t in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        attention = torch.zeros(len(batch), width, dtype=torch.long)
-        resp_width = max(len(t.response_ids) for t in batch)
-        targets = torch.zeros(len(batch), resp_width, dtype=torch.long)
-        behaviour = torch.zeros(len(batch), resp_width)
-        mask = torch.zeros(len(batch), resp_width)
-        for row, t in enumerate(batch):
-            seq = t.prompt_ids + t.response_ids
-            ids[row, : len(seq)] = torch.tensor(seq)
-            attention[row, : len(seq)] = 1
-            targets[row, : len(t.response_ids)] = torch.tensor(t.response_ids)
-            behaviour[row, : len(t.response_ids)] = torch.tensor(t.behaviour_logprobs)
-            mask[row, : len(t.response_ids)] = 1
-        # the logit row predicting response token j of row r sits at prompt_len + j - 1
-        index = torch.stack([torch.arange(resp_width) + len(t.prompt_ids) - 1 for t in batch]).clamp(max=width - 1)
+        packed = Packed(batch)
+        ids, attention, index, targets, mask = packed.ids, packed.attention, packed.index, packed.targets, packed.mask
 
         def response_logprobs(model) -> torch.Tensor:  # [B, T, vocab], the distribution the actor sampled
             logits = model(input_ids=ids, attention_mask=attention).logits
@@ -281,13 +248,15 @@ class Learner:
             return processed_logprobs(rows, r.temperature, r.top_k, r.top_p)
 
         full = response_logprobs(self.engine)
+        if self.distiller is not None:  # rank 0: the policy's distributions teach the draft LM
+            self.distiller.observe(batch, packed, full)
         logprobs = full.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         reference = None
         if self.reference is not None:
             with torch.no_grad():
                 reference = response_logprobs(self.reference).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         algo = self.cfg.algorithm
-        loss, stats = policy_loss(logprobs, behaviour, advantages, mask, algo.clip_low, algo.clip_high,
+        loss, stats = policy_loss(logprobs, packed.behaviour, advantages, mask, algo.clip_low, algo.clip_high,
                                   algo.loss_aggregation, self.cfg.rollout.max_tokens, reference, algo.kl_coef)
         with torch.no_grad():  # mean entropy of the sampled distribution over the trained tokens
             entropy = torch.special.entr(full.detach().exp()).sum(-1)
@@ -332,10 +301,15 @@ class Learner:
         named = revert_weight_conversion(self.engine.module, state).items()
         self.published = pack_buckets(iter(named), self.cfg.transport.weight_bucket_mib << 20)
         sent = self.publisher.publish(self.version, self.published)
-        with self.lock:
-            applied = self.intake.take_apply_seconds()  # the actors' acknowledgements of earlier versions
+        draft = self.distiller.take_outgoing() if self.distiller is not None else None
+        if draft is not None:
+            self.draft_published = pack_buckets(iter(draft), self.cfg.transport.weight_bucket_mib << 20)
+            sent += self.publisher.publish(self.distiller.version, self.draft_published, model="draft")
+        with self.lock:  # the actors' acknowledgements of earlier versions
+            applied, swapped = self.intake.take_apply_seconds(), self.intake.take_apply_seconds("draft")
         return {"sync/weight_seconds": time.time() - start, "sync/weight_bytes": float(sent),
-                **({"sync/apply_seconds_max": max(applied)} if applied else {})}
+                **({"sync/apply_seconds_max": max(applied)} if applied else {}),
+                **({"draft/swap_seconds": max(swapped)} if swapped else {})}
 
     def republish(self) -> int:
         """Rank 0: sends the newest weights again (a replacement actor joined); returns their version. Before the
@@ -343,6 +317,8 @@ class Learner:
         with self.lock:
             if self.published is not None:
                 self.publisher.publish(self.version, self.published)
+            if self.draft_published is not None:
+                self.publisher.publish(self.distiller.version, self.draft_published, model="draft")
             return self.version
 
     def save_pretrained(self, path: str) -> None:

@@ -20,6 +20,14 @@ GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (vLLM's _SAMPLING
 PLACEHOLDER = -1  # vLLM's padding for rejected positions in a verify output
 
 
+SEED_STRIDE = 1_000_003  # runs with seeds s and s + 1 share no request seed for their first ~10^6 samples
+
+
+def group_seed(run_seed: int, cursor: int, group_size: int) -> int:
+    """Sample `i` of the group for data cursor `cursor` samples with seed `group_seed(...) + i`."""
+    return run_seed * SEED_STRIDE + cursor * group_size
+
+
 def _signed(c: int) -> int:
     return c - (1 << 64) if c >= 1 << 63 else c
 

@@ -47,9 +47,10 @@ def test_every_end_to_end_system_is_a_valid_run_config():
     from bench.e2e import PRESETS, SYSTEMS
     from configs.load import load_config
 
-    assert list(SYSTEMS) == ["sync", "async", "frozen", "fastest_of_n"]  # the order, distilled missing
+    assert list(SYSTEMS) == ["sync", "async", "frozen", "distilled", "fastest_of_n"]  # the order
     for preset in PRESETS.values():
         for name, overrides in SYSTEMS.items():
             cfg = load_config("grpo_tiny", [*preset["overrides"], *overrides])
             assert (cfg.algorithm.max_staleness == 0) == (name == "sync")
             assert (cfg.speculation.method == "none") == (name in ("sync", "async"))
+            assert (cfg.speculation.distill.every_versions > 0) == (name in ("distilled", "fastest_of_n"))

@@ -76,6 +76,12 @@ def test_a_resumed_run_continues_step_counter_data_cursor_and_logs(tmp_path):
     # the warmup goes on where it stopped (lr x (step + 1) / (warmup + 1)), under the resumed run's learner.lr
     assert [e.value for e in events.Scalars("rl/lr")] == pytest.approx([5e-4 * 3 / 11, 5e-4 * 4 / 11])
     assert (second / "checkpoints" / "step_4" / "state.json").is_file()
+    # a fresh run told to overwrite `second` (the embedded default is): the old run's checkpoints and events go
+    assert launch.main(["--config", "grpo_tiny", "trainer.steps=1", f"logging.dir={second}", *SMALL,
+                        "logging.overwrite=true"]) == 0
+    assert sorted(p.name for p in (second / "checkpoints").iterdir()) == ["step_1"]
+    assert json.loads((second / "run.json").read_text()) != json.loads((first / "run.json").read_text())
+    assert [e.step for e in EventAccumulator(str(second)).Reload().Scalars("rl/reward_mean")] == [0]
 
 
 def test_a_dead_rollout_actor_is_replaced_and_its_work_reissued(tmp_path):

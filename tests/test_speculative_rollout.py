@@ -91,3 +91,45 @@ def test_no_silent_fallback_to_vllms_own_sampler(monkeypatch):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # V2 has no _sample to hook: refused before any engine starts
     with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER must be 0"):
         make_engine(cfg, model)
+
+
+def test_a_draft_lm_swapped_mid_rollout_leaves_every_trajectory_unchanged(plain):
+    """New draft LM weights (here: the draft's own, perturbed, then zeroed) swapped in between engine steps while
+    requests are in flight: the drafts change, the tokens do not."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs.engine import tokens_input
+
+    from actor.vllm_hooks import swap_draft_weights
+
+    cfg = load_config("grpo_tiny", ["speculation.method=draft_lm", "speculation.num_speculative_tokens=4"])
+    llm = make_engine(cfg, resolve("builtin:dense"))
+    try:
+        engine, tokenizer, task = llm.llm_engine, llm.get_tokenizer(), ArithmeticTask(seed=3)
+        for s, (temperature, top_p) in enumerate(SETTINGS):
+            for i in range(PROMPTS):
+                ids = tokenizer(task[i].prompt, add_special_tokens=False).input_ids
+                engine.add_request(f"{s}-{i}", tokens_input(ids), SamplingParams(
+                    seed=100 * s + i, temperature=temperature, top_p=top_p, max_tokens=160, logprobs=0))
+        from transformers import AutoModelForCausalLM
+
+        state = AutoModelForCausalLM.from_pretrained(str(resolve("builtin:draft"))).state_dict()
+        generator = torch.Generator().manual_seed(0)
+        versions = [[(n, t + 0.05 * torch.randn(t.shape, generator=generator)) for n, t in state.items()],
+                    [(n, torch.zeros_like(t)) for n, t in state.items()]]
+        done, steps = {}, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+            steps += 1
+            if steps in (5, 15):  # mid-rollout: every request is still running
+                assert llm.collective_rpc(swap_draft_weights, args=(versions.pop(0),)) == [True]
+        stats = llm.collective_rpc(take_spec_counts, args=(list(done),))[0]
+    finally:
+        close_engine(llm)
+    assert not versions and steps > 15
+    for s in range(len(SETTINGS)):
+        for i in range(PROMPTS):
+            assert done[f"{s}-{i}"] == plain[s * PROMPTS + i][0], f"request {s}-{i} changed after a draft swap"
+    assert sum(c.accepted_tokens for c in stats.values()) > 0

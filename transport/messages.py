@@ -51,10 +51,11 @@ class WeightBucket(msgspec.Struct, tag="weights", frozen=True):
     """Header of one size-bounded bucket of a weight update; tensors follow as separate frames."""
 
     schema: int
-    version: int  # the policy version these weights are
+    version: int  # the version of `model` these weights are
     bucket: int
     num_buckets: int
     tensors: list[TensorSpec]
+    model: str = "policy"  # or "draft": a version of the draft LM (learner/distill.py), numbered on its own
 
 
 class WeightAck(msgspec.Struct, tag="weight_ack", frozen=True):
@@ -62,6 +63,7 @@ class WeightAck(msgspec.Struct, tag="weight_ack", frozen=True):
     actor_id: int
     version: int
     apply_seconds: float
+    model: str = "policy"  # which weights were applied ("policy" or "draft")
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):

@@ -6,8 +6,9 @@
   logged once per (sender, reason), and dropped; the socket keeps serving good messages.
 - `Outbox`: a PUSH socket with a bounded send queue (`hwm`): when the receiver falls behind, `send` blocks,
   which is the back-pressure on rollout actors.
-- `WeightPublisher` / `WeightSubscriber`: PUB/SUB for weight updates. Each bucket is one multipart message:
-  a `WeightBucket` header, then one zero-copy frame per tensor.
+- `WeightPublisher` / `WeightSubscriber`: PUB/SUB for weight updates, the policy's and the distilled draft LM's
+  (each versioned on its own). Each bucket is one multipart message: a `WeightBucket` header, then one zero-copy
+  frame per tensor.
 
 Servers (`Inbox`, `WeightPublisher`) given a `transport.auth.Gate` and clients given `ClientKeys` speak CURVE:
 authenticated and encrypted, and a gated inbox takes a message's sender from its key, not from its first frame.
@@ -177,12 +178,12 @@ class WeightPublisher:
         port = self.socket.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{dialable(host)}:{port}"
 
-    def publish(self, version: int, buckets: list[list[tuple[str, torch.Tensor]]]) -> int:
-        """Sends each bucket once to every subscriber; returns the bytes sent."""
+    def publish(self, version: int, buckets: list[list[tuple[str, torch.Tensor]]], model: str = "policy") -> int:
+        """Sends each bucket of `model`'s weights once to every subscriber; returns the bytes sent."""
         sent = 0
         for index, bucket in enumerate(buckets):
             specs = [TensorSpec(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in bucket]
-            header = WeightBucket(SCHEMA_VERSION, version, index, len(buckets), specs)
+            header = WeightBucket(SCHEMA_VERSION, version, index, len(buckets), specs, model)
             frames = [_encoder.encode(header)] + [t.view(torch.uint8).reshape(-1).numpy() for _, t in bucket]
             self.socket.send_multipart(frames, copy=False)
             sent += sum(t.numel() * t.element_size() for _, t in bucket)
@@ -193,7 +194,8 @@ class WeightPublisher:
 
 
 MAX_BUCKETS = 1 << 20  # a version of more buckets than this is not one a learner sent
-MAX_PENDING_VERSIONS = 4  # partial versions a subscriber assembles at once
+MAX_PENDING_VERSIONS = 4  # partial versions a subscriber assembles at once, per model
+MODELS = ("policy", "draft")  # the weights a publisher sends: the policy, and the draft LM it distils
 DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16", "float64", "int64", "int32",
                                                   "int8", "uint8", "bool")}  # what a weight bucket may carry
 
@@ -222,12 +224,22 @@ class WeightSubscriber:
         self.socket.setsockopt(zmq.SUBSCRIBE, b"")
         self.socket.connect(endpoint)
         self._decoder = msgspec.msgpack.Decoder(WeightBucket)
-        self._pending: dict[int, dict[int, list[tuple[str, torch.Tensor]]]] = {}
+        # per model: partial versions being assembled, and the newest complete one not yet taken
+        self._pending: dict[str, dict[int, dict[int, list[tuple[str, torch.Tensor]]]]] = {m: {} for m in MODELS}
+        self._complete: dict[str, tuple[int, list[tuple[str, torch.Tensor]]]] = {}
         self.dropped = 0
 
     def poll(self, timeout_ms: int = 0) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
-        """The newest complete weight version received so far, or None. Older partial versions are discarded."""
-        complete = None
+        """The newest complete policy version received so far, or None. Older partial versions are discarded;
+        draft LM versions received meanwhile wait for `take_draft`."""
+        self._receive(timeout_ms)
+        return self._complete.pop("policy", None)
+
+    def take_draft(self) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
+        """The newest complete draft LM version received by the last `poll`, or None."""
+        return self._complete.pop("draft", None)
+
+    def _receive(self, timeout_ms: int) -> None:
         while self.socket.poll(timeout_ms):
             timeout_ms = 0
             frames = self.socket.recv_multipart(copy=False)
@@ -235,21 +247,23 @@ class WeightSubscriber:
                 header = self._decoder.decode(frames[0].buffer)
                 if header.schema != SCHEMA_VERSION or len(frames) != len(header.tensors) + 1:
                     raise ValueError(f"schema {header.schema}, {len(frames) - 1} tensor frames")
-                if not 0 <= header.bucket < header.num_buckets <= MAX_BUCKETS or header.version < 0:
-                    raise ValueError(f"bucket {header.bucket} of {header.num_buckets}, version {header.version}")
+                if not 0 <= header.bucket < header.num_buckets <= MAX_BUCKETS or header.version < 0 \
+                        or header.model not in MODELS:
+                    raise ValueError(f"bucket {header.bucket} of {header.num_buckets}, version {header.version} of "
+                                     f"{header.model!r}")
                 tensors = [(spec.name, _tensor(spec, frame.buffer)) for spec, frame in zip(header.tensors, frames[1:])]
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
                 self.dropped += 1
                 log.warning("dropped a malformed weight bucket: %s", e)
                 continue
-            buckets = self._pending.setdefault(header.version, {})
+            pending = self._pending[header.model]
+            buckets = pending.setdefault(header.version, {})
             buckets[header.bucket] = tensors
-            while len(self._pending) > MAX_PENDING_VERSIONS:  # bounded: a peer could start endless versions
-                del self._pending[min(self._pending)]
+            while len(pending) > MAX_PENDING_VERSIONS:  # bounded: a peer could start endless versions
+                del pending[min(pending)]
             if len(buckets) == header.num_buckets:
-                complete = (header.version, [t for i in sorted(buckets) for t in buckets[i]])
-                self._pending = {v: b for v, b in self._pending.items() if v > header.version}
-        return complete
+                self._complete[header.model] = (header.version, [t for i in sorted(buckets) for t in buckets[i]])
+                self._pending[header.model] = {v: b for v, b in pending.items() if v > header.version}
 
     def close(self) -> None:
         self.socket.close(0)

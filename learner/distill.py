@@ -1,0 +1,161 @@
+"""Online distillation of the draft LM (`speculation.distill`), on learner rank 0, beside the policy's step.
+
+Where: the soft targets are the policy's distributions at the rollout temperature, which the GRPO step has just
+computed for every trained token; a separate trainer process would need them shipped ([tokens, top-k] per step)
+or recomputed (a second policy forward), and the draft LM is a few percent of the policy, so its step costs rank 0
+little. Rank 0 distils on its share of the step's trajectories (all of them with one rank).
+
+What: per trained token, the forward KL from the policy's top-k distribution (renormalised) to the draft's at the
+rollout temperature, weighted `1 + wrong_weight` where the draft would have proposed another token than the one
+the verifier committed. Which token it would have proposed is known exactly: drafts use the coupled sampler's
+noise (the trajectory's seed, the output position), a draft is accepted iff it equals the committed token, and a
+draft after accepted ones is conditioned on the committed prefix, so one teacher-forced forward replays what the
+drafter proposes at every position. Walking a response in verify steps of `num_speculative_tokens` drafts
+(accepted run + 1 token each) gives its *replayed acceptance length*, the number the actors would measure.
+
+When it publishes: every `every_versions` policy versions the trained candidate and the drafter the actors run are
+both replayed on the step's trajectories, before the candidate learns from them; the candidate goes out as the
+next draft version (model `draft` on the weight channel, `transport/`) only if it does at least as well. A replayed
+acceptance near 1 (the drafter agrees with nothing: weights zeroed, a wrong tokenizer) raises `draft/alarm`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+
+import torch
+from omegaconf import DictConfig
+
+from learner.grpo import Packed
+from sampling.coupled import coupled_sample, group_seed
+from transport.messages import Trajectory
+
+log = logging.getLogger(__name__)
+ALARM_BELOW = 1.05  # replayed acceptance length under which the published drafter is reported as broken
+
+
+def draft_model(spec: DictConfig) -> str:
+    """The draft LM the actors run under `spec` (speculation): what distillation trains."""
+    options = spec.options.get("draft_lm", {}) if spec.method == "fastest_of_n" else spec.options
+    return options.get("model", "builtin:draft")
+
+
+def acceptance_walk(match: list[bool], k: int) -> int:
+    """Verify steps that decoding `len(match)` tokens takes when each step drafts `k` tokens from the current
+    position and `match[j]` says whether the draft for position j equals the committed token."""
+    run, runs = 0, [0] * len(match)
+    for j in range(len(match) - 1, -1, -1):  # run[j]: consecutive matches from j on
+        run = run + 1 if match[j] else 0
+        runs[j] = run
+    steps, position = 0, 0
+    while position < len(match):
+        position += min(runs[position], k) + 1
+        steps += 1
+    return steps
+
+
+class Batch:
+    """One micro-batch of the policy's step (`Packed`), its policy top-k targets and its sampling seeds."""
+
+    def __init__(self, trajectories: list[Trajectory], packed: Packed, teacher: torch.Tensor, top_k: int,
+                 run_seed: int):
+        self.packed = packed
+        values, self.classes = teacher.topk(min(top_k, teacher.shape[-1]), dim=-1)
+        self.probs = values.softmax(-1)  # the policy's top-k, renormalised (-inf outside top-k/top-p: 0)
+        self.seeds = torch.tensor([group_seed(run_seed, t.group_id, t.group_size) + t.sample_index
+                                   for t in trajectories])
+        self.lengths = [len(t.response_ids) for t in trajectories]
+
+
+class DraftDistiller:
+    def __init__(self, cfg: DictConfig):
+        from transformers import AutoModelForCausalLM
+
+        from models.zoo import resolve
+
+        self.cfg, d = cfg, cfg.speculation.distill
+        self.model = AutoModelForCausalLM.from_pretrained(str(resolve(draft_model(cfg.speculation))),
+                                                          dtype=torch.float32)
+        self.running = copy.deepcopy(self.model).eval().requires_grad_(False)  # what the actors draft with
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=d.lr)
+        self.version = 0  # of the running drafter (0: the one the actors started with)
+        self.batches: list[Batch] = []
+        self.outgoing: list[tuple[str, torch.Tensor]] | None = None  # a draft version to publish
+        self.rejected = 0
+        self.learned = False  # the candidate has trained since it was made
+
+    def observe(self, trajectories: list[Trajectory], packed: Packed, teacher: torch.Tensor) -> None:
+        """One micro-batch of the policy's step: `teacher` [B, T, vocab] the policy's processed logprobs."""
+        self.batches.append(Batch(trajectories, packed, teacher.detach(), self.cfg.speculation.distill.top_k,
+                                  self.cfg.seed))
+
+    def _rows(self, model, batch: Batch) -> torch.Tensor:
+        p = batch.packed
+        logits = model(input_ids=p.ids, attention_mask=p.attention).logits
+        return logits.gather(1, p.index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [B, T, vocab]
+
+    def _drafts(self, rows: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """[B, T] the token the drafter proposes at each response position (coupled noise, teacher-forced)."""
+        r = self.cfg.rollout
+        b, t, v = rows.shape
+        flat = rows.detach().reshape(-1, v)
+        tokens, _ = coupled_sample(flat, batch.seeds.repeat_interleave(t), torch.arange(t).repeat(b),
+                                   torch.full((b * t,), float(r.temperature)),
+                                   torch.full((b * t,), r.top_k) if r.top_k > 0 else None,
+                                   torch.full((b * t,), float(r.top_p)) if r.top_p < 1 else None)
+        return tokens.view(b, t)
+
+    @torch.no_grad()
+    def replay(self, model) -> float:
+        """`model`'s replayed acceptance length over the observed micro-batches (tokens per verify step)."""
+        k = self.cfg.speculation.num_speculative_tokens
+        tokens = steps = 0
+        for batch in self.batches:
+            match = (self._drafts(self._rows(model, batch), batch) == batch.packed.targets).tolist()
+            for row, length in zip(match, batch.lengths):
+                tokens, steps = tokens + length, steps + acceptance_walk(row[:length], k)
+        return tokens / max(steps, 1)
+
+    def step(self, policy_version: int) -> dict[str, float]:
+        """After the policy's step: gate (when due), then one optimizer step per micro-batch; returns metrics."""
+        d, temperature = self.cfg.speculation.distill, max(float(self.cfg.rollout.temperature), 1e-3)
+        start = time.time()
+        running = self.replay(self.running)
+        metrics = {"draft/replayed_acceptance": running}
+        if policy_version % d.every_versions == 0 and self.learned:  # an untrained candidate is the running one
+            candidate = self.replay(self.model)
+            metrics["draft/candidate_acceptance"] = candidate
+            if candidate >= running:
+                self.running.load_state_dict(self.model.state_dict())
+                self.version += 1
+                self.outgoing = [(n, t.detach().clone()) for n, t in self.running.state_dict().items()]
+            else:
+                self.rejected += 1
+        if running < ALARM_BELOW:
+            log.warning("the draft LM the actors run (draft version %d) replays at acceptance %.2f: it agrees with "
+                        "almost none of the policy's tokens (broken weights?)", self.version, running)
+        self.model.train()
+        losses = []
+        for batch in self.batches:
+            rows = self._rows(self.model, batch)
+            wrong = (self._drafts(rows, batch) != batch.packed.targets).float()
+            logq = (rows / temperature).log_softmax(-1).gather(-1, batch.classes)
+            kl = (batch.probs * (batch.probs.clamp(min=1e-12).log() - logq)).sum(-1)  # [B, T]
+            weight = batch.packed.mask * (1 + d.wrong_weight * wrong)
+            loss = (kl * weight).sum() / weight.sum().clamp(min=1)
+            self.optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.optimizer.step()
+            losses.append(loss.item())
+        self.batches, self.learned = [], self.learned or bool(losses)
+        return {**metrics, "draft/loss": sum(losses) / max(len(losses), 1), "draft/version": float(self.version),
+                "draft/rejected_swaps": float(self.rejected), "draft/alarm": float(running < ALARM_BELOW),
+                "draft/train_seconds": time.time() - start}
+
+    def take_outgoing(self) -> list[tuple[str, torch.Tensor]] | None:
+        """The newest draft version's weights (checkpoint names) when one is due to be published, once."""
+        outgoing, self.outgoing = self.outgoing, None
+        return outgoing

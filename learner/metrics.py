@@ -1,0 +1,52 @@
+"""The scalars a step's trajectories carry about the rollout that made them: lengths, truncation, generation time,
+and speculation (acceptance, the draft planner's choices, a composite drafter's member shares), for TensorBoard."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+
+from transport.messages import Trajectory
+
+log = logging.getLogger(__name__)
+ALARM_DRAFTED = 100  # a step that drafted at least this many tokens and had none accepted raises spec/alarm
+
+
+def rollout_metrics(trajectories: list[Trajectory], method: str) -> dict[str, float]:
+    lengths = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.float32)
+    verify_steps = sum(t.verify_steps for t in trajectories)
+    drafted = sum(t.draft_tokens for t in trajectories)
+    accepted = sum(t.accepted_tokens for t in trajectories)
+    metrics = {
+        "rollout/trajectories": float(len(trajectories)),
+        "rollout/tokens": lengths.sum().item(),
+        "rollout/response_length": lengths.mean().item(),
+        "rollout/response_length_max": lengths.max().item(),
+        "rollout/response_length_p50": lengths.quantile(0.5).item(),
+        "rollout/response_length_p90": lengths.quantile(0.9).item(),
+        "rollout/truncated_fraction": sum(t.finish_reason == "length" for t in trajectories) / len(trajectories),
+        "rollout/generate_seconds_max": max(t.generate_seconds for t in trajectories),
+        # tokens emitted per verify step that carried drafts (1 = nothing accepted, or no drafts at all)
+        "spec/acceptance_length": (accepted + verify_steps) / verify_steps if verify_steps else 1.0,
+        "spec/draft_tokens": float(drafted),
+        "spec/accepted_tokens": float(accepted),
+    }
+    planned_steps = sum(t.planned_steps for t in trajectories)
+    if planned_steps:  # the draft planner's choices: tokens allowed per request and step, its step-cost error
+        metrics["spec/planned_tokens"] = sum(t.planned_tokens for t in trajectories) / planned_steps
+        metrics["spec/planner_cost_error"] = sum(t.cost_error for t in trajectories) / planned_steps
+    choices = sum((Counter(t.drafter_choices) for t in trajectories), Counter())
+    for source, n in choices.items():  # which member of a composite drafter drafted, as shares of draft steps
+        metrics[f"spec/choice/{source.rsplit('.', 1)[-1]}"] = n / sum(choices.values())
+    if method != "none":  # per drafter, so drafters can be compared across runs
+        name = method.rsplit(".", 1)[-1]
+        metrics.update({f"spec/{name}/acceptance_length": metrics["spec/acceptance_length"],
+                        f"spec/{name}/draft_tokens": float(drafted), f"spec/{name}/accepted_tokens": float(accepted),
+                        f"spec/{name}/draft_seconds": sum(t.draft_seconds for t in trajectories)})
+        # a drafter whose every draft is rejected (zeroed weights, another tokenizer) costs time for nothing
+        metrics["spec/alarm"] = float(drafted >= ALARM_DRAFTED and accepted == 0)
+        if metrics["spec/alarm"]:
+            log.warning("drafter %s: none of this step's %d draft tokens was accepted", name, drafted)
+    return metrics

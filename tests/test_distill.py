@@ -1,0 +1,134 @@
+"""Online distillation of the draft LM (learner/distill.py): the replay is exactly what the drafter would have
+proposed, distillation on the policy's outputs raises the draft's acceptance, the gate keeps a worse candidate
+out, and a broken running drafter raises the alarm."""
+
+import pytest
+import torch
+
+from configs.load import load_config
+from drafters.base import DraftRequest
+from drafters.draft_lm import DraftLM
+from learner.distill import DraftDistiller, acceptance_walk
+from learner.grpo import Packed
+from models.zoo import resolve
+from sampling.coupled import coupled_sample, group_seed, processed_logprobs
+from tasks.arithmetic import ArithmeticTask
+from transport.messages import SCHEMA_VERSION, Trajectory
+
+K = 4
+
+
+def config(**distill):
+    return load_config("grpo_tiny", ["speculation.method=draft_lm", f"speculation.num_speculative_tokens={K}",
+                                     *(f"speculation.distill.{k}={v}" for k, v in {"every_versions": 1,
+                                                                                    **distill}.items())])
+
+
+def trajectory(cursor: int, index: int, prompt: list[int], response: list[int]) -> Trajectory:
+    return Trajectory(SCHEMA_VERSION, 0, 0, cursor, 8, index, prompt, response, [-1.0] * len(response),
+                      [0] * len(response), 0.0, "stop", 0.0)
+
+
+def test_acceptance_walk_counts_verify_steps():
+    assert acceptance_walk([True] * 10, 4) == 2  # 4 accepted + 1, twice: 10 tokens
+    assert acceptance_walk([False] * 6, 4) == 6  # nothing accepted: one token per step
+    assert acceptance_walk([True, True, False, True, True, True, True, True], 4) == 2  # 2+1, then 4+1
+    assert acceptance_walk([], 4) == 0
+
+
+def test_replay_is_exactly_what_the_draft_lm_proposes():
+    """Teacher-forced coupled drafts equal DraftLM.propose's, position by position, whenever the drafts before
+    them were accepted (the only drafts a verify step ever looks at)."""
+    cfg = config()
+    distiller, drafter = DraftDistiller(cfg), DraftLM()
+    tokenizer_prompt = [5, 17, 30, 9, 44]
+    seed = group_seed(cfg.seed, 3, 8) + 2
+    own = drafter.propose([DraftRequest("r", seed, 0, tokenizer_prompt, temperature=1.0)], 12)[0]
+    response = list(own)
+    response[5] = (response[5] + 1) % 272  # the verifier committed another token at position 5
+    t = trajectory(3, 2, tokenizer_prompt, response)
+    distiller.observe([t], Packed([t]), torch.zeros(1, len(response), 272))
+    batch = distiller.batches[0]
+    replayed = distiller._drafts(distiller._rows(distiller.running, batch), batch)[0].tolist()
+    assert replayed[:5] == own[:5] and replayed[5] == own[5] != response[5]
+    for position in (6, 9):  # after the mismatch: drafts conditioned on the committed history
+        drafter.remove("r")
+        proposal = drafter.propose([DraftRequest("r", seed, position, tokenizer_prompt + response[:position],
+                                                 temperature=1.0)], K)[0]
+        assert proposal[0] == replayed[position]
+        agree = next((j for j, (a, b) in enumerate(zip(proposal, response[position:])) if a != b), len(proposal))
+        seen = min(agree + 1, K)  # the accepted drafts and the first rejected one
+        assert proposal[:seen] == replayed[position: position + seen]
+    steps = acceptance_walk([a == b for a, b in zip(replayed, response)], K)
+    assert distiller.replay(distiller.running) == pytest.approx(len(response) / steps)
+
+
+@pytest.fixture(scope="module")
+def policy_batches():
+    """64 responses sampled from the built-in policy with the coupled sampler (T = 1), and its distributions."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = config()
+    path = resolve("builtin:dense")
+    policy, tokenizer = AutoModelForCausalLM.from_pretrained(str(path)).eval(), AutoTokenizer.from_pretrained(str(path))
+    task, out = ArithmeticTask(seed=11), []
+    for b in range(8):
+        rows = []
+        for i in range(8):
+            prompt = tokenizer(task[8 * b + i].prompt, add_special_tokens=False).input_ids
+            seed, ids = group_seed(cfg.seed, 8 * b + i, 8), list(prompt)
+            with torch.no_grad():
+                for position in range(24):
+                    logits = policy(input_ids=torch.tensor([ids])).logits[0, -1:]
+                    token, _ = coupled_sample(logits, torch.tensor([seed]), torch.tensor([position]),
+                                              torch.tensor([1.0]))
+                    ids.append(int(token))
+            rows.append(trajectory(8 * b + i, 0, prompt, ids[len(prompt):]))
+        packed = Packed(rows)
+        with torch.no_grad():
+            logits = policy(input_ids=packed.ids, attention_mask=packed.attention).logits
+            teacher = processed_logprobs(logits.gather(1, packed.index.unsqueeze(-1).expand(-1, -1, 272)), 1.0)
+        out.append((rows, packed, teacher))
+    return out
+
+
+def test_distillation_raises_replayed_acceptance_and_the_gate_publishes_only_better(policy_batches):
+    distiller = DraftDistiller(config(lr=3e-3))
+    before = None
+    for step in range(1, 9):
+        for rows, packed, teacher in policy_batches:
+            distiller.observe(rows, packed, teacher)
+        metrics = distiller.step(step)
+        before = before or metrics["draft/replayed_acceptance"]
+        outgoing = distiller.take_outgoing()
+        gated = step > 1  # the first step has no trained candidate to compare yet
+        assert ("draft/candidate_acceptance" in metrics) == gated
+        assert (outgoing is not None) == (gated and metrics["draft/candidate_acceptance"]
+                                          >= metrics["draft/replayed_acceptance"])
+        if outgoing is not None:  # what goes out is the running drafter, every tensor under its checkpoint name
+            running = distiller.running.state_dict()
+            assert all(torch.equal(t, running[n]) for n, t in outgoing) and len(outgoing) == len(running)
+    assert distiller.version >= 1 and metrics["draft/alarm"] == 0.0
+    for rows, packed, teacher in policy_batches:
+        distiller.observe(rows, packed, teacher)
+    after = distiller.replay(distiller.running)
+    assert after > before * 1.05, f"replayed acceptance {before:.3f} -> {after:.3f}"
+
+
+def test_a_worse_candidate_is_kept_out_and_a_broken_drafter_raises_the_alarm(policy_batches):
+    distiller = DraftDistiller(config(lr=1e-9))
+    for rows, packed, teacher in policy_batches:
+        distiller.observe(rows, packed, teacher)
+    distiller.step(1)  # a first step trains the candidate (by nothing, at this learning rate)
+    with torch.no_grad():
+        for p in distiller.model.parameters():
+            p.zero_()  # the candidate: zeroed weights, the failure peers shipped silently
+    for rows, packed, teacher in policy_batches:
+        distiller.observe(rows, packed, teacher)
+    metrics = distiller.step(2)
+    assert metrics["draft/candidate_acceptance"] < metrics["draft/replayed_acceptance"]
+    assert distiller.take_outgoing() is None and distiller.version == 0 and metrics["draft/rejected_swaps"] == 1
+    distiller.running.load_state_dict(distiller.model.state_dict())  # had it gone out: the alarm
+    for rows, packed, teacher in policy_batches:
+        distiller.observe(rows, packed, teacher)
+    assert distiller.step(3)["draft/alarm"] == 1.0
