@@ -13,6 +13,9 @@ draft after accepted ones is conditioned on the committed prefix, so one teacher
 drafter proposes at every position. Walking a response in verify steps of `num_speculative_tokens` drafts
 (accepted run + 1 token each) gives its *replayed acceptance length*, the number the actors would measure.
 
+It runs in a thread of its own on rank 0, beside the learner's next collect (rank 0 mostly waits there for
+rollouts), so it is off the step's critical path; its scalars come one step late.
+
 When it publishes: every `every_versions` policy versions the trained candidate and the drafter the actors run are
 both replayed on the step's trajectories, before the candidate learns from them; the candidate goes out as the
 next draft version (model `draft` on the weight channel, `transport/`) only if it does at least as well. A replayed
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 import time
 
 import torch
@@ -85,6 +89,9 @@ class DraftDistiller:
         self.outgoing: list[tuple[str, torch.Tensor]] | None = None  # a draft version to publish
         self.rejected = 0
         self.learned = False  # the candidate has trained since it was made
+        self.thread: threading.Thread | None = None  # the distillation of the last step, while it runs
+        self.finished: list[dict[str, float]] = []  # its metrics, once done
+        self.lock = threading.Lock()  # version and outgoing: set by that thread, taken by publish
 
     def observe(self, trajectories: list[Trajectory], packed: Packed, teacher: torch.Tensor) -> None:
         """One micro-batch of the policy's step: `teacher` [B, T, vocab] the policy's processed logprobs."""
@@ -108,29 +115,51 @@ class DraftDistiller:
         return tokens.view(b, t)
 
     @torch.no_grad()
-    def replay(self, model) -> float:
-        """`model`'s replayed acceptance length over the observed micro-batches (tokens per verify step)."""
+    def replay(self, model, batches: list[Batch]) -> float:
+        """`model`'s replayed acceptance length over `batches` (tokens per verify step)."""
         k = self.cfg.speculation.num_speculative_tokens
         tokens = steps = 0
-        for batch in self.batches:
+        for batch in batches:
             match = (self._drafts(self._rows(model, batch), batch) == batch.packed.targets).tolist()
             for row, length in zip(match, batch.lengths):
                 tokens, steps = tokens + length, steps + acceptance_walk(row[:length], k)
         return tokens / max(steps, 1)
 
-    def step(self, policy_version: int) -> dict[str, float]:
-        """After the policy's step: gate (when due), then one optimizer step per micro-batch; returns metrics."""
+    def start(self, policy_version: int) -> dict[str, float]:
+        """After the policy's step: runs `step` on its micro-batches in a thread of its own, which overlaps the
+        learner's next collect (where rank 0 waits for rollouts), and returns the metrics of the previous step's
+        distillation (so `draft/*` scalars come one step late; {} at first)."""
+        metrics = self.wait()
+        batches, self.batches = self.batches, []
+        self.thread = threading.Thread(target=lambda: self.finished.append(self.step(policy_version, batches)),
+                                       name="draft-distiller", daemon=True)
+        self.thread.start()
+        return metrics
+
+    def wait(self) -> dict[str, float]:
+        """Waits for the distillation `start` began, if any; returns its metrics."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        return self.finished.pop() if self.finished else {}
+
+    def step(self, policy_version: int, batches: list[Batch] | None = None) -> dict[str, float]:
+        """Gate (when due), then one optimizer step per micro-batch of `batches` (default: those observed since the
+        last step); returns metrics."""
         d, temperature = self.cfg.speculation.distill, max(float(self.cfg.rollout.temperature), 1e-3)
+        if batches is None:
+            batches, self.batches = self.batches, []
         start = time.time()
-        running = self.replay(self.running)
+        running = self.replay(self.running, batches)
         metrics = {"draft/replayed_acceptance": running}
         if policy_version % d.every_versions == 0 and self.learned:  # an untrained candidate is the running one
-            candidate = self.replay(self.model)
+            candidate = self.replay(self.model, batches)
             metrics["draft/candidate_acceptance"] = candidate
             if candidate >= running:
                 self.running.load_state_dict(self.model.state_dict())
-                self.version += 1
-                self.outgoing = [(n, t.detach().clone()) for n, t in self.running.state_dict().items()]
+                with self.lock:
+                    self.version += 1
+                    self.outgoing = [(n, t.detach().clone()) for n, t in self.running.state_dict().items()]
             else:
                 self.rejected += 1
         if running < ALARM_BELOW:
@@ -138,7 +167,7 @@ class DraftDistiller:
                         "almost none of the policy's tokens (broken weights?)", self.version, running)
         self.model.train()
         losses = []
-        for batch in self.batches:
+        for batch in batches:
             rows = self._rows(self.model, batch)
             wrong = (self._drafts(rows, batch) != batch.packed.targets).float()
             logq = (rows / temperature).log_softmax(-1).gather(-1, batch.classes)
@@ -150,12 +179,13 @@ class DraftDistiller:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.optimizer.step()
             losses.append(loss.item())
-        self.batches, self.learned = [], self.learned or bool(losses)
+        self.learned = self.learned or bool(losses)
         return {**metrics, "draft/loss": sum(losses) / max(len(losses), 1), "draft/version": float(self.version),
                 "draft/rejected_swaps": float(self.rejected), "draft/alarm": float(running < ALARM_BELOW),
                 "draft/train_seconds": time.time() - start}
 
-    def take_outgoing(self) -> list[tuple[str, torch.Tensor]] | None:
-        """The newest draft version's weights (checkpoint names) when one is due to be published, once."""
-        outgoing, self.outgoing = self.outgoing, None
-        return outgoing
+    def take_outgoing(self) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
+        """The newest draft version and its weights (checkpoint names) when one is due to be published, once."""
+        with self.lock:
+            outgoing, self.outgoing = self.outgoing, None
+            return None if outgoing is None else (self.version, outgoing)

@@ -83,6 +83,7 @@ class Learner:
                                  cfg.model.max_model_len)
         self.published: list | None = None  # rank 0: the newest weight buckets sent, for a replacement actor
         self.draft_published: list | None = None  # rank 0: the same for the draft LM, when distilled
+        self.draft_version = 0
         self.version = 0
         self.skipped_steps = 0  # optimizer steps not taken: their gradient was not finite
         self.groups: list[list[Trajectory]] = []  # rank 0: what `collect` gathered for the next `train`
@@ -214,8 +215,8 @@ class Learner:
         }
         if algo.kl_coef > 0:
             metrics["rl/kl"] = kl / batches
-        if self.distiller is not None:
-            metrics.update(self.distiller.step(self.version))
+        if self.distiller is not None:  # beside the next collect; the last step's distillation's scalars
+            metrics.update(self.distiller.start(self.version))
         with self.lock:
             summary = self.intake.summary()
         metrics["rollout/dropped_stale"] = float(summary["dropped_stale"])
@@ -303,8 +304,9 @@ class Learner:
         sent = self.publisher.publish(self.version, self.published)
         draft = self.distiller.take_outgoing() if self.distiller is not None else None
         if draft is not None:
-            self.draft_published = pack_buckets(iter(draft), self.cfg.transport.weight_bucket_mib << 20)
-            sent += self.publisher.publish(self.distiller.version, self.draft_published, model="draft")
+            self.draft_version, self.draft_published = draft[0], pack_buckets(
+                iter(draft[1]), self.cfg.transport.weight_bucket_mib << 20)
+            sent += self.publisher.publish(self.draft_version, self.draft_published, model="draft")
         with self.lock:  # the actors' acknowledgements of earlier versions
             applied, swapped = self.intake.take_apply_seconds(), self.intake.take_apply_seconds("draft")
         return {"sync/weight_seconds": time.time() - start, "sync/weight_bytes": float(sent),
@@ -318,7 +320,7 @@ class Learner:
             if self.published is not None:
                 self.publisher.publish(self.version, self.published)
             if self.draft_published is not None:
-                self.publisher.publish(self.distiller.version, self.draft_published, model="draft")
+                self.publisher.publish(self.draft_version, self.draft_published, model="draft")
             return self.version
 
     def save_pretrained(self, path: str) -> None:

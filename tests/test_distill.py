@@ -60,7 +60,7 @@ def test_replay_is_exactly_what_the_draft_lm_proposes():
         seen = min(agree + 1, K)  # the accepted drafts and the first rejected one
         assert proposal[:seen] == replayed[position: position + seen]
     steps = acceptance_walk([a == b for a, b in zip(replayed, response)], K)
-    assert distiller.replay(distiller.running) == pytest.approx(len(response) / steps)
+    assert distiller.replay(distiller.running, distiller.batches) == pytest.approx(len(response) / steps)
 
 
 @pytest.fixture(scope="module")
@@ -107,11 +107,12 @@ def test_distillation_raises_replayed_acceptance_and_the_gate_publishes_only_bet
                                           >= metrics["draft/replayed_acceptance"])
         if outgoing is not None:  # what goes out is the running drafter, every tensor under its checkpoint name
             running = distiller.running.state_dict()
-            assert all(torch.equal(t, running[n]) for n, t in outgoing) and len(outgoing) == len(running)
+            assert outgoing[0] == distiller.version and len(outgoing[1]) == len(running)
+            assert all(torch.equal(t, running[n]) for n, t in outgoing[1])
     assert distiller.version >= 1 and metrics["draft/alarm"] == 0.0
     for rows, packed, teacher in policy_batches:
         distiller.observe(rows, packed, teacher)
-    after = distiller.replay(distiller.running)
+    after = distiller.replay(distiller.running, distiller.batches)
     assert after > before * 1.05, f"replayed acceptance {before:.3f} -> {after:.3f}"
 
 
@@ -119,7 +120,9 @@ def test_a_worse_candidate_is_kept_out_and_a_broken_drafter_raises_the_alarm(pol
     distiller = DraftDistiller(config(lr=1e-9))
     for rows, packed, teacher in policy_batches:
         distiller.observe(rows, packed, teacher)
-    distiller.step(1)  # a first step trains the candidate (by nothing, at this learning rate)
+    # a first step trains the candidate (by nothing, at this learning rate), in the background as the learner runs it
+    assert distiller.start(1) == {} and distiller.batches == []
+    assert distiller.wait()["draft/loss"] > 0 and distiller.wait() == {}
     with torch.no_grad():
         for p in distiller.model.parameters():
             p.zero_()  # the candidate: zeroed weights, the failure peers shipped silently
