@@ -70,7 +70,10 @@ def run(system: str, steps: int, overrides: list[str], logdir: Path, log: Path) 
         [round(e.value, 3) for e in events.Scalars("spec/acceptance_length")],
         "heldout_reward": events.Scalars("eval/reward_mean")[-1].value,
         # the draft LM's acceptance replayed by the learner on each step's trajectories, and its version
+        # and the run's starting (frozen) draft LM replayed on the same trajectories: a paired comparison
         **({"replayed_acceptance_by_step": [round(e.value, 3) for e in events.Scalars("draft/replayed_acceptance")],
+            "initial_replayed_acceptance_by_step": [round(e.value, 3) for e in
+                                                    events.Scalars("draft/initial_replayed_acceptance")],
             "draft_version_by_step": [int(e.value) for e in events.Scalars("draft/version")]}
            if "draft/version" in events.Tags()["scalars"] else {}),
         "reward_by_step": [round(e.value, 4) for e in events.Scalars("rl/reward_mean")],
@@ -92,12 +95,18 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4))
     for name, system in result["systems"].items():
         if system["acceptance_by_step"]:
             left.plot(system["acceptance_by_step"], label=name)
-    left.set(xlabel="step", ylabel="acceptance length (tokens per verify step)", title="drafters over the run")
+    left.set(xlabel="step", ylabel="acceptance length (tokens per verify step)", title="drafters over the run (live)")
     left.legend()
+    distilled = result["systems"].get("distilled", {})
+    if "replayed_acceptance_by_step" in distilled:  # the same trajectories, two draft LMs
+        middle.plot(distilled["replayed_acceptance_by_step"], label="distilled (running)")
+        middle.plot(distilled["initial_replayed_acceptance_by_step"], label="frozen (the run's start)")
+        middle.legend()
+    middle.set(xlabel="step", ylabel="replayed acceptance length", title="draft LM replayed on each step's rollouts")
     names = list(result["systems"])
     right.bar(names, [result["systems"][n]["step_s"] for n in names])
     right.set(ylabel="seconds per step (median)", title="end-to-end step time")
@@ -132,7 +141,12 @@ def main(argv: list[str] | None = None) -> dict:
             "acceptance_by_step": first["acceptance_by_step"],
             # acceptance over the run's last quarter / its first quarter (first repeat; 1: no drift)
             "acceptance_trend": trend(first["acceptance_by_step"]),
-            **{key: first[key] for key in ("replayed_acceptance_by_step", "draft_version_by_step") if key in first},
+            **{key: first[key] for key in ("replayed_acceptance_by_step", "initial_replayed_acceptance_by_step",
+                                           "draft_version_by_step") if key in first},
+            # replayed acceptance, last quarter / first quarter: the distilled draft LM and the frozen one, paired
+            **({"replayed_trend": trend(first["replayed_acceptance_by_step"]),
+                "initial_replayed_trend": trend(first["initial_replayed_acceptance_by_step"])}
+               if "replayed_acceptance_by_step" in first else {}),
             "heldout_reward": statistics.median(r["heldout_reward"] for r in runs[name]),
             "speedup_over_sync": paired([r["step_s"] for r in runs["sync"]], [r["step_s"] for r in runs[name]]),
             "runs": runs[name],

@@ -83,6 +83,7 @@ class DraftDistiller:
         self.model = AutoModelForCausalLM.from_pretrained(str(resolve(draft_model(cfg.speculation))),
                                                           dtype=torch.float32)
         self.running = copy.deepcopy(self.model).eval().requires_grad_(False)  # what the actors draft with
+        self.initial = copy.deepcopy(self.running)  # the draft LM the run started with: what distillation gained
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=d.lr)
         self.version = 0  # of the running drafter (0: the one the actors started with)
         self.batches: list[Batch] = []
@@ -151,7 +152,8 @@ class DraftDistiller:
             batches, self.batches = self.batches, []
         start = time.time()
         running = self.replay(self.running, batches)
-        metrics = {"draft/replayed_acceptance": running}
+        metrics = {"draft/replayed_acceptance": running,
+                   "draft/initial_replayed_acceptance": self.replay(self.initial, batches)}
         if policy_version % d.every_versions == 0 and self.learned:  # an untrained candidate is the running one
             candidate = self.replay(self.model, batches)
             metrics["draft/candidate_acceptance"] = candidate
