@@ -1,6 +1,6 @@
 """End-to-end benchmark: whole GRPO runs of the launcher, side by side, one fresh process per run.
 
-    python -m bench.e2e --preset smoke|full --out PATH      (smoke ~7 min here, full ~20; full for the README)
+    python -m bench.e2e --preset smoke|full --out PATH      (smoke ~7 min here, full ~12; full for the README)
 
 Systems, fixed before the run, in this order, each `launch.py --config grpo_tiny` with the same seed:
 - `sync`: rollout, then train, then the next rollout (`algorithm.max_staleness: 0`: an actor starts a step's groups
@@ -13,9 +13,11 @@ Systems, fixed before the run, in this order, each `launch.py --config grpo_tiny
   n-gram.
 Each repeat runs every system (rotating order). Per system: seconds per step (the median gap
 between consecutive steps' TensorBoard events, the first step excluded: it holds the engines' start), the actors'
-engine seconds per step (`rollout_s`), acceptance length per step, and the final held-out reward (T = 1), which
-must agree across `async`, `frozen` and `fastest_of_n` within noise: the coupled sampler makes the trajectories
-independent of the drafter. JSON, with a PNG of acceptance over steps beside it.
+engine seconds per step (`rollout_s`), acceptance length per step (live; and for the distilled draft LM, replayed
+on each step's trajectories beside the run's starting draft LM), and the final held-out reward (T = 1), which must
+agree across the asynchronous systems within the noise between repeats of one system: the coupled sampler makes
+the trajectories independent of the drafter, but asynchrony makes them depend on when weights arrive. JSON, with a
+PNG of acceptance over steps beside it.
 """
 
 from __future__ import annotations

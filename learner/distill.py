@@ -91,7 +91,7 @@ class DraftDistiller:
         self.rejected = 0
         self.learned = False  # the candidate has trained since it was made
         self.thread: threading.Thread | None = None  # the distillation of the last step, while it runs
-        self.finished: list[dict[str, float]] = []  # its metrics, once done
+        self.finished: list[dict[str, float] | BaseException] = []  # its metrics (or error), once done
         self.lock = threading.Lock()  # version and outgoing: set by that thread, taken by publish
 
     def observe(self, trajectories: list[Trajectory], packed: Packed, teacher: torch.Tensor) -> None:
@@ -132,8 +132,13 @@ class DraftDistiller:
         distillation (so `draft/*` scalars come one step late; {} at first)."""
         metrics = self.wait()
         batches, self.batches = self.batches, []
-        self.thread = threading.Thread(target=lambda: self.finished.append(self.step(policy_version, batches)),
-                                       name="draft-distiller", daemon=True)
+        def run() -> None:
+            try:
+                self.finished.append(self.step(policy_version, batches))
+            except BaseException as e:  # raised again in the learner's thread at the next wait()
+                self.finished.append(e)
+
+        self.thread = threading.Thread(target=run, name="draft-distiller", daemon=True)
         self.thread.start()
         return metrics
 
@@ -142,7 +147,10 @@ class DraftDistiller:
         if self.thread is not None:
             self.thread.join()
             self.thread = None
-        return self.finished.pop() if self.finished else {}
+        done = self.finished.pop() if self.finished else {}
+        if isinstance(done, BaseException):
+            raise RuntimeError("draft LM distillation failed") from done
+        return done
 
     def step(self, policy_version: int, batches: list[Batch] | None = None) -> dict[str, float]:
         """Gate (when due), then one optimizer step per micro-batch of `batches` (default: those observed since the
