@@ -11,7 +11,8 @@ the step one rank would take. With `algorithm.kl_coef > 0` every rank also holds
 run's starting weights, sharded like the policy under ZeRO-3) and the loss adds a k3 KL penalty to it.
 
 A checkpoint is a directory `checkpoints/step_N/` of a run: `deepspeed/` (weights and optimizer), `hf/` (the
-weights as a Hugging Face checkpoint, what resumed actors load), `state.json` (`version` = step counter,
+weights as a Hugging Face checkpoint, what resumed actors load), with online distillation `draft/` (the running
+draft LM and its version, which a resumed run publishes first), `state.json` (`version` = step counter,
 `data_cursor` = one past the newest prompt trained on, counters) and `manifest.json` (the run's id and every file
 with its size). It is written as `step_N.partial/`, fsynced, and renamed into place only when whole, so a crash
 leaves either the previous checkpoint or the new one; resuming from a run directory takes the newest *complete*

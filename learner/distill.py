@@ -25,9 +25,11 @@ acceptance near 1 (the drafter agrees with nothing: weights zeroed, a wrong toke
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import threading
 import time
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
@@ -166,8 +168,8 @@ class DraftDistiller:
             candidate = self.replay(self.model, batches)
             metrics["draft/candidate_acceptance"] = candidate
             if candidate >= running:
-                self.running.load_state_dict(self.model.state_dict())
                 with self.lock:
+                    self.running.load_state_dict(self.model.state_dict())
                     self.version += 1
                     self.outgoing = [(n, t.detach().clone()) for n, t in self.running.state_dict().items()]
             else:
@@ -193,6 +195,28 @@ class DraftDistiller:
         return {**metrics, "draft/loss": sum(losses) / max(len(losses), 1), "draft/version": float(self.version),
                 "draft/rejected_swaps": float(self.rejected), "draft/alarm": float(running < ALARM_BELOW),
                 "draft/train_seconds": time.time() - start}
+
+    def save(self, directory: Path) -> None:
+        """The running draft LM (what the actors draft with) and its version, for a checkpoint."""
+        from safetensors.torch import save_file
+
+        directory.mkdir(parents=True, exist_ok=True)
+        with self.lock:
+            state = {n: t.detach().clone().contiguous() for n, t in self.running.state_dict().items()}
+            version = self.version
+        save_file(state, str(directory / "model.safetensors"))
+        (directory / "version.json").write_text(json.dumps({"version": version}))
+
+    def load(self, directory: Path) -> None:
+        """A resumed run continues from a checkpoint's draft LM, which the actors get with the first publish."""
+        from safetensors.torch import load_file
+
+        state = load_file(str(directory / "model.safetensors"))
+        with self.lock:
+            self.running.load_state_dict(state)
+            self.model.load_state_dict(state)
+            self.version = json.loads((directory / "version.json").read_text())["version"]
+            self.outgoing = list(state.items()) if self.version > 0 else None
 
     def take_outgoing(self) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
         """The newest draft version and its weights (checkpoint names) when one is due to be published, once."""

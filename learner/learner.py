@@ -337,6 +337,8 @@ class Learner:
         path = partial(Path(root) / f"step_{self.version}")  # files a crash mid-save left are overwritten
         self.engine.save_checkpoint(str(path / "deepspeed"), tag="state")
         self.save_pretrained(str(path / "hf"))
+        if self.distiller is not None:  # the distilled draft LM the actors run
+            self.distiller.save(path / "draft")
         return str(path)
 
     def seal_checkpoint(self, root: str, run_id: str) -> str:
@@ -358,6 +360,8 @@ class Learner:
         self.engine.lr_scheduler.step()
         if self.rank == 0:
             self.intake.restore(state)
+        if self.distiller is not None and (path / "draft").is_dir():
+            self.distiller.load(path / "draft")
 
     def reissue(self, actor: int) -> int:
         """Rank 0: a rollout actor died; the k its replacement starts from (see `Intake.reissue`)."""

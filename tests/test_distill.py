@@ -135,3 +135,20 @@ def test_a_worse_candidate_is_kept_out_and_a_broken_drafter_raises_the_alarm(pol
     for rows, packed, teacher in policy_batches:
         distiller.observe(rows, packed, teacher)
     assert distiller.step(3)["draft/alarm"] == 1.0
+
+
+def test_a_checkpointed_draft_lm_resumes_and_goes_out_first(policy_batches, tmp_path):
+    distiller = DraftDistiller(config(lr=3e-3))
+    for step in (1, 2):
+        for rows, packed, teacher in policy_batches:
+            distiller.observe(rows, packed, teacher)
+        distiller.step(step)
+    distiller.version += 1  # as if the gate had let it out (the weights saved are the running ones either way)
+    distiller.save(tmp_path / "draft")
+    resumed = DraftDistiller(config())
+    resumed.load(tmp_path / "draft")
+    version, weights = resumed.take_outgoing()
+    assert version == distiller.version and resumed.take_outgoing() is None
+    running = distiller.running.state_dict()
+    assert all(torch.equal(t, running[n]) for n, t in weights) and len(weights) == len(running)
+    assert all(torch.equal(t, running[n]) for n, t in resumed.model.state_dict().items())

@@ -56,12 +56,16 @@ def test_a_resumed_run_continues_step_counter_data_cursor_and_logs(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     first, second = tmp_path / "first", tmp_path / "second"
-    assert launch.main(["--config", "grpo_tiny", "trainer.steps=2", f"logging.dir={first}", *SMALL]) == 0
+    distill = ["speculation.method=draft_lm", "speculation.distill.every_versions=1"]
+    assert launch.main(["--config", "grpo_tiny", "trainer.steps=2", f"logging.dir={first}", *SMALL, *distill]) == 0
     state = json.loads((first / "checkpoints" / "step_2" / "state.json").read_text())
     assert state["version"] == 2 and state["data_cursor"] >= 2 * 2 and state["counts"]["trained"] == 2 * 2 * 4
     assert launch.main(["--config", "grpo_tiny", "trainer.steps=4", f"trainer.resume_from={first}",
-                        f"logging.dir={second}", *SMALL, "learner.lr=5e-4", "learner.warmup_steps=10"]) == 0
+                        f"logging.dir={second}", *SMALL, "learner.lr=5e-4", "learner.warmup_steps=10", *distill]) == 0
     learner = json.loads((second / "summary.json").read_text())["learner"]
+    # the distilled draft LM was checkpointed, and the resumed run's actor took it (or a newer one)
+    draft = json.loads((first / "checkpoints" / "step_2" / "draft" / "version.json").read_text())["version"]
+    assert json.loads((second / "summary.json").read_text())["actors"][0]["draft_version"] >= draft
     assert learner["version"] == 4 and learner["trained"] == 4 * 2 * 4  # counters carried over
     assert learner["received"] == (learner["trained"] + learner["dropped_stale"] + learner["pending"]
                                    + learner["dropped_duplicate"] + learner["dropped_reissued"]
