@@ -68,8 +68,9 @@ class Batch:
     def __init__(self, trajectories: list[Trajectory], packed: Packed, teacher: torch.Tensor, top_k: int,
                  run_seed: int):
         self.packed = packed
-        values, self.classes = teacher.topk(min(top_k, teacher.shape[-1]), dim=-1)
-        self.probs = values.softmax(-1)  # the policy's top-k, renormalised (-inf outside top-k/top-p: 0)
+        values, classes = teacher.topk(min(top_k, teacher.shape[-1]), dim=-1)  # on the policy's device; kept: [B, T, k]
+        self.classes = classes.cpu()
+        self.probs = values.float().softmax(-1).cpu()  # the policy's top-k, renormalised (-inf outside top-k/p: 0)
         self.seeds = torch.tensor([group_seed(run_seed, t.group_id, t.group_size) + t.sample_index
                                    for t in trajectories])
         self.lengths = [len(t.response_ids) for t in trajectories]
