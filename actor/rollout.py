@@ -83,10 +83,18 @@ class RolloutActor:
             while not self.rewinds.empty():  # trajectories of this actor were lost: regenerate from the learner's k
                 k = self.rewinds.get()
                 self.abandon(samples, finished)
-            while not self.evaluations.empty():
+            # deterministic runs: a step's groups have the engine (and an empty prefix cache) to themselves, so a
+            # regenerated step (a dead or rewound actor, a resumed run) runs exactly the batches it ran the first time
+            apart = self.cfg.trainer.deterministic
+            while not self.evaluations.empty() and not (apart and samples):
                 evaluating.update(self.start_evaluation(self.evaluations.get(), tokens_input))
             cursor = self.plan.cursor(self.actor_id, k)
-            while self.plan.step(cursor) <= self.version + self.cfg.algorithm.max_staleness:  # bounded asynchrony
+            fresh = self.plan.step(cursor) <= self.version + self.cfg.algorithm.max_staleness  # bounded asynchrony
+            if apart and fresh and (samples or evaluating):
+                fresh = False  # the engine is not empty yet
+            elif apart and fresh and not self.llm.reset_prefix_cache():
+                raise RuntimeError(f"actor {self.actor_id}: vLLM could not reset its prefix cache with nothing running")
+            while fresh:
                 problem = self.dataset[cursor]
                 prompt_ids = self.tokenizer(problem.prompt, add_special_tokens=False).input_ids
                 for i in range(n):
@@ -97,6 +105,7 @@ class RolloutActor:
                 finished[cursor] = []
                 k += 1
                 cursor = self.plan.cursor(self.actor_id, k)
+                fresh = self.plan.step(cursor) <= self.version + self.cfg.algorithm.max_staleness
             if not self.engine.has_unfinished_requests():
                 self.poll_weights(100)  # ahead of the learner: wait for new weights
                 if time.time() - beat > HEARTBEAT_S:  # how far it got, so a lost last trajectory shows

@@ -97,6 +97,9 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
         ("learner.lr", cfg.learner.lr > 0, "must be > 0"),
         ("learner.micro_batch_size", cfg.learner.micro_batch_size >= 1, "must be >= 1"),
         ("algorithm.max_staleness", cfg.algorithm.max_staleness >= 0, "must be >= 0"),
+        ("algorithm.max_staleness", cfg.algorithm.max_staleness == 0 or not cfg.trainer.deterministic,
+         "must be 0 when trainer.deterministic is true (a synchronous schedule: every token sampled under the "
+         "weights it is trained against)"),
         ("algorithm.clip_low", 0 < cfg.algorithm.clip_low < 1, "must be in (0, 1)"),
         ("algorithm.clip_high", cfg.algorithm.clip_high > 0, "must be > 0"),
         ("algorithm.kl_coef", cfg.algorithm.kl_coef >= 0, "must be >= 0"),

@@ -134,6 +134,12 @@ class TrainerConfig:
     # temperature under their current weights, beside training; logged as eval/* at the step it started
     eval_every: int = 0
     resume_from: Optional[str] = None  # a checkpoint (checkpoints/step_N) or a run directory (its newest one)
+    # true: bit-reproducible runs (needs algorithm.max_staleness 0): groups trained in data-cursor order, each step's
+    # groups generated together with nothing else in the engine (held-out evaluation waits for a gap), a lost or dead
+    # actor's step regenerated whole, and the learner's own logprobs as the behaviour logprobs (on-policy by
+    # construction), so the same config and seed give byte-identical final weights, an actor killed or not, stopped
+    # and resumed or not
+    deterministic: bool = False
 
 
 @dataclass

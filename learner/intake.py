@@ -38,9 +38,12 @@ class IntakeCounts:
 
 class Intake:
     def __init__(self, group_size: int, max_staleness: int, plan: CursorPlan, vocab_size: int | None = None,
-                 max_len: int | None = None):
-        """`vocab_size`, `max_len`: the policy's vocabulary and context; trajectories outside them are invalid."""
+                 max_len: int | None = None, whole_steps: bool = False):
+        """`vocab_size`, `max_len`: the policy's vocabulary and context; trajectories outside them are invalid.
+        `whole_steps` (deterministic runs): an actor regenerates from its first group of the step that lacks one,
+        so the step's groups share the engine exactly as they did the first time."""
         self.group_size, self.max_staleness, self.plan = group_size, max_staleness, plan
+        self.whole_steps = whole_steps
         self.vocab_size, self.max_len = vocab_size, max_len
         self.counts = IntakeCounts()
         self.invalid: Counter[str] = Counter()  # dropped_invalid by reason
@@ -153,7 +156,8 @@ class Intake:
         group not delivered whole; groups it delivered after that are regenerated and dropped as duplicates)."""
         for group_id in [g for g in self.pending if self.plan.owner(g) == actor]:
             self.counts.dropped_reissued += len(self.pending.pop(group_id))
-        return self.plan.first_undelivered(actor, self.delivered)
+        k = self.plan.first_undelivered(actor, self.delivered)
+        return self.plan.first_of_step(actor, k) if self.whole_steps else k
 
     def pending_trajectories(self) -> int:
         return sum(len(g) for g in self.pending.values())

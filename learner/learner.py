@@ -80,7 +80,7 @@ class Learner:
                                              queued_buckets=2 * (tensor_count(policy_dir) + 1 + draft_tensors))
             vocab = json.loads((Path(policy_dir) / "config.json").read_text())["vocab_size"]
             self.intake = Intake(cfg.rollout.group_size, cfg.algorithm.max_staleness, plan, vocab,
-                                 cfg.model.max_model_len)
+                                 cfg.model.max_model_len, whole_steps=cfg.trainer.deterministic)
         self.published: list | None = None  # rank 0: the newest weight buckets sent, for a replacement actor
         self.draft_published: list | None = None  # rank 0: the same for the draft LM, when distilled
         self.draft_version = 0
@@ -157,7 +157,7 @@ class Learner:
                     group = self.intake.take(message, self.version)
                 if group is not None:
                     groups.append(group)
-        self.groups = groups
+        self.groups = sorted(groups, key=lambda g: g[0].group_id)  # in cursor order, however they arrived
         return {"rl/wait_seconds": time.time() - start}
 
     def train(self) -> dict[str, float]:
@@ -257,7 +257,10 @@ class Learner:
             with torch.no_grad():
                 reference = response_logprobs(self.reference).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         algo = self.cfg.algorithm
-        loss, stats = policy_loss(logprobs, packed.behaviour, advantages, mask, algo.clip_low, algo.clip_high,
+        # deterministic runs (max_staleness 0): the tokens were sampled under exactly these weights, so the policy's
+        # own logprobs are the behaviour logprobs, and the engine's (whose last bits depend on its batch) are unused
+        behaviour = logprobs.detach() if self.cfg.trainer.deterministic else packed.behaviour
+        loss, stats = policy_loss(logprobs, behaviour, advantages, mask, algo.clip_low, algo.clip_high,
                                   algo.loss_aggregation, self.cfg.rollout.max_tokens, reference, algo.kl_coef)
         with torch.no_grad():  # mean entropy of the sampled distribution over the trained tokens
             entropy = torch.special.entr(full.detach().exp()).sum(-1)

@@ -35,3 +35,9 @@ class CursorPlan:
         while self.cursor(actor, k) in delivered:
             k += 1
         return k
+
+    def first_of_step(self, actor: int, k: int) -> int:
+        """`actor`'s first k whose group is meant for the same learner step as its k-th."""
+        while k > 0 and self.step(self.cursor(actor, k - 1)) == self.step(self.cursor(actor, k)):
+            k -= 1
+        return k

@@ -146,3 +146,9 @@ def test_fastest_of_n_members_are_checked_at_load(overrides, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config("grpo_tiny", overrides)
     assert load_config("grpo_tiny", ["speculation.method=fastest_of_n", "speculation.drafters=[suffix,draft_lm]"])
+
+
+def test_a_deterministic_run_needs_the_synchronous_schedule():
+    with pytest.raises(ConfigError, match="key 'algorithm.max_staleness' = 1 must be 0 when trainer.deterministic"):
+        load_config("grpo_tiny", ["trainer.deterministic=true"])
+    assert load_config("grpo_tiny", ["trainer.deterministic=true", "algorithm.max_staleness=0"]).trainer.deterministic

@@ -117,6 +117,22 @@ def test_reissue_forgets_the_dead_actors_partial_groups_and_names_its_first_unde
     assert intake.counts.dropped_reissued == 1 and intake.pending_trajectories() == 1 and balanced(intake)
 
 
+def test_a_deterministic_run_regenerates_the_whole_step_of_the_first_missing_group():
+    """trainer.deterministic: the replacement starts at the actor's first group of that step, so the step's groups
+    share the engine as they did the first time; the ones delivered before come again and are dropped as
+    duplicates."""
+    plan = CursorPlan(start=0, num_actors=1, prompts_per_step=3)
+    intake = Intake(group_size=2, max_staleness=0, plan=plan, whole_steps=True)
+    for group in (0, 1, 2, 3):  # step 0 whole, step 1's first group (cursor 3)
+        for i in range(2):
+            intake.take(trajectory(group, i, versions=(group // 3,), group_size=2), version=group // 3)
+    intake.take(trajectory(4, 0, versions=(1,), group_size=2), version=1)  # step 1's second group: partial
+    assert intake.reissue(0) == 3  # not 4: the whole of step 1
+    for i in range(2):  # step 1's first group, regenerated: already delivered
+        assert intake.take(trajectory(3, i, versions=(1,), group_size=2), version=1) is None
+    assert intake.counts.dropped_duplicate == 2 and intake.counts.trained == 8 and balanced(intake)
+
+
 def test_acknowledged_apply_times_are_taken_once_and_kept_per_actor():
     """What the learner keeps of acknowledgements is one number per actor of the run (the slowest since the last
     take), however many a peer sends."""
@@ -136,3 +152,5 @@ def test_cursor_plan_is_one_rule_for_actors_steps_and_replacements():
     assert all(plan.owner(plan.cursor(a, k)) == a for a in range(3) for k in range(5))
     assert plan.step(7) == 1 and plan.step(8) == 2
     assert plan.first_undelivered(1, {7, 10, 16}) == 2
+    two = CursorPlan(start=0, num_actors=2, prompts_per_step=4)  # actor 1: cursors 1, 3 | 5, 7 | 9 (steps 0 | 1 | 2)
+    assert [two.first_of_step(1, k) for k in range(5)] == [0, 0, 2, 2, 4]

@@ -2,6 +2,8 @@
 response of each group is more likely and the unrewarded ones less likely (real DeepSpeed, built-in policy); and
 a step split over several ranks is the step one rank takes."""
 
+import math
+
 import pytest
 import torch
 import transformers
@@ -93,6 +95,29 @@ def test_a_step_whose_gradient_is_not_finite_is_skipped_and_counted(zero_stage):
     metrics = learner.train()
     assert metrics["rl/skipped_steps"] == 1.0 and metrics["rl/grad_norm"] > 0
     assert any(not torch.equal(p.detach(), before[n]) for n, p in learner.engine.module.named_parameters())
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_deterministic_learner_takes_its_own_logprobs_as_the_behaviour_ones(deterministic):
+    """trainer.deterministic (max_staleness 0): the tokens were sampled under the learner's current weights, so
+    its own logprobs are the behaviour logprobs and the engine's (whose last bits depend on its batch) are unused:
+    here they are off by 1 nat, and only the default learner's ratios show it."""
+    from learner.learner import Learner
+
+    model_dir = str(resolve("builtin:dense"))
+    cfg = load_config("grpo_tiny", ["rollout.prompts_per_step=2", "rollout.group_size=4", "learner.micro_batch_size=4",
+                                    "algorithm.max_staleness=0", f"trainer.deterministic={deterministic}"])
+    learner = Learner(cfg, model_dir, model_dir, CursorPlan(0, 1, 2))
+    learner.start()
+    groups = make_groups(learner.engine.module, transformers.AutoTokenizer.from_pretrained(model_dir))
+    learner.groups = [[Trajectory(**{**{f: getattr(t, f) for f in t.__struct_fields__},
+                                     "behaviour_logprobs": [lp - 1.0 for lp in t.behaviour_logprobs]}) for t in g]
+                      for g in groups]
+    metrics = learner.train()
+    if deterministic:
+        assert metrics["rl/ratio_min"] == metrics["rl/ratio_max"] == 1.0 and metrics["rl/clip_fraction"] == 0.0
+    else:
+        assert metrics["rl/ratio_min"] == pytest.approx(math.e, rel=1e-4) and metrics["rl/clip_fraction"] == 1.0
 
 
 LR = 1e-3
