@@ -55,6 +55,10 @@ def test_path_to_yaml_works(tmp_path):
     ("transport.host=no-such-host.invalid", ["transport.host", "not an address"]),
     ("logging.dir=/proc/specactor-run", ["logging.dir", "/proc", "writable"]),
     (f"logging.dir={Path(__file__).resolve()}/run", ["logging.dir", "test_config.py", "writable"]),  # under a file
+    ("seed=-1", ["seed", "2^63"]),
+    ("transport.max_message_mib=4096", ["transport.max_message_mib", "1024"]),
+    ("transport.trajectory_queue=1000", ["transport.trajectory_queue", "16384 MiB"]),  # x 64 MiB messages
+    ("transport.weight_bucket_mib=0", ["transport.weight_bucket_mib"]),
 ])
 def test_bad_override_names_the_key(override, needles):
     with pytest.raises(ConfigError) as e:

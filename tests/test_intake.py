@@ -154,3 +154,21 @@ def test_cursor_plan_is_one_rule_for_actors_steps_and_replacements():
     assert plan.first_undelivered(1, {7, 10, 16}) == 2
     two = CursorPlan(start=0, num_actors=2, prompts_per_step=4)  # actor 1: cursors 1, 3 | 5, 7 | 9 (steps 0 | 1 | 2)
     assert [two.first_of_step(1, k) for k in range(5)] == [0, 0, 2, 2, 4]
+
+
+def test_counters_survive_a_resume_with_trajectories_pending():
+    """What was received but not trained when the checkpoint was taken is counted as dropped at resume, so the
+    resumed run's books still balance: received == trained + pending + every dropped reason."""
+    plan = CursorPlan(start=0, num_actors=1, prompts_per_step=4)
+    before = Intake(group_size=4, max_staleness=1, plan=plan)
+    for i in range(4):
+        before.take(trajectory(0, i), version=0)  # a whole group: trained
+    for i in range(3):
+        before.take(trajectory(1, i), version=0)  # a partial one: pending at checkpoint time
+    state = before.state()
+    assert state["pending"] == 3
+    after = Intake(group_size=4, max_staleness=1, plan=CursorPlan(state["data_cursor"], 1, 4))
+    after.restore(state)
+    c = after.counts
+    assert (c.received, c.trained, c.dropped_at_resume, after.pending_trajectories()) == (7, 4, 3, 0)
+    assert c.received == c.trained + c.dropped_at_resume + after.pending_trajectories()

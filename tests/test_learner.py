@@ -97,6 +97,27 @@ def test_a_step_whose_gradient_is_not_finite_is_skipped_and_counted(zero_stage):
     assert any(not torch.equal(p.detach(), before[n]) for n, p in learner.engine.module.named_parameters())
 
 
+def test_the_learners_inbox_takes_trajectories_acks_and_heartbeats_only():
+    """A weight bucket sent to the trajectory inbox (well-typed, but not for it) is dropped and counted before it
+    reaches the learner, where it once raised AttributeError."""
+    import msgspec
+    import zmq
+
+    from learner.learner import Learner
+    from transport.messages import Heartbeat, TensorSpec, WeightBucket
+
+    model_dir = str(resolve("builtin:dense"))
+    learner = Learner(load_config("grpo_tiny", ["transport.auth=none"]), model_dir, model_dir, CursorPlan(0, 1, 2))
+    raw = zmq.Context.instance().socket(zmq.PUSH)
+    raw.connect(learner.endpoints()[0])
+    bucket = WeightBucket(SCHEMA_VERSION, 1, 0, 1, [TensorSpec("w", "float32", [1])])
+    raw.send_multipart([b"actor-0", msgspec.msgpack.encode(bucket)])
+    raw.send_multipart([b"actor-0", msgspec.msgpack.encode(Heartbeat(SCHEMA_VERSION, 0, 5))])
+    assert learner.inbox.recv(5000) == Heartbeat(SCHEMA_VERSION, 0, 5)
+    assert learner.inbox.dropped == {"malformed": 1}
+    raw.close(0)
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_a_deterministic_learner_takes_its_own_logprobs_as_the_behaviour_ones(deterministic):
     """trainer.deterministic (max_staleness 0): the tokens were sampled under the learner's current weights, so

@@ -2,6 +2,7 @@
 catches up, or does not catch up in time, is replaced in turn while `rollout.max_restarts` allows; then the run
 stops naming the limit. Each replacement re-issues the dead actor's work (rank 0's `reissue`)."""
 
+import json
 import os
 import time
 from pathlib import Path
@@ -99,3 +100,28 @@ def test_a_replacement_that_never_catches_up_is_replaced_until_the_limit(local_r
     assert "replacement 2 catching up: GetTimeoutError" in str(e.value)
     assert ray.get(p.learners.rank0.count.remote()) == 2
     ray.kill(p.actors[0])
+
+
+def test_the_summary_is_written_even_when_stopping_the_actors_fails(tmp_path):
+    """`Run.close` with stand-ins for Ray and the processes: the actors' stop raises (a dead node, a timeout), yet
+    summary.json holds the learner's counters, Ray is shut down, and the error still reaches the caller."""
+    from driver.run import Run
+
+    class Unreachable(Exception):
+        pass
+
+    def stop(timeout_s):
+        raise Unreachable("rollout-0 did not answer")
+
+    counters = {"version": 3, "trained": 24, "lost": 0, "skipped_steps": 0, "received": 24}
+    shut = []
+    run = Run.__new__(Run)
+    run.dir, run.interrupted, run.placement, run.log_handlers, run.last = tmp_path, False, {}, [], {}
+    run.rollouts = SimpleNamespace(restarts=0, stop=stop)
+    run.learners = SimpleNamespace(rank0=SimpleNamespace(summary=SimpleNamespace(remote=lambda: "ref")))
+    run.writer = SimpleNamespace(close=lambda: None)
+    run.ray = SimpleNamespace(get=lambda ref, timeout: counters, shutdown=lambda: shut.append(True))
+    with pytest.raises(Unreachable):
+        run.close()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["learner"] == counters and "actors" not in summary and shut == [True]

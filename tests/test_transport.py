@@ -132,6 +132,17 @@ def test_a_wildcard_bind_advertises_an_address_peers_can_dial():
     box.close()
 
 
+def test_what_an_inbox_logs_about_dropped_messages_is_bounded_however_many_names_peers_invent(inbox, caplog):
+    raw = zmq.Context.instance().socket(zmq.PUSH)
+    raw.connect(inbox.endpoint)
+    for i in range(1000):
+        raw.send_multipart([f"invented-{i}".encode(), b"not msgpack"])
+    raw.send_multipart([b"actor-0", msgspec.msgpack.encode(trajectory(1))])
+    assert inbox.recv(5000).seq == 1 and inbox.dropped == {"malformed": 1000}
+    assert len(inbox._logged) == 256 and sum("dropped" in r.getMessage() for r in caplog.records) == 256
+    raw.close(0)
+
+
 def test_an_inbox_takes_only_the_messages_meant_for_it():
     from transport.messages import TensorSpec, WeightBucket
 
