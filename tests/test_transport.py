@@ -92,13 +92,14 @@ def test_weight_buckets_arrive_whole_and_bounded():
 def test_a_subscriber_that_never_reads_costs_the_publisher_a_bounded_queue():
     """Past `queued_buckets`, a stuck subscriber's buckets are dropped (it would take the next whole version);
     a subscriber that reads as versions come still gets every one whole."""
-    pub = WeightPublisher("127.0.0.1", queued_buckets=8)
-    stuck = zmq.Context.instance().socket(zmq.SUB)
+    context = zmq.Context()  # its own I/O thread: sockets other tests left in the shared context do not slow it
+    pub = WeightPublisher("127.0.0.1", context=context, queued_buckets=8)
+    stuck = context.socket(zmq.SUB)
     stuck.setsockopt(zmq.RCVHWM, 1)
     stuck.setsockopt(zmq.RCVBUF, 1 << 16)
     stuck.setsockopt(zmq.SUBSCRIBE, b"")
     stuck.connect(pub.endpoint)
-    live = WeightSubscriber(pub.endpoint)
+    live = WeightSubscriber(pub.endpoint, context=context)
     buckets = pack_buckets(iter([(f"w{i}", torch.randn(1 << 18)) for i in range(4)]), bucket_bytes=1 << 20)
     deadline = time.time() + 5
     while live.poll(100) is None and time.time() < deadline:  # both subscriptions live
@@ -110,7 +111,7 @@ def test_a_subscriber_that_never_reads_costs_the_publisher_a_bounded_queue():
         deadline, newest = time.time() + 20, None  # generous: a loaded CI host
         while newest != version and time.time() < deadline:
             newest = (live.poll(100) or (None,))[0]
-        assert newest == version
+        assert newest == version, f"version {version}: newest {newest}, partial {live._pending['policy'].keys()}"
     held = 0
     while stuck.poll(500):
         stuck.recv_multipart()
@@ -119,6 +120,7 @@ def test_a_subscriber_that_never_reads_costs_the_publisher_a_bounded_queue():
     stuck.close(0)
     live.close()
     pub.close()
+    context.term()
 
 
 def test_a_wildcard_bind_advertises_an_address_peers_can_dial():
