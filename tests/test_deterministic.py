@@ -5,8 +5,6 @@ Real vLLM, DeepSpeed, Ray and ZeroMQ; held-out evaluations run too (they must no
 import hashlib
 import json
 import os
-import sys
-import threading
 import time
 
 import pytest
@@ -71,30 +69,13 @@ def die_after(n: int):
     return inject
 
 
-def test_a_rollout_actor_killed_mid_step_changes_no_bit(reference, tmp_path):
-    injected = []
-
-    def inject():  # imports nothing of Ray itself: the launcher sets Ray's environment before its first import
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            ray = sys.modules.get("ray")
-            try:
-                actor = ray.get_actor("rollout-0") if ray is not None and ray.is_initialized() else None
-            except (ValueError, AttributeError):  # not started yet, or Ray still importing
-                actor = None
-            if actor is not None:
-                ray.get(actor.__ray_call__.remote(die_after(22)))  # step 1 (16 per step): one group sent, one half
-                injected.append(True)
-                return
-            time.sleep(0.2)
-
-    injector = threading.Thread(target=inject, daemon=True)
-    injector.start()
+def test_a_rollout_actor_killed_mid_step_changes_no_bit(reference, tmp_path, inject_into_actor):
+    injection = inject_into_actor(die_after(22))  # step 1 (16 per step): one group sent, one half
     assert launch.main([*RUN, f"logging.dir={tmp_path}"]) == 0
-    injector.join()
+    injection.join()
     summary = json.loads((tmp_path / "summary.json").read_text())
     learner = summary["learner"]
-    assert injected and summary["actor_restarts"] == 1 and learner["trained"] == 4 * 16
+    assert injection.injected and summary["actor_restarts"] == 1 and learner["trained"] == 4 * 16
     # the replacement regenerated step 1 whole: its half-sent group was forgotten, its whole one came again
     assert learner["dropped_reissued"] == 2 and learner["dropped_duplicate"] == 4
     assert final_weights(tmp_path) == final_weights(reference)

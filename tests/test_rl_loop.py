@@ -118,14 +118,10 @@ def test_a_dead_rollout_actor_is_replaced_and_its_work_reissued(tmp_path):
 
 
 @pytest.mark.parametrize("which", [(3,), (8,)], ids=["mid_group", "last_of_a_step"])
-def test_lost_trajectories_are_regenerated_even_without_staleness(tmp_path, which):
+def test_lost_trajectories_are_regenerated_even_without_staleness(tmp_path, which, inject_into_actor):
     """With algorithm.max_staleness 0 the actor waits for new weights after each step's groups, so a group left
     short by a lost trajectory would stall the run for good. The gap shows at the actor's next trajectory, or (the
     step's last one) at its next heartbeat; the actor regenerates from the learner's first missing group."""
-    import sys
-    import threading
-    import time
-
     def lose_trajectories(actor) -> None:
         """Runs inside the rollout actor (Ray's `__ray_call__`; a closure, so shipped by value): from now on its
         outbox loses the trajectories it sends at positions `which`, as a connection reset loses what was in
@@ -143,30 +139,13 @@ def test_lost_trajectories_are_regenerated_even_without_staleness(tmp_path, whic
 
         actor.outbox.send = lossy
 
-    injected = []
-
-    def inject():  # imports nothing of Ray itself: the launcher sets Ray's environment before its first import
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            ray = sys.modules.get("ray")
-            try:
-                actor = ray.get_actor("rollout-0") if ray is not None and ray.is_initialized() else None
-            except ValueError:
-                actor = None
-            if actor is not None:
-                ray.get(actor.__ray_call__.remote(lose_trajectories))
-                injected.append(True)
-                return
-            time.sleep(0.2)
-
-    injector = threading.Thread(target=inject, daemon=True)
-    injector.start()
+    injection = inject_into_actor(lose_trajectories)
     logdir = tmp_path / "run"
     small = [o for o in SMALL if not o.startswith("algorithm.max_staleness")]
     assert launch.main(["--config", "grpo_tiny", "trainer.steps=3", f"logging.dir={logdir}",
                         "algorithm.max_staleness=0", *small]) == 0
-    injector.join()
-    assert injected
+    injection.join()
+    assert injection.injected
     summary = json.loads((logdir / "summary.json").read_text())
     learner, actor = summary["learner"], summary["actors"][0]
     assert learner["lost"] == 1 and actor["rewinds"] == 1 and learner["version"] == 3
