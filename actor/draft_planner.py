@@ -5,7 +5,7 @@ and loses where the engine is compute-bound. Where that line lies depends on the
 drafter, so the planner learns it online from the engine's own steps instead of a fixed gate:
 - `StepCost`: engine step seconds as a function of the tokens the step computes (piecewise linear over
   geometric buckets of exponentially averaged observations, monotone, extrapolated along its trend);
-- `DraftCost`: the drafter's seconds as a linear function of its draft passes and drafted tokens;
+- `DraftCost`: the drafter's seconds as a linear function of its draft passes, drafted tokens and catch-up tokens;
 - `Acceptance`: each request's per-token acceptance probability, shrunk towards the drafter's running average.
 With acceptance `a`, the `j`-th draft token of a request adds `a**j` expected committed tokens. `plan` takes
 draft tokens in order of that gain and keeps the prefix that maximises expected committed tokens per second
@@ -62,24 +62,49 @@ class StepCost:
 
 
 class DraftCost:
-    """The drafter's seconds per step as `c0 + c1 * passes + c2 * drafted_tokens` (passes: the largest number of
-    tokens drafted for one request, i.e. sequential forwards of a draft model), by exponentially weighted least
-    squares; a drafter that costs nothing (n-gram lookup, replay) is learned as such."""
+    """The drafter's seconds per step as `c0 + c1 * passes + c2 * drafted_tokens + c3 * unseen_tokens` (passes: the
+    largest number of tokens drafted for one request, i.e. sequential forwards of a draft model; unseen: history
+    tokens the drafting requests had not shown the drafter in a proposal before, i.e. a draft model's catch-up: a new
+    request's whole prompt, or what a request committed while it was not drafting), fitted by exponentially weighted
+    least squares with every coefficient >= 0 (exactly: the best of the fits on each subset of the terms); a drafter
+    that costs nothing (n-gram lookup, replay) is learned as such. Clipping an unconstrained fit at 0 instead is not
+    a fit: after four like steps and one unlike one (a hundred new requests drafting one token each) it once read a
+    10 ms step as a 60 ms fixed cost, and the planner stopped drafting for the rest of the batch and the next."""
 
-    def __init__(self, decay: float = 0.97, ridge: float = 1e-6):
+    TERMS = 4
+
+    def __init__(self, decay: float = 0.97, ridge: float = 1e-9):
         self.decay, self.ridge = decay, ridge
-        self.gram = np.zeros((3, 3))
-        self.moment = np.zeros(3)
-        self.coef = np.zeros(3)
+        self.gram = np.zeros((self.TERMS, self.TERMS))
+        self.moment = np.zeros(self.TERMS)
+        self.coef = np.zeros(self.TERMS)
 
-    def observe(self, passes: int, drafted: int, seconds: float) -> None:
-        x = np.array([1.0, passes, drafted])
+    def observe(self, passes: int, drafted: int, unseen: int, seconds: float) -> None:
+        x = np.array([1.0, passes, drafted, unseen])
         self.gram = self.decay * self.gram + np.outer(x, x)
         self.moment = self.decay * self.moment + seconds * x
-        self.coef = np.maximum(np.linalg.solve(self.gram + self.ridge * np.eye(3), self.moment), 0.0)
+        self.coef = self._nonnegative_fit()
 
-    def predict(self, passes: np.ndarray, drafted: np.ndarray) -> np.ndarray:
-        return np.where(drafted > 0, self.coef[0] + self.coef[1] * passes + self.coef[2] * drafted, 0.0)
+    def _nonnegative_fit(self) -> np.ndarray:
+        gram = self.gram + self.ridge * np.eye(self.TERMS)
+        unconstrained = np.linalg.solve(gram, self.moment)
+        if np.all(unconstrained >= 0):  # the usual case, once the terms vary: one solve
+            return unconstrained
+        best, best_loss = np.zeros(self.TERMS), 0.0  # all terms 0: loss 0 in `x'Gx - 2x'm` (the constant dropped)
+        for mask in range(1, 2 ** self.TERMS - 1):
+            terms = [t for t in range(self.TERMS) if mask >> t & 1]
+            fit = np.linalg.solve(gram[np.ix_(terms, terms)], self.moment[terms])
+            if np.all(fit >= 0):
+                coef = np.zeros(self.TERMS)
+                coef[terms] = fit
+                loss = coef @ gram @ coef - 2 * coef @ self.moment
+                if loss < best_loss:
+                    best, best_loss = coef, loss
+        return best
+
+    def predict(self, passes: np.ndarray, drafted: np.ndarray, unseen: np.ndarray | int = 0) -> np.ndarray:
+        cost = self.coef[0] + self.coef[1] * passes + self.coef[2] * drafted + self.coef[3] * np.asarray(unseen)
+        return np.where(drafted > 0, cost, 0.0)
 
 
 class Acceptance:
@@ -110,32 +135,40 @@ class Acceptance:
 
 
 def plan(rates: list[float], k: int, base_tokens: int, step: StepCost, draft: DraftCost,
-         explore: bool = False) -> tuple[list[int], float]:
+         explore: bool = False, unseen: list[int] | None = None) -> tuple[list[int], float]:
     """Draft tokens per request (0..k) maximising expected committed tokens per second,
     and the predicted step seconds of that plan (engine step only). `base_tokens`: tokens the step computes
-    without drafts (one per decoding request, plus any prefill). `explore`: where no drafting pays, the request
+    without drafts (one per decoding request, plus any prefill). `unseen`: per request, the history tokens the
+    drafter would see for the first time if it drafted (its catch-up, paid with the request's first draft token;
+    zeros if not given). `explore`: where no drafting pays, the request
     most likely to accept drafts gets `k` anyway, so that a planner that stopped drafting keeps measuring what
     drafting gives (acceptance and costs drift with the policy and the batch); its caller decides how rarely."""
     n = len(rates)
     if not step.seen.any():  # nothing measured yet: draft fully, and learn what verifying costs
         return [k] * n, 0.0
     if explore and n:
-        chosen, engine = plan(rates, k, base_tokens, step, draft)
+        chosen, engine = plan(rates, k, base_tokens, step, draft, unseen=unseen)
         if not any(chosen):
             chosen[int(np.argmax(rates))] = k
             engine = float(step.predict(base_tokens + k))
         return chosen, engine
+    unseen = [0] * n if unseen is None else unseen
+    # the order drafts are taken in: by gain, a request's catch-up weighing on all of its drafts (in units of a plain
+    # step), so that its drafts stay in order and one long-idle request does not end the prefix of everyone else's
+    plain = max(float(step.predict(base_tokens)), 1e-9)
+    weight = [1 + draft.coef[3] * u / plain for u in unseen]
     gains = [(rates[i] ** (j + 1), i) for i in range(n) for j in range(k)]
-    gains.sort(key=lambda g: -g[0])  # per request, gains fall with j, so each request's drafts stay in order
+    gains.sort(key=lambda g: -g[0] / weight[g[1]])
     drafted = np.arange(len(gains) + 1)
     counts = [0] * n
-    passes = np.zeros(len(gains) + 1)
+    passes, caught_up = np.zeros(len(gains) + 1), np.zeros(len(gains) + 1)
     for p, (_, i) in enumerate(gains, start=1):
         counts[i] += 1
         passes[p] = max(passes[p - 1], counts[i])
+        caught_up[p] = caught_up[p - 1] + (unseen[i] if counts[i] == 1 else 0)
     committed = n + np.concatenate([[0.0], np.cumsum([g for g, _ in gains])])
     engine = step.predict(base_tokens + drafted)
-    seconds = engine + draft.predict(passes, drafted)
+    seconds = engine + draft.predict(passes, drafted, caught_up)
     best = int(np.argmax(committed / np.maximum(seconds, 1e-9)))
     chosen = [0] * n
     for _, i in gains[:best]:

@@ -185,6 +185,7 @@ class DrafterBridge:
         self.known: set[str] = set()  # every request the drafter has state for
         self.step_cost, self.draft_cost, self.acceptance = StepCost(), DraftCost(), Acceptance()
         self.planned: dict[str, int] = {}  # draft tokens handed to the engine last step, per request
+        self.shown: dict[str, int] = {}  # per request, the history length in its last proposal (the drafter's view)
         self.predicted, self.undrafted_steps = 0.0, 0  # the planner's engine seconds for this step; steps undrafted
         self.step_end: float | None = None  # when the last propose() returned: the next step's engine time starts
         self.seconds = self.drafter_seconds = 0.0  # in propose(), and of that in the drafter (a benchmark's profile)
@@ -216,6 +217,7 @@ class DrafterBridge:
         for gone in [r for r in self.known - set(req_ids) if r not in runner.requests]:
             self.drafter.remove(gone)
             self.acceptance.remove(gone)
+            self.shown.pop(gone, None)
             self.known.discard(gone)
         self.live = set(req_ids)
         committed_rows = [row for row, committed in enumerate(sampled_token_ids[: len(req_ids)]) if committed]
@@ -231,9 +233,10 @@ class DrafterBridge:
             committed_rows = []
         budgets = [self.k] * len(committed_rows)
         if self.planning:
+            unseen = [int(num_tokens_no_spec[row]) - self.shown.get(req_ids[row], 0) for row in committed_rows]
             budgets, self.predicted = plan([self.acceptance.rate(req_ids[row]) for row in committed_rows], self.k,
                                            len(req_ids), self.step_cost, self.draft_cost,
-                                           explore=self.undrafted_steps >= EXPLORE_EVERY)
+                                           explore=self.undrafted_steps >= EXPLORE_EVERY, unseen=unseen)
             self.undrafted_steps = 0 if any(budgets) else self.undrafted_steps + 1
         else:
             self.predicted = float(self.step_cost.predict(len(req_ids) + sum(budgets)))
@@ -274,7 +277,9 @@ class DrafterBridge:
             raise RuntimeError(f"drafter {type(self.drafter).__name__} returned {len(proposals)} proposals for "
                                f"{len(requests)} requests (drafters/base.py: one list per request)")
         sampler, sources = self.runner._sample, self.drafter.sources()
+        unseen = sum(len(r.token_ids) - self.shown.get(r.request_id, 0) for _, r in requests)
         for j, ((row, request), proposal) in enumerate(zip(requests, proposals)):
+            self.shown[request.request_id] = len(request.token_ids)
             counts = sampler.counts_for(request.request_id)
             counts.draft_seconds += elapsed / len(requests)
             valid = token_ids_within(proposal[: request.max_tokens], self.vocab_size)
@@ -286,7 +291,7 @@ class DrafterBridge:
                 if sources:
                     counts.choices[sources[j]] = counts.choices.get(sources[j], 0) + 1
         passes = max(len(d) for d in drafts)
-        self.draft_cost.observe(passes, sum(len(d) for d in drafts), elapsed)
+        self.draft_cost.observe(passes, sum(len(d) for d in drafts), unseen, elapsed)
 
 
 def token_ids_within(proposal, vocab_size: int) -> list[int] | None:
