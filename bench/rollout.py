@@ -1,6 +1,6 @@
 """Rollout benchmark: the same GRPO groups, seeds and cores, every system in one run, paired and interleaved.
 
-    python -m bench.rollout [--preset smoke|full|longtail|gpu] [--out PATH]
+    python -m bench.rollout [--preset smoke|full|longtail|gpu] [--epochs-before N] [--out PATH]
 
 Systems (fixed before the run; `specactor` is the configured default, never the best of several afterwards)
 - `vllm`: plain vLLM with its own sampler, no speculation, unseeded requests: what RL frameworks run today;
@@ -21,6 +21,9 @@ with vanilla in tokens/s). The JSON also holds the workload's shape
 per-step profile (engine forward + scheduler, coupled sampler, drafter bridge, drafter), the draft planner's
 choices (tokens allowed per request and step, its relative error on step seconds) and the speed-up at fixed batch
 sizes (the sweep: the preset's hardest prompt, `SWEEP_TOKENS` tokens per request); a PNG sits beside it, the engines' logs in the same name with .log.
+`--epochs-before N` measures a later epoch of training, as GRPO revisits its prompts: every engine first generates
+the same prompts N times with the seeds of the earlier epochs, unmeasured, so the history (suffix) drafter holds each
+prompt's earlier outputs (the policy does not change between epochs here: the best case for history).
 """
 
 from __future__ import annotations
@@ -63,7 +66,9 @@ TEMPERATURE = 1.0  # GRPO samples at T = 1
 SWEEP_TOKENS = 64
 
 
-def workload(preset: dict, seed: int) -> tuple[list[str], list[int]]:
+def workload(preset: dict, seed: int, epoch: int = 0) -> tuple[list[str], list[int]]:
+    """The preset's prompts (the same every epoch) and the sample seeds of epoch `epoch` (the data cursor runs on
+    across epochs, as in training, so every epoch samples with other seeds)."""
     from sampling.coupled import group_seed
     from tasks.arithmetic import ArithmeticTask
 
@@ -72,7 +77,7 @@ def workload(preset: dict, seed: int) -> tuple[list[str], list[int]]:
     for cursor, ops in enumerate(preset["ops"]):
         for i in range(n):
             prompts.append(task.with_ops(ops, cursor).prompt)
-            seeds.append(group_seed(seed, cursor, n) + i)
+            seeds.append(group_seed(seed, epoch * len(preset["ops"]) + cursor, n) + i)
     return prompts, seeds
 
 
@@ -125,7 +130,7 @@ def generate(llm, prompt_ids: list[list[int]], params: list) -> dict:
 
 
 def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: list[int], max_tokens: int,
-               oracle: Path | None, sweep: list[int], device: str) -> dict:
+               oracle: Path | None, sweep: list[int], device: str, earlier: list[list[int]]) -> dict:
     from vllm import SamplingParams
 
     from actor.engine import close_engine
@@ -137,10 +142,17 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
         prompt_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
         llm.generate(prompts[:2], SamplingParams(temperature=TEMPERATURE, max_tokens=8), use_tqdm=False)  # warm-up
         coupled = name in COUPLED
+
+        def sampling(epoch_seeds: list[int]) -> list:
+            return [SamplingParams(seed=None if name == "vllm" else s, temperature=TEMPERATURE, max_tokens=max_tokens)
+                    for s in epoch_seeds]
+
+        for epoch_seeds in earlier:  # earlier epochs, unmeasured: the engine (its drafter's history) has seen them
+            generate(llm, prompt_ids, sampling(epoch_seeds))
+            if coupled:
+                llm.collective_rpc(take_spec_counts, args=([f"r{i}" for i in range(len(seeds))],))
         before = llm.collective_rpc(profile)[0] if coupled else {}
-        params = [SamplingParams(seed=None if name == "vllm" else s, temperature=TEMPERATURE, max_tokens=max_tokens)
-                  for s in seeds]
-        run = generate(llm, prompt_ids, params)
+        run = generate(llm, prompt_ids, sampling(seeds))
         steps = len(run["batch_curve"])
         if coupled:  # where the time of a step went
             after = llm.collective_rpc(profile)[0]
@@ -222,7 +234,8 @@ def plot(result: dict, path: Path) -> None:
         axes[2].set_xlabel(f"concurrent requests ({SWEEP_TOKENS} tokens each)")
         axes[2].set_ylabel("specactor speed-up over vanilla")
     c = result["config"]
-    fig.suptitle(f"{c['preset']}: {c['sequences']} sequences, target {c['target_params'] / 1e6:.1f}M params, "
+    epoch = f" (epoch {c['epochs_before'] + 1})" if c.get("epochs_before") else ""
+    fig.suptitle(f"{c['preset']}{epoch}: {c['sequences']} sequences, target {c['target_params'] / 1e6:.1f}M params, "
                  f"tail share {result['workload']['tail_share_last_10pct']:.2f}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -237,6 +250,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=SYSTEMS,
                         help="a subset to run (vanilla always runs: it is the reference)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the fixed-batch sweep")
+    parser.add_argument("--epochs-before", type=int, default=0,
+                        help="measure epoch N+1: each engine first generates the same prompts N times with the "
+                             "seeds of earlier epochs, unmeasured (the history a training run's drafters hold)")
     args = parser.parse_args(argv)
     device = PRESETS[args.preset].get("device", "cpu")
     if device == "cuda":
@@ -253,7 +269,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     preset = dict(PRESETS[args.preset], repeats=args.repeats or PRESETS[args.preset]["repeats"])
     policy, draft = resolve("builtin:dense"), resolve("builtin:draft")
-    prompts, seeds = workload(preset, args.seed)
+    prompts, seeds = workload(preset, args.seed, epoch=args.epochs_before)
+    earlier = [workload(preset, args.seed, epoch=e)[1] for e in range(args.epochs_before)]
     others = [n for n in SYSTEMS if n in args.systems and n != "vanilla"]
     sweep = [] if args.no_sweep else preset["sweep"]
     out, log = Path(args.out), Path(args.out).with_suffix(".log")
@@ -266,7 +283,7 @@ def main(argv: list[str] | None = None) -> dict:
             order = ["vanilla", *others[repeat % max(1, len(others)):], *others[: repeat % max(1, len(others))]]
             for name in order:  # one fresh process per engine: vLLM keeps global state between engines
                 run = in_fresh_process(log, run_system, name, target, draft, prompts, seeds, preset["max_tokens"],
-                                       oracle, sweep if name in ("vanilla", "specactor") else [], device)
+                                       oracle, sweep if name in ("vanilla", "specactor") else [], device, earlier)
                 if name == "vanilla" and repeat == 0:
                     oracle.write_text(json.dumps({s: t for s, t in zip(seeds, run["sequences"])}))
                 if name != "vllm" and runs.get(name) and run["sequences"] != runs[name][0]["sequences"]:
@@ -300,6 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
                                         [r["sweep_s"][size] for r in runs["specactor"]]) for size in sweep}
     result["config"] = {
         "preset": args.preset, **preset, "sequences": len(reference), "temperature": TEMPERATURE, "seed": args.seed,
+        "epochs_before": args.epochs_before,
         "num_speculative_tokens": SPECULATIVE_TOKENS, "specactor": "draft_lm, cost-model draft planner",
         "target": (f"cost-padded built-in policy: {TARGETS[device]['zero_layers']} zero-output layers in front of "
                    f"the 4 trained ones, widened to {TARGETS[device]['num_heads']} heads / "

@@ -34,3 +34,16 @@ def test_smoke_benchmark_writes_json_and_png(tmp_path, capsys):
     console = capsys.readouterr().out  # the table, not the engines' start-up logs (those are in the .log file)
     assert "| specactor |" in console and "WARNING" not in console and "Loading" not in console
     assert out.with_suffix(".log").stat().st_size > 0
+
+
+def test_a_later_epoch_gives_the_history_drafter_the_prompts_earlier_outputs(tmp_path):
+    """`--epochs-before 1`: each engine first generates the prompts with the first epoch's seeds, unmeasured; the
+    measured epoch's tokens are still exactly vanilla's, and the suffix drafter, now holding every prompt's earlier
+    outputs, is accepted more than with only the running group's siblings."""
+    run = ["--preset", "smoke", "--systems", "specactor_suffix", "--no-sweep"]
+    first = main([*run, "--out", str(tmp_path / "first.json")])
+    second = main([*run, "--epochs-before", "1", "--out", str(tmp_path / "second.json")])
+    assert first["config"]["epochs_before"] == 0 and second["config"]["epochs_before"] == 1
+    assert second["identical_fraction"]["specactor_suffix"] == 1.0
+    assert (second["systems"]["specactor_suffix"]["acceptance_length"]
+            > first["systems"]["specactor_suffix"]["acceptance_length"])

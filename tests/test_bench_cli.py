@@ -1,12 +1,13 @@
 """The benchmarks' command lines without engines: the rollout GPU preset refuses a machine without CUDA at once,
-in one line naming what is missing (no traceback, no model built); the weight-sync benchmark runs small."""
+in one line naming what is missing (no traceback, no model built); a later epoch's workload; the weight-sync
+benchmark runs small."""
 
 import time
 
 import pytest
 import torch
 
-from bench.rollout import PRESETS, main
+from bench.rollout import PRESETS, main, workload
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the preset would run")
@@ -22,6 +23,12 @@ def test_gpu_preset_exits_at_once_without_cuda(capsys):
 def test_gpu_preset_runs_the_long_tail_workload_with_a_wider_sweep():
     assert PRESETS["gpu"]["ops"] == PRESETS["longtail"]["ops"] and PRESETS["gpu"]["device"] == "cuda"
     assert max(PRESETS["gpu"]["sweep"]) > max(PRESETS["longtail"]["sweep"])
+
+
+def test_a_later_epoch_samples_the_same_prompts_with_other_seeds():
+    prompts, seeds = workload(PRESETS["longtail"], seed=0)
+    later_prompts, later_seeds = workload(PRESETS["longtail"], seed=0, epoch=1)
+    assert later_prompts == prompts and len(set(seeds)) == len(seeds) and not set(seeds) & set(later_seeds)
 
 
 def test_weight_sync_benchmark_measures_every_channel_against_raw_zeromq(tmp_path):
