@@ -147,12 +147,14 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
             return [SamplingParams(seed=None if name == "vllm" else s, temperature=TEMPERATURE, max_tokens=max_tokens)
                     for s in epoch_seeds]
 
-        for epoch_seeds in earlier:  # earlier epochs, unmeasured: the engine (its drafter's history) has seen them
-            generate(llm, prompt_ids, sampling(epoch_seeds))
+        earlier_sequences = []  # earlier epochs, unmeasured: the engine (its drafter's history) has seen them
+        for epoch_seeds in earlier:
+            earlier_sequences += generate(llm, prompt_ids, sampling(epoch_seeds))["sequences"]
             if coupled:
                 llm.collective_rpc(take_spec_counts, args=([f"r{i}" for i in range(len(seeds))],))
         before = llm.collective_rpc(profile)[0] if coupled else {}
         run = generate(llm, prompt_ids, sampling(seeds))
+        run["earlier_sequences"] = earlier_sequences
         steps = len(run["batch_curve"])
         if coupled:  # where the time of a step went
             after = llm.collective_rpc(profile)[0]
@@ -284,8 +286,9 @@ def main(argv: list[str] | None = None) -> dict:
             for name in order:  # one fresh process per engine: vLLM keeps global state between engines
                 run = in_fresh_process(log, run_system, name, target, draft, prompts, seeds, preset["max_tokens"],
                                        oracle, sweep if name in ("vanilla", "specactor") else [], device, earlier)
-                if name == "vanilla" and repeat == 0:
-                    oracle.write_text(json.dumps({s: t for s, t in zip(seeds, run["sequences"])}))
+                if name == "vanilla" and repeat == 0:  # the oracle replays every epoch it sees
+                    replay = zip([*sum(earlier, []), *seeds], [*run["earlier_sequences"], *run["sequences"]])
+                    oracle.write_text(json.dumps({s: t for s, t in replay}))
                 if name != "vllm" and runs.get(name) and run["sequences"] != runs[name][0]["sequences"]:
                     raise RuntimeError(f"{name}: repeat {repeat + 1} generated other tokens than repeat 1")
                 runs.setdefault(name, []).append(run)
