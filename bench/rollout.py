@@ -235,6 +235,9 @@ def plot(result: dict, path: Path) -> None:
         axes[2].set_xscale("log", base=2)
         axes[2].set_xlabel(f"concurrent requests ({SWEEP_TOKENS} tokens each)")
         axes[2].set_ylabel("specactor speed-up over vanilla")
+    else:
+        axes[2].axis("off")
+        axes[2].text(0.5, 0.5, "no fixed-batch sweep in this run (--no-sweep)", ha="center", va="center")
     c = result["config"]
     epoch = f" (epoch {c['epochs_before'] + 1})" if c.get("epochs_before") else ""
     fig.suptitle(f"{c['preset']}{epoch}: {c['sequences']} sequences, target {c['target_params'] / 1e6:.1f}M params, "
