@@ -14,6 +14,7 @@ import shutil
 import sys
 import time
 import uuid
+from collections import deque
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -89,8 +90,7 @@ class Run:
         self.writer = SummaryWriter(str(self.dir))
         self.evaluations: dict[int, list] = {}  # step asked at -> one ref per actor, until logged
         self.step_started = time.time()
-        self.first_reward: float | None = None
-        self.last: dict[str, float] = {}
+        self.rewards = RewardWindows(window=max(1, min(10, (cfg.trainer.steps - self.first_step) // 2)))
         r, lr, spec = cfg.rollout, cfg.learner, cfg.speculation
         print(f"SpecActor: model {cfg.model.path} ({policy_dir}), data {cfg.data.source}\n"
               f"  rollout: {r.num_actors} actor(s), {r.prompts_per_step} prompts x {r.group_size} samples per step, "
@@ -128,6 +128,8 @@ class Run:
                 answered = sum(s[count] for s in shares)
                 if answered:
                     self.writer.add_scalar(tag, sum(s[key] for s in shares) / answered, step)
+                    if tag == "eval/reward_mean":
+                        self.rewards.held_out(step, sum(s[key] for s in shares) / answered)
 
     def collect(self) -> dict[str, float]:
         """Rank 0 pulls the step's whole, fresh-enough groups (a rollout actor that dies meanwhile is replaced)."""
@@ -147,9 +149,7 @@ class Run:
         metrics["rollout/tokens_per_s"] = metrics["rollout/tokens"] / (time.time() - self.step_started)
         for tag, value in metrics.items():
             self.writer.add_scalar(tag, value, step)
-        if self.first_reward is None:
-            self.first_reward = metrics["rl/reward_mean"]
-        self.last = metrics
+        self.rewards.train(metrics["rl/reward_mean"])
         self.log_evaluations()
         fields = {"reward": f"{metrics['rl/reward_mean']:.3f}", "loss": f"{metrics['rl/loss']:.4f}",
                   "tok/s": f"{metrics['rollout/tokens_per_s']:.0f}", "stale": f"{metrics['rl/staleness_max']:.0f}"}
@@ -188,9 +188,7 @@ class Run:
         learner = summary["learner"]
         dropped = {k.removeprefix("dropped_"): v for k, v in learner.items()
                    if k.startswith("dropped_") and isinstance(v, int) and v}
-        reward = (f", reward {self.first_reward:.3f} (first step) -> {self.last['rl/reward_mean']:.3f} (last)"
-                  if self.last else "")
-        print(f"done: step {learner['version']}{reward}; trained {learner['trained']} trajectories, dropped "
+        print(f"done: step {learner['version']}{self.rewards}; trained {learner['trained']} trajectories, dropped "
               f"{dropped or 'none'}, lost {learner['lost']}, skipped steps {learner['skipped_steps']}, actor restarts "
               f"{summary['actor_restarts']}\n"
               f"summary: {self.dir / 'summary.json'}, engine log: {self.dir / 'run.log'}\n"
@@ -198,6 +196,38 @@ class Run:
         if self.interrupted:
             print(f"interrupted at step {learner['version']}; every process is shut down", file=sys.stderr)
         return summary
+
+
+class RewardWindows:
+    """The console's last word on learning: the mean training reward of the run's first and last `window` steps
+    (one step's batch is too noisy to compare two of), and the held-out reward at the first and last evaluation."""
+
+    def __init__(self, window: int = 10):
+        self.first: list[float] = []
+        self.recent: deque[float] = deque(maxlen=window)
+        self.window = window
+        self.evaluations: list[tuple[int, float]] = []  # the first and the latest (step, held-out reward)
+
+    def train(self, reward: float) -> None:
+        if len(self.first) < self.window:
+            self.first.append(reward)
+        self.recent.append(reward)
+
+    def held_out(self, step: int, reward: float) -> None:
+        self.evaluations = [*self.evaluations[:1], (step, reward)]
+
+    def __str__(self) -> str:
+        if not self.first:
+            return ""
+        n = len(self.first)
+        text = (f", reward {sum(self.first) / n:.3f} -> {sum(self.recent) / len(self.recent):.3f} (means over the "
+                f"first and the last {n} steps)" if len(self.recent) == self.window else
+                f", reward {sum(self.first) / n:.3f} (mean of {n} steps)")
+        if self.evaluations:
+            (a, first), (b, last) = self.evaluations[0], self.evaluations[-1]
+            text += (f", held-out {first:.3f} (step {a}) -> {last:.3f} (step {b})" if b != a else
+                     f", held-out {first:.3f} (step {a})")
+        return text
 
 
 def placed(placement: dict[str, dict[str, str]]) -> str:

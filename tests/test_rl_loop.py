@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -280,5 +281,8 @@ def test_the_console_shows_progress_not_engine_chatter(tmp_path):
     assert len(lines) < 60, "\n".join(lines)
     assert "Failed to load weights" not in console
     assert "tensorboard --logdir" in console and "transport: trajectories tcp://" in console
+    # 4 steps: training reward over the first and the last 2, held-out at the first and the final evaluation
+    assert re.search(r"done: step 4, reward \d\.\d{3} -> \d\.\d{3} \(means over the first and the last 2 steps\), "
+                     r"held-out \d\.\d{3} \(step 0\) -> \d\.\d{3} \(step 4\);", console), console[-2000:]
     engine_log = (logdir / "run.log").read_text()
     assert "Reloading and processing weights" in engine_log  # vLLM's info lines went to the file
