@@ -77,13 +77,14 @@ class Intake:
             return None
         if gap:  # (only a trajectory the run could use names an actor whose work to re-issue)
             self.gapped.add(message.actor_id)
-        group = self.pending[message.group_id]
-        # a dead actor's still in flight, or a group delivered before and regenerated (a replacement, a rewind): never
-        # kept, so a group that can no longer be trained holds no memory
-        if message.group_id in self.delivered or any(t.sample_index == message.sample_index for t in group):
+        # a group delivered before and regenerated (a replacement, a rewind) is never kept, so a group that can no
+        # longer be trained holds no memory; nor is a sample its group already holds (a dead actor's, still in flight)
+        if message.group_id in self.delivered:
             self.counts.dropped_duplicate += 1
-            if not group:
-                del self.pending[message.group_id]
+            return None
+        group = self.pending[message.group_id]
+        if any(t.sample_index == message.sample_index for t in group):
+            self.counts.dropped_duplicate += 1
             return None
         group.append(message)
         if len(group) < self.group_size:
