@@ -147,11 +147,12 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
             return [SamplingParams(seed=None if name == "vllm" else s, temperature=TEMPERATURE, max_tokens=max_tokens)
                     for s in epoch_seeds]
 
+        request_ids = [f"r{i}" for i in range(len(seeds))]  # as `generate` names them
         earlier_sequences = []  # earlier epochs, unmeasured: the engine (its drafter's history) has seen them
         for epoch_seeds in earlier:
             earlier_sequences += generate(llm, prompt_ids, sampling(epoch_seeds))["sequences"]
             if coupled:
-                llm.collective_rpc(take_spec_counts, args=([f"r{i}" for i in range(len(seeds))],))
+                llm.collective_rpc(take_spec_counts, args=(request_ids,))
         before = llm.collective_rpc(profile)[0] if coupled else {}
         run = generate(llm, prompt_ids, sampling(seeds))
         run["earlier_sequences"] = earlier_sequences
@@ -165,8 +166,7 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
             counters = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
             verify, accepted = counters["vllm:spec_decode_num_drafts"], counters["vllm:spec_decode_num_accepted_tokens"]
         else:
-            counts = llm.collective_rpc(take_spec_counts, args=([f"r{i}" for i in range(len(seeds))],))[0].values() \
-                if coupled else []
+            counts = llm.collective_rpc(take_spec_counts, args=(request_ids,))[0].values() if coupled else []
             verify, accepted = sum(c.verify_steps for c in counts), sum(c.accepted_tokens for c in counts)
             planned = sum(c.planned_steps for c in counts)
             if planned:  # the draft planner: tokens it allowed per request and step, its error on step seconds
