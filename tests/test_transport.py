@@ -259,9 +259,9 @@ def test_with_curve_only_admitted_keys_get_in_and_a_key_speaks_only_for_itself()
     time.sleep(0.3)
     got |= {name: r for name, sub in subscribers.items() if (r := sub.poll(100)) is not None}
     assert list(got) == ["actor0"] and torch.equal(got["actor0"][1][0][1], weights[0][1])
-    for out in [*clients.values(), forged_server]:
-        out.socket.close(0)  # unsent messages of the refused ones: nothing to wait for
-    for socket in [raw, *subscribers.values(), inbox, publisher]:
+    for out in [raw, *(c.socket for c in clients.values()), forged_server.socket]:
+        out.close(0)  # unsent messages of the refused ones: nothing to wait for (a queued one held ctx.term() forever)
+    for socket in [*subscribers.values(), inbox, publisher]:
         socket.close()
     gate.close()
     ctx.term()
