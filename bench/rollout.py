@@ -259,6 +259,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="measure epoch N+1: each engine first generates the same prompts N times with the "
                              "seeds of earlier epochs, unmeasured (the history a training run's drafters hold)")
     args = parser.parse_args(argv)
+    if args.epochs_before < 0:
+        parser.error(f"--epochs-before must be 0 or more, got {args.epochs_before}")
     device = PRESETS[args.preset].get("device", "cpu")
     if device == "cuda":
         import torch

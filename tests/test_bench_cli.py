@@ -29,6 +29,8 @@ def test_a_later_epoch_samples_the_same_prompts_with_other_seeds():
     prompts, seeds = workload(PRESETS["longtail"], seed=0)
     later_prompts, later_seeds = workload(PRESETS["longtail"], seed=0, epoch=1)
     assert later_prompts == prompts and len(set(seeds)) == len(seeds) and not set(seeds) & set(later_seeds)
+    with pytest.raises(SystemExit):  # argparse's one-line error, before any model is built
+        main(["--preset", "smoke", "--epochs-before", "-1"])
 
 
 def test_weight_sync_benchmark_measures_every_channel_against_raw_zeromq(tmp_path):
