@@ -7,10 +7,11 @@ drafter, so the planner learns it online from the engine's own steps instead of 
   geometric buckets of exponentially averaged observations, monotone, extrapolated along its trend);
 - `DraftCost`: the drafter's seconds as a linear function of its draft passes, drafted tokens and catch-up tokens;
 - `Acceptance`: each request's per-token acceptance probability, shrunk towards the drafter's running average.
-With acceptance `a`, the `j`-th draft token of a request adds `a**j` expected committed tokens. `plan` takes
-draft tokens in order of that gain and keeps the prefix that maximises expected committed tokens per second
-`(n + sum of gains) / (step(n + drafted) + draft(passes, drafted))`; 0 everywhere when no drafting pays (but
-for a rare exploring step, so the estimates never freeze where drafting stopped).
+With acceptance `a`, the `j`-th draft token of a request adds `a**j` expected committed tokens; a drafter that
+rates its tokens (`Drafter.confidences`, calibrated in drafters/calibration.py) gives each token's own gain once it
+has drafted. `plan` takes draft tokens in order of gain and keeps the prefix that maximises expected committed
+tokens per second `(n + sum of gains) / (step(n + drafted) + draft(passes, drafted))`; 0 everywhere when no
+drafting pays (but for a rare exploring step, so the estimates never freeze where drafting stopped).
 Correctness never depends on it: drafts only change how fast the coupled sampler's tokens come out.
 """
 
@@ -134,44 +135,53 @@ class Acceptance:
         self.rejected.pop(request_id, None)
 
 
-def plan(rates: list[float], k: int, base_tokens: int, step: StepCost, draft: DraftCost,
+def geometric(rate: float, k: int) -> list[float]:
+    """The gains of `k` draft tokens accepted at `rate` each: the j-th is reached and accepted with `rate**j`."""
+    return [rate ** (j + 1) for j in range(k)]
+
+
+def plan(gains: list[list[float]], base_tokens: int, step: StepCost, draft: DraftCost | None,
          explore: bool = False, unseen: list[int] | None = None) -> tuple[list[int], float]:
-    """Draft tokens per request (0..k) maximising expected committed tokens per second,
-    and the predicted step seconds of that plan (engine step only). `base_tokens`: tokens the step computes
-    without drafts (one per decoding request, plus any prefill). `unseen`: per request, the history tokens the
-    drafter would see for the first time if it drafted (its catch-up, paid with the request's first draft token;
-    zeros if not given). `explore`: where no drafting pays, the request
-    most likely to accept drafts gets `k` anyway, so that a planner that stopped drafting keeps measuring what
-    drafting gives (acceptance and costs drift with the policy and the batch); its caller decides how rarely."""
-    n = len(rates)
+    """Draft tokens per request maximising expected committed tokens per second, and the predicted step seconds of
+    that plan (engine step only). `gains[i][j]`: the expected committed tokens the `j+1`-th draft token of request `i`
+    adds (the probability that it and every one before it are accepted; never rising in `j`), so request `i` gets at
+    most `len(gains[i])`. `base_tokens`: tokens the step computes without drafts (one per decoding request, plus any
+    prefill). `draft`: the drafting cost model; None when the drafts are already made (their cost is paid, only
+    verifying them is left to decide). `unseen`: per request, the history tokens the drafter would see for the first
+    time if it drafted (its catch-up, paid with the request's first draft token; zeros if not given). `explore`:
+    where no drafting pays, the request most likely to accept drafts gets all of its tokens anyway, so that a planner
+    that stopped drafting keeps measuring what drafting gives (acceptance and costs drift with the policy and the
+    batch); its caller decides how rarely."""
+    n = len(gains)
     if not step.seen.any():  # nothing measured yet: draft fully, and learn what verifying costs
-        return [k] * n, 0.0
+        return [len(g) for g in gains], 0.0
     if explore and n:
-        chosen, engine = plan(rates, k, base_tokens, step, draft, unseen=unseen)
+        chosen, engine = plan(gains, base_tokens, step, draft, unseen=unseen)
         if not any(chosen):
-            chosen[int(np.argmax(rates))] = k
-            engine = float(step.predict(base_tokens + k))
+            likeliest = int(np.argmax([g[0] if g else 0.0 for g in gains]))
+            chosen[likeliest] = len(gains[likeliest])
+            engine = float(step.predict(base_tokens + chosen[likeliest]))
         return chosen, engine
     unseen = [0] * n if unseen is None else unseen
+    coef = draft.coef if draft is not None else np.zeros(DraftCost.TERMS)
     # the order drafts are taken in: by gain, a request's catch-up weighing on all of its drafts (in units of a plain
     # step), so that its drafts stay in order and one long-idle request does not end the prefix of everyone else's
     plain = max(float(step.predict(base_tokens)), 1e-9)
-    weight = [1 + draft.coef[3] * u / plain for u in unseen]
-    gains = [(rates[i] ** (j + 1), i) for i in range(n) for j in range(k)]
-    gains.sort(key=lambda g: -g[0] / weight[g[1]])
-    drafted = np.arange(len(gains) + 1)
+    weight = [1 + coef[3] * u / plain for u in unseen]
+    order = [(g, i) for i in range(n) for g in gains[i]]
+    order.sort(key=lambda g: -g[0] / weight[g[1]])  # stable: a request's own drafts stay in order
+    drafted = np.arange(len(order) + 1)
     counts = [0] * n
-    passes, caught_up = np.zeros(len(gains) + 1), np.zeros(len(gains) + 1)
-    for p, (_, i) in enumerate(gains, start=1):
+    passes, caught_up = np.zeros(len(order) + 1), np.zeros(len(order) + 1)
+    for p, (_, i) in enumerate(order, start=1):
         counts[i] += 1
         passes[p] = max(passes[p - 1], counts[i])
         caught_up[p] = caught_up[p - 1] + (unseen[i] if counts[i] == 1 else 0)
-    committed = n + np.concatenate([[0.0], np.cumsum([g for g, _ in gains])])
+    committed = n + np.concatenate([[0.0], np.cumsum([g for g, _ in order])])
     engine = step.predict(base_tokens + drafted)
-    seconds = engine + draft.predict(passes, drafted, caught_up)
+    seconds = engine + (draft.predict(passes, drafted, caught_up) if draft is not None else 0.0)
     best = int(np.argmax(committed / np.maximum(seconds, 1e-9)))
     chosen = [0] * n
-    for _, i in gains[:best]:
+    for _, i in order[:best]:
         chosen[i] += 1
     return chosen, float(engine[best])
-

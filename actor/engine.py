@@ -33,8 +33,8 @@ def engine_kwargs(cfg: DictConfig, model_dir: Path) -> dict:
         # happens when a weight update preempts many running requests at once; never split a prefill.
         enable_chunked_prefill=False, max_num_batched_tokens=max(8192, cfg.model.max_model_len),
     )
-    if cfg.speculation.method != "none":  # drafts come from a drafters/ plugin through actor/vllm_hooks.py
-        kwargs["speculative_config"] = {"method": "custom_class", "model": "actor.vllm_hooks.DrafterBridge",
+    if cfg.speculation.method != "none":  # drafts come from a drafters/ plugin through actor/draft_bridge.py
+        kwargs["speculative_config"] = {"method": "custom_class", "model": "actor.draft_bridge.DrafterBridge",
                                         "num_speculative_tokens": cfg.speculation.num_speculative_tokens}
     kwargs["kv_cache_memory_bytes"] = cfg.rollout.kv_cache_mib << 20  # per device (vLLM's memory fraction unused)
     if cfg.cluster.device == Device.cpu:

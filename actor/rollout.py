@@ -21,7 +21,8 @@ from omegaconf import DictConfig
 
 from actor.engine import make_engine, sampling_params
 from actor.evaluation import EVAL_SEED_BASE, Evaluation
-from actor.vllm_hooks import SpecCounts, apply_weights, swap_draft_weights, take_spec_counts
+from actor.draft_bridge import swap_draft_weights
+from actor.vllm_hooks import SpecCounts, apply_weights, take_spec_counts
 from sampling.coupled import group_seed
 from tasks.dataset import eval_set, open_dataset
 from tasks.reward import score

@@ -1,26 +1,25 @@
-"""The only vLLM-version-specific code: written against vllm 0.32.0's V1 model runner (`gpu_model_runner.py`,
-which the CPU runner subclasses; on GPUs set VLLM_USE_V2_MODEL_RUNNER=0, see actor/engine.py).
+"""With actor/draft_bridge.py, the only vLLM-version-specific code: written against vllm 0.32.0's V1 model runner
+(`gpu_model_runner.py`, which the CPU runner subclasses; on GPUs set VLLM_USE_V2_MODEL_RUNNER=0, see actor/engine.py).
 
 Everything here runs inside the vLLM worker (through `collective_rpc`). `install`
 - replaces the runner's `_sample` with `CoupledSampling`: the plain sampling path and speculative verification
   both draw the coupled sample of `sampling/coupled.py`, keyed by each row's request seed and output position;
   vLLM's per-request torch generators are never used (which also avoids vLLM-CPU's seeded chunked-prefill crash);
-- binds a `Drafter` plugin to the `custom_class` proposer `DrafterBridge`, which vLLM calls once per step.
-`apply_weights` updates weights in place with the CPU re-packing fixes (`swap_draft_weights` the drafter's own);
+- binds a `Drafter` plugin to the `custom_class` proposer `actor/draft_bridge.DrafterBridge`, which vLLM calls
+  once per engine step.
+`apply_weights` updates weights in place with the CPU re-packing fixes;
 `take_spec_counts` returns per-request speculation counts; `fix_cpu_rejection_sampler` repairs vLLM's sampler.
 """
 
 from __future__ import annotations
 
 import logging
-import operator
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, StepCost, plan
-from drafters.base import Drafter, DraftRequest
+from actor.draft_bridge import DrafterBridge
 from sampling.coupled import PLACEHOLDER, coupled_sample, verify
 
 
@@ -35,7 +34,7 @@ class SpecCounts:
     invalid_drafts: int = 0
     draft_seconds: float = 0.0  # its share of the drafter's time (a step's drafting time split among its requests)
     planned_steps: int = 0  # decode steps the draft planner decided for it (drafting or not)
-    planned_tokens: int = 0  # draft tokens the planner allowed it over those steps
+    planned_tokens: int = 0  # draft tokens the planner handed to the engine for it over those steps
     cost_error: float = 0.0  # sum over those steps of the planner's relative error on the step's engine seconds
     choices: dict[str, int] = field(default_factory=dict)  # draft steps per source, for composite drafters
 
@@ -43,13 +42,6 @@ class SpecCounts:
 def caller_id(req_id: str) -> str:
     """vLLM's internal request id is the caller's id plus "-" and 8 random characters."""
     return req_id.rsplit("-", 1)[0]
-
-
-def _request_seed(runner, req_id: str, assigned: dict[str, int]) -> int:
-    seed = runner.requests[req_id].sampling_params.seed
-    if seed is None:  # unseeded request: fix one for its lifetime so its draws stay coupled across steps
-        seed = assigned.setdefault(req_id, int(torch.randint(0, 2**62, ()).item()))
-    return seed
 
 
 def unsupported_sampling(params) -> str | None:
@@ -119,7 +111,7 @@ class CoupledSampling:
         def per_row(values) -> torch.Tensor:
             return torch.as_tensor(values).repeat_interleave(rows_per_request).to(device)
 
-        seeds = per_row([_request_seed(runner, r, self.unseeded) for r in req_ids])
+        seeds = per_row([self.seed_of(r) for r in req_ids])
         prompt_lens = per_row(batch.num_prompt_tokens[:n].astype("int64"))
         positions = runner.positions[logit_rows].long() + 1 - prompt_lens  # negative on partial-prefill rows
         temperature = per_row(batch.temperature_cpu[:n].astype("float32"))
@@ -145,6 +137,12 @@ class CoupledSampling:
             logprobs_tensors = runner.sampler.gather_logprobs(logprob_rows, meta.max_num_logprobs, logprob_tokens)
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
 
+    def seed_of(self, req_id: str) -> int:
+        """The coupled noise's seed of vLLM request `req_id`: its own, or for an unseeded request one fixed for its
+        lifetime, so that its draws stay coupled across steps."""
+        seed = self.runner.requests[req_id].sampling_params.seed
+        return self.unseeded.setdefault(req_id, int(torch.randint(0, 2**62, ()).item())) if seed is None else seed
+
     def _check_parameters(self, req_ids: list[str]) -> None:
         for req_id in set(req_ids) - self.checked:
             bad = unsupported_sampling(self.runner.requests[req_id].sampling_params)
@@ -169,139 +167,6 @@ class CoupledSampling:
         return {r: self.counts.pop(r, SpecCounts()) for r in req_ids}
 
 
-class DrafterBridge:
-    """vLLM `custom_class` proposer, called once per engine step: tells the `Drafter` plugin what each verify step
-    committed, drops requests that left the batch, lets the draft planner (actor/draft_planner.py) decide how many
-    tokens each request gets (learning the step and drafting costs and each request's acceptance as it goes), and
-    hands the drafter the requests to draft for: ids, seeds, positions, views of their histories (no copies)."""
-
-    def __init__(self, vllm_config):
-        self.k = vllm_config.speculative_config.num_speculative_tokens
-        self.runner = None
-        self.drafter: Drafter | None = None
-        self.max_batch, self.planning = 0, True
-        self.live: set[str] = set()  # the requests of the last step's batch
-        self.known: set[str] = set()  # every request the drafter has state for
-        self.step_cost, self.draft_cost, self.acceptance = StepCost(), DraftCost(), Acceptance()
-        self.planned: dict[str, int] = {}  # draft tokens handed to the engine last step, per request
-        self.shown: dict[str, int] = {}  # per request, the history length in its last proposal (the drafter's view)
-        self.predicted, self.undrafted_steps = 0.0, 0  # the planner's engine seconds for this step; steps undrafted
-        self.step_end: float | None = None  # when the last propose() returned: the next step's engine time starts
-        self.seconds = self.drafter_seconds = 0.0  # in propose(), and of that in the drafter (a benchmark's profile)
-
-    def load_model(self, *args, **kwargs) -> None:  # vLLM hands over the target model; drafters bring their own
-        pass
-
-    def bind(self, runner, drafter: Drafter, max_batch: int, planning: bool) -> None:
-        self.runner, self.drafter, self.max_batch, self.planning = runner, drafter, max_batch, planning
-        self.vocab_size = runner.model_config.get_vocab_size()
-
-    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
-        start = time.perf_counter()
-        try:
-            return self._propose(start, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
-        finally:
-            self.step_end = time.perf_counter()
-            self.seconds += self.step_end - start
-
-    def _propose(self, start, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
-        if self.drafter is None:
-            raise RuntimeError("DrafterBridge.propose before install(): no drafter bound")
-        batch, runner, sampler = self.runner.input_batch, self.runner, self.runner._sample
-        req_ids = batch.req_ids[: batch.num_reqs]
-        self._observe_step(start, req_ids)
-        # a request out of this step's batch may only be waiting (unscheduled, preempted by a weight update): its
-        # drafter state is dropped once vLLM no longer holds it (finished or aborted)
-        self.known.update(req_ids)
-        for gone in [r for r in self.known - set(req_ids) if r not in runner.requests]:
-            self.drafter.remove(gone)
-            self.acceptance.remove(gone)
-            self.shown.pop(gone, None)
-            self.known.discard(gone)
-        self.live = set(req_ids)
-        committed_rows = [row for row, committed in enumerate(sampled_token_ids[: len(req_ids)]) if committed]
-        for row in committed_rows:  # the drafter always hears what was committed, drafting or not
-            req_id, committed = req_ids[row], sampled_token_ids[row]
-            self.drafter.commit(req_id, list(committed))
-            drafted = self.planned.get(req_id, 0)
-            if drafted:
-                self.acceptance.observe(req_id, drafted, min(len(committed) - 1, drafted))
-        self.planned = {}
-        drafts: list[list[int]] = [[] for _ in req_ids]
-        if self.max_batch and len(req_ids) > self.max_batch:  # the configured bound: no drafting above it
-            committed_rows = []
-        budgets = [self.k] * len(committed_rows)
-        if self.planning:
-            unseen = [int(num_tokens_no_spec[row]) - self.shown.get(req_ids[row], 0) for row in committed_rows]
-            budgets, self.predicted = plan([self.acceptance.rate(req_ids[row]) for row in committed_rows], self.k,
-                                           len(req_ids), self.step_cost, self.draft_cost,
-                                           explore=self.undrafted_steps >= EXPLORE_EVERY, unseen=unseen)
-            self.undrafted_steps = 0 if any(budgets) else self.undrafted_steps + 1
-        else:
-            self.predicted = float(self.step_cost.predict(len(req_ids) + sum(budgets)))
-        requests = []
-        for row, budget in zip(committed_rows, budgets):
-            req_id = req_ids[row]
-            counts = sampler.counts_for(req_id)
-            counts.planned_steps, counts.planned_tokens = counts.planned_steps + 1, counts.planned_tokens + budget
-            if budget == 0:  # rows without a committed token (partial prefill) have nothing to draft from either
-                continue
-            length, prompt = int(num_tokens_no_spec[row]), int(batch.num_prompt_tokens[row])
-            params = runner.requests[req_id].sampling_params
-            requests.append((row, DraftRequest(
-                request_id=req_id, seed=_request_seed(runner, req_id, sampler.unseeded), position=length - prompt,
-                token_ids=token_ids_cpu[row, :length], temperature=params.temperature, top_k=params.top_k,
-                top_p=params.top_p, max_tokens=budget)))
-        if requests:
-            self._draft(requests, drafts)
-        return drafts
-
-    def _observe_step(self, start: float, req_ids: list[str]) -> None:
-        """Teaches the step cost the step that just ran if it continued the last batch; charges the plan's error."""
-        continuing = self.live.intersection(req_ids)
-        if self.step_end is None or not continuing or not self.runner._sample.step_tokens:
-            return
-        measured = start - self.step_end
-        error = abs(self.predicted - measured) / measured if self.step_cost.seen.any() and measured > 0 else 0.0
-        self.step_cost.observe(self.runner._sample.step_tokens, measured)
-        for req_id in continuing:
-            self.runner._sample.counts_for(req_id).cost_error += error
-
-    def _draft(self, requests: list[tuple[int, DraftRequest]], drafts: list[list[int]]) -> None:
-        start = time.perf_counter()
-        proposals = self.drafter.propose([r for _, r in requests], max(r.max_tokens for _, r in requests))
-        elapsed = time.perf_counter() - start
-        self.drafter_seconds += elapsed
-        if len(proposals) != len(requests):
-            raise RuntimeError(f"drafter {type(self.drafter).__name__} returned {len(proposals)} proposals for "
-                               f"{len(requests)} requests (drafters/base.py: one list per request)")
-        sampler, sources = self.runner._sample, self.drafter.sources()
-        unseen = sum(len(r.token_ids) - self.shown.get(r.request_id, 0) for _, r in requests)
-        for j, ((row, request), proposal) in enumerate(zip(requests, proposals)):
-            self.shown[request.request_id] = len(request.token_ids)
-            counts = sampler.counts_for(request.request_id)
-            counts.draft_seconds += elapsed / len(requests)
-            valid = token_ids_within(proposal[: request.max_tokens], self.vocab_size)
-            if valid is None:  # a plugin's bad ids must not reach the engine: no draft this step, counted
-                counts.invalid_drafts += 1
-            elif valid:
-                drafts[row] = valid
-                self.planned[request.request_id] = len(valid)
-                if sources:
-                    counts.choices[sources[j]] = counts.choices.get(sources[j], 0) + 1
-        passes = max(len(d) for d in drafts)
-        self.draft_cost.observe(passes, sum(len(d) for d in drafts), unseen, elapsed)
-
-
-def token_ids_within(proposal, vocab_size: int) -> list[int] | None:
-    """`proposal` as plain ints when every one is an integer id in [0, vocab_size); None otherwise."""
-    try:
-        ids = [operator.index(t) for t in proposal]
-    except TypeError:
-        return None
-    return ids if all(0 <= t < vocab_size for t in ids) else None
-
-
 def install(worker, drafter_path: str | None = None, drafter_options: dict | None = None, max_batch: int = 0,
             planning: bool = True) -> None:
     """Runs inside the worker: coupled sampling always; a drafter when the engine speculates. Refuses a runner
@@ -319,7 +184,7 @@ def install(worker, drafter_path: str | None = None, drafter_options: dict | Non
     if drafter_path is not None:
         if not isinstance(getattr(runner, "drafter", None), DrafterBridge):
             raise RuntimeError("a drafter needs the engine built with speculative_config method 'custom_class' "
-                               "and model 'actor.vllm_hooks.DrafterBridge' (see actor/engine.py)")
+                               "and model 'actor.draft_bridge.DrafterBridge' (see actor/engine.py)")
         runner.drafter.bind(runner, load_drafter(drafter_path, drafter_options or {}), max_batch, planning)
 
 
@@ -356,12 +221,6 @@ def apply_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         if kernel is not None and isinstance(kernel.fused_experts, CPUUnquantizedExperts):
             kernel.fused_experts.process_weights_after_loading(module)
-
-
-def swap_draft_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> bool:
-    """New weights for the drafter's own model, between engine steps (`Drafter.swap_weights`); False: it has none."""
-    bridge = getattr(worker.model_runner, "drafter", None)
-    return isinstance(bridge, DrafterBridge) and bridge.drafter.swap_weights(weights)
 
 
 def _expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):

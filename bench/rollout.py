@@ -81,8 +81,8 @@ def workload(preset: dict, seed: int, epoch: int = 0) -> tuple[list[str], list[i
     return prompts, seeds
 
 
-def make_llm(name: str, target: Path, draft: Path, oracle: Path | None, device: str):
-    """The engine of system `name` (in the calling process)."""
+def make_llm(name: str, target: Path, draft: Path, oracle: Path | None, device: str, k: int):
+    """The engine of system `name` (in the calling process), drafting at most `k` tokens per request and step."""
     from vllm import LLM
 
     from actor.engine import engine_kwargs, make_engine
@@ -90,7 +90,7 @@ def make_llm(name: str, target: Path, draft: Path, oracle: Path | None, device: 
     from configs.load import load_config
 
     overrides = [f"model.path={target}", "model.max_model_len=1024", "rollout.kv_cache_mib=1024",
-                 f"speculation.num_speculative_tokens={SPECULATIVE_TOKENS}", *ENGINE[device]]
+                 f"speculation.num_speculative_tokens={k}", *ENGINE[device]]
     if name in COUPLED:
         overrides.append(f"speculation.method={COUPLED[name]}")
         if name == "oracle":
@@ -101,9 +101,9 @@ def make_llm(name: str, target: Path, draft: Path, oracle: Path | None, device: 
     kwargs = engine_kwargs(load_config("grpo_tiny", overrides), target)
     if name == "vllm_spec_draft":
         kwargs["speculative_config"] = {"method": "draft_model", "model": str(draft),
-                                        "num_speculative_tokens": SPECULATIVE_TOKENS}
+                                        "num_speculative_tokens": k}
     elif name == "vllm_spec_ngram":
-        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": SPECULATIVE_TOKENS,
+        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k,
                                         "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     llm = LLM(**kwargs, disable_log_stats=False)
     if name.startswith("vllm_spec") and device == "cpu":
@@ -130,13 +130,13 @@ def generate(llm, prompt_ids: list[list[int]], params: list) -> dict:
 
 
 def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: list[int], max_tokens: int,
-               oracle: Path | None, sweep: list[int], device: str, earlier: list[list[int]]) -> dict:
+               oracle: Path | None, sweep: list[int], device: str, earlier: list[list[int]], k: int) -> dict:
     from vllm import SamplingParams
 
     from actor.engine import close_engine
     from actor.vllm_hooks import profile, take_spec_counts
 
-    llm = make_llm(name, target, draft, oracle, device)
+    llm = make_llm(name, target, draft, oracle, device, k)
     try:
         tokenizer = llm.get_tokenizer()
         prompt_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
@@ -254,6 +254,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, help="override the preset's number of interleaved repeats")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=SYSTEMS,
                         help="a subset to run (vanilla always runs: it is the reference)")
+    parser.add_argument("--speculative-tokens", type=int, default=SPECULATIVE_TOKENS,
+                        help="k: the most draft tokens per request and step of every speculating system")
     parser.add_argument("--no-sweep", action="store_true", help="skip the fixed-batch sweep")
     parser.add_argument("--epochs-before", type=int, default=0,
                         help="measure epoch N+1: each engine first generates the same prompts N times with the "
@@ -261,6 +263,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.epochs_before < 0:
         parser.error(f"--epochs-before must be 0 or more, got {args.epochs_before}")
+    if args.speculative_tokens < 1:
+        parser.error(f"--speculative-tokens must be 1 or more, got {args.speculative_tokens}")
     device = PRESETS[args.preset].get("device", "cpu")
     if device == "cuda":
         import torch
@@ -290,7 +294,8 @@ def main(argv: list[str] | None = None) -> dict:
             order = ["vanilla", *others[repeat % max(1, len(others)):], *others[: repeat % max(1, len(others))]]
             for name in order:  # one fresh process per engine: vLLM keeps global state between engines
                 run = in_fresh_process(log, run_system, name, target, draft, prompts, seeds, preset["max_tokens"],
-                                       oracle, sweep if name in ("vanilla", "specactor") else [], device, earlier)
+                                       oracle, sweep if name in ("vanilla", "specactor") else [], device, earlier,
+                                       args.speculative_tokens)
                 if name == "vanilla" and repeat == 0:  # the oracle replays every epoch it sees
                     replay = zip([*sum(earlier, []), *seeds], [*run["earlier_sequences"], *run["sequences"]])
                     oracle.write_text(json.dumps({s: t for s, t in replay}))
@@ -326,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
     result["config"] = {
         "preset": args.preset, **preset, "sequences": len(reference), "temperature": TEMPERATURE, "seed": args.seed,
         "epochs_before": args.epochs_before,
-        "num_speculative_tokens": SPECULATIVE_TOKENS, "specactor": "draft_lm, cost-model draft planner",
+        "num_speculative_tokens": args.speculative_tokens, "specactor": "draft_lm, cost-model draft planner",
         "target": (f"cost-padded built-in policy: {TARGETS[device]['zero_layers']} zero-output layers in front of "
                    f"the 4 trained ones, widened to {TARGETS[device]['num_heads']} heads / "
                    f"{TARGETS[device]['intermediate_size']} MLP units (bench/padded_target.py)"),

@@ -1,9 +1,10 @@
 """Contract of `drafters/`: what a drafter plugin is.
 
 A drafter proposes up to `k` next tokens for each request of a batch, from the request's id, sampling seed,
-output position, sampling settings and token history. The verifier (the target model, in `actor/`) decides what
-is kept; a drafter never changes a trajectory, it only changes how fast it is produced. After every verify
-step the drafter is told what was committed, and it may keep state per request until the request is removed.
+output position, sampling settings and token history, optionally with a confidence per token. The verifier (the
+target model, in `actor/`) decides what is kept; a drafter never changes a trajectory, it only changes how fast
+it is produced. After every verify step the drafter is told what was committed, and it may keep state per request
+until the request is removed.
 Requests may arrive in any order and any subset from one call to the next; `token_ids` is always the whole
 truth, so a drafter that lost or never had state for a request must still answer.
 
@@ -60,6 +61,13 @@ class Drafter(ABC):
         Hugging Face checkpoint names them, between two engine steps; True if it took them. No trajectory
         changes whatever the weights are (the verifier decides), only how many drafts are accepted."""
         return False
+
+    def confidences(self) -> list[list[float]] | None:
+        """Optional: for the last `propose` call, per request and draft token, how sure the drafter is (in [0, 1])
+        that the target samples that token if it sampled the ones before it. The engine calibrates them online
+        against what the verifier commits (drafters/calibration.py) and verifies each proposal only as far as that
+        pays. None: the planner uses each request's acceptance so far, and asks for no more tokens than it keeps."""
+        return None
 
     def sources(self) -> list[str] | None:
         """Optional: for the last `propose` call, the name of what drafted each request (a composite drafter's

@@ -11,13 +11,14 @@ without sliding windows works."""
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from drafters.base import Drafter, DraftRequest
-from sampling.coupled import coupled_sample
+from sampling.coupled import coupled_draft
 
 REQUIRED_MODULES = ("model.embed_tokens", "model.norm", "model.rotary_emb", "lm_head", "model.layers.0.mlp",
                     "model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
@@ -89,11 +90,13 @@ class DraftLM(Drafter):
         self.cache = SlotCache(config.num_hidden_layers, config.num_key_value_heads, self.head_dim,
                                config.max_position_embeddings, self.model.dtype)
         self.states: dict[str, _State] = {}
+        self.sureness: list[list[float]] = []  # the last proposal's confidences
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
         budgets = [k if r.max_tokens is None else min(k, r.max_tokens) for r in requests]
         drafts: list[list[int]] = [[] for _ in requests]
+        self.sureness = [[] for _ in requests]
         active, chunks = [], []
         for i, request in enumerate(requests):
             if budgets[i] > 0 and 0 < len(request.token_ids) <= self.cache.max_len - budgets[i]:
@@ -103,16 +106,22 @@ class DraftLM(Drafter):
             states = [self.states[requests[i].request_id] for i in active]
             logits = self._forward(states, chunks)
             rows = [requests[i] for i in active]
-            tokens, _ = coupled_sample(
+            tokens, margins = coupled_draft(
                 logits, torch.tensor([r.seed for r in rows]), torch.tensor([r.position + j for r in rows]),
                 torch.tensor([r.temperature for r in rows], dtype=torch.float32),
                 torch.tensor([r.top_k for r in rows]) if any(r.top_k > 0 for r in rows) else None,
                 torch.tensor([r.top_p for r in rows], dtype=torch.float32) if any(r.top_p < 1 for r in rows) else None)
-            for i, token in zip(active, tokens.tolist()):
+            for i, token, margin in zip(active, tokens.tolist(), margins.tolist()):
                 drafts[i].append(token)
+                self.sureness[i].append(1.0 - math.exp(-margin))
             active = [i for i in active if len(drafts[i]) < budgets[i]]
             chunks = [drafts[i][-1:] for i in active]
         return drafts
+
+    def confidences(self) -> list[list[float]]:
+        """`1 - exp(-margin)` per draft token: the target samples the same token unless its log-probabilities differ
+        from the draft's by about the margin of the draft's noisy winner over the runner-up (sampling/coupled.py)."""
+        return self.sureness
 
     def _catch_up(self, request: DraftRequest) -> list[int]:
         """Rolls the request's slot back to the longest prefix it shares with the history (only the tail past the

@@ -45,10 +45,19 @@ class SuffixDrafter(Drafter):
         self.max_sequences, self.max_prompts = max_sequences, max_prompts
         self.prompts: OrderedDict[tuple[int, ...], _Prompt] = OrderedDict()
         self.sequences: dict[str, _Sequence] = {}
+        self.shares: list[list[float]] = []  # the last proposal's confidences
 
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
         sequences = [self._sync(r) for r in requests]  # every request first, so none sees a sibling half-synced
-        return [self._walk(s, k if r.max_tokens is None else min(k, r.max_tokens)) for s, r in zip(sequences, requests)]
+        walks = [self._walk(s, k if r.max_tokens is None else min(k, r.max_tokens))
+                 for s, r in zip(sequences, requests)]
+        self.shares = [shares for _, shares in walks]
+        return [drafts for drafts, _ in walks]
+
+    def confidences(self) -> list[list[float]]:
+        """Per draft token, its count over its context's counts plus one (one of one sibling: 0.5; eight of eight:
+        0.89)."""
+        return self.shares
 
     def commit(self, request_id: str, committed: list[int]) -> None:
         sequence = self.sequences.get(request_id)
@@ -121,8 +130,8 @@ class SuffixDrafter(Drafter):
                     if not counts:
                         del entry.counts[context]
 
-    def _walk(self, sequence: _Sequence, k: int) -> list[int]:
-        entry, tail, drafts = self.prompts[sequence.prompt], sequence.tokens[-self.max_n :], []
+    def _walk(self, sequence: _Sequence, k: int) -> tuple[list[int], list[float]]:
+        entry, tail, drafts, shares = self.prompts[sequence.prompt], sequence.tokens[-self.max_n :], [], []
         while len(drafts) < k:
             for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
                 counts = entry.counts.get(tuple(tail[-n:]))
@@ -131,8 +140,10 @@ class SuffixDrafter(Drafter):
             else:
                 break
             token, count = max(counts.items(), key=lambda tc: (tc[1], -tc[0]))  # ties: the smaller id, stably
-            if count < self.min_share * sum(counts.values()):
+            total = sum(counts.values())
+            if count < self.min_share * total:
                 break
             drafts.append(token)
+            shares.append(count / (total + 1))
             tail = tail[1:] + [token] if len(tail) >= self.max_n else tail + [token]
-        return drafts
+        return drafts, shares

@@ -1,6 +1,6 @@
 """The benchmarks' command lines without engines: the rollout GPU preset refuses a machine without CUDA at once,
-in one line naming what is missing (no traceback, no model built); a later epoch's workload; the weight-sync
-benchmark runs small."""
+in one line naming what is missing (no traceback, no model built), as do bad arguments; a later epoch's workload;
+the weight-sync benchmark runs small."""
 
 import time
 
@@ -29,8 +29,13 @@ def test_a_later_epoch_samples_the_same_prompts_with_other_seeds():
     prompts, seeds = workload(PRESETS["longtail"], seed=0)
     later_prompts, later_seeds = workload(PRESETS["longtail"], seed=0, epoch=1)
     assert later_prompts == prompts and len(set(seeds)) == len(seeds) and not set(seeds) & set(later_seeds)
-    with pytest.raises(SystemExit):  # argparse's one-line error, before any model is built
-        main(["--preset", "smoke", "--epochs-before", "-1"])
+
+
+@pytest.mark.parametrize("flag, value", [("--epochs-before", "-1"), ("--speculative-tokens", "0")])
+def test_bad_arguments_are_refused_by_name_before_any_model_is_built(flag, value, capsys):
+    with pytest.raises(SystemExit):
+        main(["--preset", "smoke", flag, value])
+    assert f"{flag} must be" in capsys.readouterr().err
 
 
 def test_weight_sync_benchmark_measures_every_channel_against_raw_zeromq(tmp_path):

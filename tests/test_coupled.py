@@ -4,7 +4,7 @@ and the verification rule."""
 import pytest
 import torch
 
-from sampling.coupled import (PLACEHOLDER, UNIFORM_BITS, coupled_sample, gumbel, mask_top_k_top_p,
+from sampling.coupled import (PLACEHOLDER, UNIFORM_BITS, coupled_draft, coupled_sample, gumbel, mask_top_k_top_p,
                               processed_logprobs, uniform_from_bits, verify)
 
 VOCAB = 8
@@ -122,3 +122,21 @@ def test_verify_accepts_the_agreeing_prefix_and_emits_the_target_sample():
     first_wrong = verify(torch.tensor([5, 6]), torch.tensor([7]), torch.tensor([1]), max_drafts=1)
     assert first_wrong.tolist() == [[5, P]]
     assert verify(torch.tensor([4, 8]), torch.empty(0, dtype=torch.long), torch.tensor([0, 0]), 0).tolist() == [[4], [8]]
+
+
+def test_a_drafts_margin_is_how_far_the_target_may_differ_before_its_coupled_sample_changes():
+    rows = 256
+    logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(3)) * 2
+    seeds, positions = torch.arange(rows), torch.arange(rows) % 7
+    temperature = torch.where(torch.arange(rows) < 32, 0.0, 1.0)  # greedy rows too
+    tokens, _ = coupled_sample(logits, seeds, positions, temperature)
+    drafted, margins = coupled_draft(logits, seeds, positions, temperature)
+    assert torch.equal(drafted, tokens) and (margins > 0).all()
+    # a target whose logits differ by less than half the margin anywhere samples the same token
+    wobble = torch.rand(rows, VOCAB, generator=torch.Generator().manual_seed(4)) - 0.5
+    near = logits + wobble * 0.99 * margins[:, None]
+    assert torch.equal(coupled_sample(near.float(), seeds, positions, temperature)[0], tokens)
+    # one that moves its sample's logit down by more than the margin samples another token
+    far = logits.clone()
+    far[torch.arange(rows), tokens] -= margins.float() * 1.01
+    assert (coupled_sample(far, seeds, positions, temperature)[0] != tokens).all()

@@ -4,7 +4,11 @@ observations, tracks acceptance per request, and drafts where verifying pays and
 import numpy as np
 import pytest
 
-from actor.draft_planner import Acceptance, DraftCost, StepCost, plan
+from actor.draft_planner import Acceptance, DraftCost, StepCost, geometric, plan
+
+
+def rated(rates: list[float], k: int) -> list[list[float]]:
+    return [geometric(rate, k) for rate in rates]
 
 
 def learned(curve, tokens=range(1, 400)) -> StepCost:
@@ -59,7 +63,7 @@ def test_one_unlike_drafting_step_is_not_read_as_a_fixed_cost():
         draft.observe(passes, drafted, unseen, seconds)
     assert draft.coef.min() >= 0
     assert draft.predict(np.array([4]), np.array([8]), np.array([10]))[0] < 0.006  # what such steps cost: ~3 ms
-    assert plan([0.8] * 8, 4, 8, learned(weight_bound), draft, unseen=[3] * 8)[0] == [4] * 8
+    assert plan(rated([0.8] * 8, 4), 8, learned(weight_bound), draft, unseen=[3] * 8)[0] == [4] * 8
 
 
 def test_a_long_idle_request_pays_its_catch_up_with_its_first_draft():
@@ -69,7 +73,7 @@ def test_a_long_idle_request_pays_its_catch_up_with_its_first_draft():
         passes, drafted, unseen = int(rng.integers(1, 5)), int(rng.integers(1, 64)), int(rng.integers(0, 2000))
         draft.observe(passes, drafted, unseen, 0.001 * passes + 0.00001 * unseen)
     # the same acceptance, but the second request's history would cost the drafter ~10 engine steps to catch up
-    assert plan([0.7, 0.7], 4, 2, learned(weight_bound), draft, unseen=[1, 50_000])[0] == [4, 0]
+    assert plan(rated([0.7, 0.7], 4), 2, learned(weight_bound), draft, unseen=[1, 50_000])[0] == [4, 0]
 
 
 def test_acceptance_per_request_shrinks_towards_the_drafter_average():
@@ -84,13 +88,13 @@ def test_acceptance_per_request_shrinks_towards_the_drafter_average():
 
 
 def test_plan_drafts_fully_where_verifying_is_nearly_free():
-    drafts, predicted = plan([0.8] * 4, 4, 4, learned(weight_bound), DraftCost())
+    drafts, predicted = plan(rated([0.8] * 4, 4), 4, learned(weight_bound), DraftCost())
     assert drafts == [4, 4, 4, 4]
     assert predicted == pytest.approx(weight_bound(20), rel=0.15)
 
 
 def test_plan_does_not_draft_where_every_token_costs_a_step_share():
-    drafts, _ = plan([0.6] * 32, 4, 32, learned(compute_bound), DraftCost())
+    drafts, _ = plan(rated([0.6] * 32, 4), 32, learned(compute_bound), DraftCost())
     assert drafts == [0] * 32
 
 
@@ -98,16 +102,17 @@ def test_an_exploring_plan_drafts_for_the_likeliest_request_only_where_nothing_p
     """Without exploration a planner that stopped drafting never observes acceptance again, so it never starts
     again however the policy or batch changes; an exploring step drafts fully for one request, the likeliest."""
     cost = learned(compute_bound)
-    assert plan([0.5, 0.7, 0.4], 4, 3, cost, DraftCost())[0] == [0, 0, 0]
-    drafts, predicted = plan([0.5, 0.7, 0.4], 4, 3, cost, DraftCost(), explore=True)
+    assert plan(rated([0.5, 0.7, 0.4], 4), 3, cost, DraftCost())[0] == [0, 0, 0]
+    drafts, predicted = plan(rated([0.5, 0.7, 0.4], 4), 3, cost, DraftCost(), explore=True)
     assert drafts == [0, 4, 0] and predicted == pytest.approx(compute_bound(7), rel=0.15)
     weight = learned(weight_bound)  # where drafting pays, exploring changes nothing
-    assert plan([0.8] * 4, 4, 4, weight, DraftCost(), explore=True) == plan([0.8] * 4, 4, 4, weight, DraftCost())
+    gains = rated([0.8] * 4, 4)
+    assert plan(gains, 4, weight, DraftCost(), explore=True) == plan(gains, 4, weight, DraftCost())
 
 
 def test_plan_gives_drafts_to_requests_that_accept_them():
     # a mid curve: some drafting pays, so it goes to the requests with the best acceptance
-    drafts, _ = plan([0.95, 0.2, 0.9, 0.05], 4, 4, learned(lambda n: 0.01 + 0.001 * n), DraftCost())
+    drafts, _ = plan(rated([0.95, 0.2, 0.9, 0.05], 4), 4, learned(lambda n: 0.01 + 0.001 * n), DraftCost())
     assert drafts[0] > 0 and drafts[2] > 0 and drafts[1] <= min(drafts[0], drafts[2]) and drafts[3] == 0
 
 
@@ -116,27 +121,27 @@ def test_plan_counts_the_drafting_cost():
     for passes in range(1, 5):
         for tokens in (1, 8, 32):
             expensive.observe(passes, tokens, tokens, 0.2 * passes)  # each draft pass costs four engine steps
-    drafts, _ = plan([0.8] * 4, 4, 4, learned(weight_bound), expensive)
+    drafts, _ = plan(rated([0.8] * 4, 4), 4, learned(weight_bound), expensive)
     assert drafts == [0, 0, 0, 0]
 
 
 def test_plan_before_any_measurement_drafts_everything_it_may():
-    assert plan([0.5, 0.01], 3, 2, StepCost(), DraftCost())[0] == [3, 3]
-    assert plan([], 4, 0, StepCost(), DraftCost())[0] == []
+    assert plan(rated([0.5, 0.01], 3), 2, StepCost(), DraftCost())[0] == [3, 3]
+    assert plan(rated([], 4), 0, StepCost(), DraftCost())[0] == []
 
 
 def test_a_planner_that_has_only_seen_drafted_steps_tries_fewer_drafts():
     cost = StepCost()
     cost.observe(20, compute_bound(20))  # four requests, four drafts each: all it has seen
-    drafts, _ = plan([0.6] * 4, 4, 4, cost, DraftCost())
+    drafts, _ = plan(rated([0.6] * 4, 4), 4, cost, DraftCost())
     assert sum(drafts) < 16  # a step with fewer drafts looks cheaper until measured
     for n in range(1, 64):
         cost.observe(n, compute_bound(n))
-    assert plan([0.6] * 4, 4, 4, cost, DraftCost())[0] == [0, 0, 0, 0]  # measured: drafting cannot pay here
+    assert plan(rated([0.6] * 4, 4), 4, cost, DraftCost())[0] == [0, 0, 0, 0]  # measured: drafting cannot pay here
 
 
 def test_one_stalled_step_does_not_turn_drafting_off():
     cost = learned(weight_bound)
     cost.observe(20, 5.0)  # a step that waited on something else: a hundred times the usual
     assert cost.predict(20) < 2 * weight_bound(20) + 1e-9
-    assert plan([0.9] * 4, 4, 4, cost, DraftCost())[0] == [4, 4, 4, 4]
+    assert plan(rated([0.9] * 4, 4), 4, cost, DraftCost())[0] == [4, 4, 4, 4]

@@ -43,7 +43,7 @@ def test_each_request_gets_the_member_its_committed_tokens_agree_with():
     assert fon.propose([request("a"), request("b")], 4) == [[1, 1, 1, 1], [2, 2, 2, 2]]
     assert set(fon.sources()) == {"test_fastest_of_n.Ones", "test_fastest_of_n.Twos"}
     fon.remove("a")
-    assert "a" not in fon.scores
+    assert "a" not in fon.labels
 
 
 def test_a_new_request_starts_from_the_members_average():
@@ -69,3 +69,24 @@ def test_configuration_errors_name_the_problem():
         FastestOfN(["ngram"])
     with pytest.raises(ValueError, match="not among drafters"):
         FastestOfN(["ngram", "suffix"], options={"draft_lm": {}})
+
+
+class SureOnes(Ones):  # sure of every token
+    def confidences(self):
+        return [[0.999] * 4]
+
+
+class UnsureTwos(Twos):  # unsure of every token
+    def confidences(self):
+        return [[0.3] * 4]
+
+
+def test_members_confidences_are_calibrated_on_every_members_labels_and_carry_over_to_new_requests():
+    fon = FastestOfN(["test_fastest_of_n.SureOnes", "test_fastest_of_n.UnsureTwos"])
+    assert fon.propose([request("a")], 4) == [[1, 1, 1, 1]]  # no labels yet: the confident member
+    for _ in range(20):  # the verifier samples 2s: the sure member is always wrong, the unsure one always right
+        fon.propose([request("a")], 4)
+        fon.commit("a", [2, 2, 2, 2, 2])
+    assert fon.propose([request("new")], 4) == [[2, 2, 2, 2]]  # a request with no labels of its own
+    assert fon.sources() == ["test_fastest_of_n.UnsureTwos"]
+    assert min(fon.confidences()[0]) > 0.8  # what the planner gets: the calibrated rates, not the member's 0.3

@@ -100,7 +100,7 @@ def test_a_draft_lm_swapped_mid_rollout_leaves_every_trajectory_unchanged(plain)
     from vllm import SamplingParams
     from vllm.inputs.engine import tokens_input
 
-    from actor.vllm_hooks import swap_draft_weights
+    from actor.draft_bridge import swap_draft_weights
 
     cfg = load_config("grpo_tiny", ["speculation.method=draft_lm", "speculation.num_speculative_tokens=4"])
     llm = make_engine(cfg, resolve("builtin:dense"))

@@ -1,4 +1,4 @@
-"""What the engine side promises every drafter plugin (actor/vllm_hooks.DrafterBridge), checked against a stand-in
+"""What the engine side promises every drafter plugin (actor/draft_bridge.DrafterBridge), checked against a stand-in
 for vLLM's model runner: commits always arrive, even on steps where the bridge does not draft, proposals with
 ids outside the vocabulary never reach the engine (dropped and counted, the run goes on), and the draft planner
 learns each request's acceptance from what the verifier committed and withholds drafts where they cannot pay."""
@@ -6,9 +6,12 @@ learns each request's acceptance from what the verifier committed and withholds 
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
-from actor.vllm_hooks import CoupledSampling, DrafterBridge, SpecCounts
+from actor.draft_bridge import DrafterBridge
+from actor.vllm_hooks import CoupledSampling, SpecCounts
 from drafters.base import Drafter
+from drafters.calibration import EDGES
 
 VOCAB = 100
 
@@ -72,7 +75,7 @@ def test_planner_learns_acceptance_from_commits_and_withholds_drafts_that_cannot
         b.step_cost.observe(tokens, 0.01 * tokens)
     assert propose(b, [[7], [7]]) == [[], []]
     counts = runner._sample.counts
-    assert counts["a"].planned_steps == 3 and counts["a"].planned_tokens == 4 + 4  # budgets 4, 4, then 0
+    assert counts["a"].planned_steps == 3 and counts["a"].planned_tokens == 3 + 3  # 3 drafts handed over twice, then 0
     assert drafter.commits[-2:] == [("a-1", [7]), ("b-1", [7])]  # commits still reach the drafter
 
 
@@ -81,3 +84,37 @@ def test_without_the_planner_every_request_gets_k():
     for tokens in range(1, 64):
         b.step_cost.observe(tokens, 0.01 * tokens)
     assert propose(b, [[5], [6]]) == [[1, 2, 3, 4], [1, 2, 3, 4]]
+
+
+class Rated(Recording):
+    def __init__(self, proposals: list[list], confidences: list[list]):
+        super().__init__(proposals)
+        self.rated = confidences
+
+    def confidences(self):
+        return [list(c) for c in self.rated]
+
+
+def test_a_rated_proposal_is_verified_as_far_as_its_calibrated_gains_pay_and_labelled_beyond():
+    drafter = Rated([[1, 2, 3, 4]], [[0.999, 0.999, 0.1, 0.1]])
+    b, runner = bridge(drafter, ["a-1"])
+    assert propose(b, [[5]]) == [[1, 2, 3, 4]]  # nothing measured yet: drafting and verifying look free
+    for _ in range(300):  # labels so far: sure tokens are accepted, unsure ones rejected
+        b.calibration.observe([0.999, 0.1], [1, 2], [1, 7])
+    for tokens in range(1, 64):  # verifying a token costs a tenth of a decode step
+        b.step_cost.observe(tokens, 0.01 + 0.001 * tokens)
+    assert propose(b, [[7]]) == [[1, 2]]  # all 4 drafted (they could have been sure), the sure 2 verified
+    assert b.verifying["a-1"] == (2, [1, 2, 3, 4], [0.999, 0.999, 0.1, 0.1])
+    assert runner._sample.counts["a"].planned_tokens == 4 + 2
+    unsure = int(np.searchsorted(EDGES, 0.1, side="right"))
+    agreed = b.calibration.agreed[unsure]
+    propose(b, [[1, 2, 3]])  # both accepted, and the bonus token 3 is the third draft: a label it had not earned
+    assert b.calibration.agreed[unsure] > agreed
+    b.planning = False
+    assert propose(b, [[1, 2, 3]]) == [[1, 2, 3, 4]]  # without the planner: every drafted token
+
+
+def test_confidences_that_do_not_rate_every_draft_token_stop_the_engine_with_the_drafters_name():
+    b, _ = bridge(Rated([[1, 2]], [[0.5]]), ["a-1"])
+    with pytest.raises(RuntimeError, match="Rated: 1 confidences for a proposal of 2 tokens"):
+        propose(b, [[5]])

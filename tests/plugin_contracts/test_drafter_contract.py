@@ -48,6 +48,18 @@ def test_is_a_drafter_and_proposes_at_most_k_valid_tokens(make):
     check_shape(drafter.propose(reqs, 1), reqs, k=1)
 
 
+def test_confidences_if_given_rate_each_draft_token_of_the_last_proposal(make):
+    drafter = make()
+    reqs = [request(f"r{i}", h) for i, h in enumerate(histories(4))]
+    for k in (K, 1):
+        proposals, confidences = drafter.propose(reqs, k), drafter.confidences()
+        if confidences is None:  # optional: the planner then uses each request's acceptance so far
+            return
+        assert len(confidences) == len(reqs)
+        for proposal, rated in zip(proposals, confidences):
+            assert len(rated) == len(proposal) and all(0.0 <= float(c) <= 1.0 for c in rated)
+
+
 def test_empty_batch_and_empty_proposals(make):
     drafter = make()
     assert drafter.propose([], K) == []

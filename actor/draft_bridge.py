@@ -1,0 +1,190 @@
+"""The drafter's side of the engine: vLLM's `custom_class` proposer, called once per engine step (written against
+vllm 0.32.0's V1 model runner, like actor/vllm_hooks.py, which binds it).
+
+Each step it tells the `Drafter` plugin what each verify step committed, drops requests that left the batch, and
+asks the draft planner (actor/draft_planner.py) how many tokens each request may draft, learning the step and
+drafting costs and each request's acceptance as it goes. A drafter that rates its tokens (`Drafter.confidences`)
+is asked for every token that could pay if it were sure (planned with the best acceptance its calibration has
+seen), and its proposals are then verified only as far as each token's calibrated gain pays: drafting costs a
+little, verifying a token that is rejected costs a step's share on the verifier. Every verify step labels the
+proposals it checked (drafters/calibration.py). The drafter sees ids, seeds, positions and views of the requests'
+histories, never copies."""
+
+from __future__ import annotations
+
+import math
+import operator
+import time
+
+from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, StepCost, geometric, plan
+from drafters.base import Drafter, DraftRequest
+from drafters.calibration import Calibration
+
+
+class DrafterBridge:
+    def __init__(self, vllm_config):
+        self.k = vllm_config.speculative_config.num_speculative_tokens
+        self.runner = None
+        self.drafter: Drafter | None = None
+        self.max_batch, self.planning = 0, True
+        self.live: set[str] = set()  # the requests of the last step's batch
+        self.known: set[str] = set()  # every request the drafter has state for
+        self.step_cost, self.draft_cost, self.acceptance = StepCost(), DraftCost(), Acceptance()
+        self.calibration, self.rated = Calibration(), False  # rated: the drafter gives confidences
+        # per request drafted last step: the tokens handed to the engine, its whole proposal and its confidences
+        self.verifying: dict[str, tuple[int, list[int], list[float] | None]] = {}
+        self.shown: dict[str, int] = {}  # per request, the history length in its last proposal (the drafter's view)
+        self.predicted, self.undrafted_steps = 0.0, 0  # the planner's engine seconds for this step; steps undrafted
+        self.step_end: float | None = None  # when the last propose() returned: the next step's engine time starts
+        self.seconds = self.drafter_seconds = 0.0  # in propose(), and of that in the drafter (a benchmark's profile)
+
+    def load_model(self, *args, **kwargs) -> None:  # vLLM hands over the target model; drafters bring their own
+        pass
+
+    def bind(self, runner, drafter: Drafter, max_batch: int, planning: bool) -> None:
+        self.runner, self.drafter, self.max_batch, self.planning = runner, drafter, max_batch, planning
+        self.vocab_size = runner.model_config.get_vocab_size()
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
+        start = time.perf_counter()
+        try:
+            return self._propose(start, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        finally:
+            self.step_end = time.perf_counter()
+            self.seconds += self.step_end - start
+
+    def _propose(self, start, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
+        if self.drafter is None:
+            raise RuntimeError("DrafterBridge.propose before install(): no drafter bound")
+        batch, runner, sampler = self.runner.input_batch, self.runner, self.runner._sample
+        req_ids = batch.req_ids[: batch.num_reqs]
+        self._observe_step(start, req_ids)
+        # a request out of this step's batch may only be waiting (unscheduled, preempted by a weight update): its
+        # drafter state is dropped once vLLM no longer holds it (finished or aborted)
+        self.known.update(req_ids)
+        for gone in [r for r in self.known - set(req_ids) if r not in runner.requests]:
+            self.drafter.remove(gone)
+            self.acceptance.remove(gone)
+            self.shown.pop(gone, None)
+            self.known.discard(gone)
+        self.live = set(req_ids)
+        committed_rows = [row for row, committed in enumerate(sampled_token_ids[: len(req_ids)]) if committed]
+        for row in committed_rows:  # the drafter always hears what was committed, drafting or not
+            self.drafter.commit(req_ids[row], list(sampled_token_ids[row]))
+            self._learn(req_ids[row], list(sampled_token_ids[row]))
+        self.verifying = {}
+        drafts: list[list[int]] = [[] for _ in req_ids]
+        if self.max_batch and len(req_ids) > self.max_batch:  # the configured bound: no drafting above it
+            committed_rows = []
+        budgets, explore = [self.k] * len(committed_rows), self.undrafted_steps >= EXPLORE_EVERY
+        if self.planning:
+            unseen = [int(num_tokens_no_spec[row]) - self.shown.get(req_ids[row], 0) for row in committed_rows]
+            rates = [self.calibration.best() if self.rated else self.acceptance.rate(req_ids[row])
+                     for row in committed_rows]
+            budgets, _ = plan([geometric(rate, self.k) for rate in rates], len(req_ids), self.step_cost,
+                              self.draft_cost, explore=explore, unseen=unseen)
+        requests = []
+        for row, budget in zip(committed_rows, budgets):
+            if budget == 0:  # rows without a committed token (partial prefill) have nothing to draft from either
+                continue
+            length, req_id = int(num_tokens_no_spec[row]), req_ids[row]
+            params = runner.requests[req_id].sampling_params
+            requests.append((row, DraftRequest(
+                request_id=req_id, seed=sampler.seed_of(req_id), position=length - int(batch.num_prompt_tokens[row]),
+                token_ids=token_ids_cpu[row, :length], temperature=params.temperature, top_k=params.top_k,
+                top_p=params.top_p, max_tokens=budget)))
+        if requests:
+            self._draft(requests, drafts, len(req_ids), verify_all=explore or not self.planning)
+        for row in committed_rows:
+            counts = sampler.counts_for(req_ids[row])
+            counts.planned_steps += 1
+            counts.planned_tokens += len(drafts[row])
+        self.undrafted_steps = 0 if any(drafts) else self.undrafted_steps + 1
+        self.predicted = float(self.step_cost.predict(len(req_ids) + sum(len(d) for d in drafts)))
+        return drafts
+
+    def _learn(self, req_id: str, committed: list[int]) -> None:
+        """What the verifier committed after this request's last draft: its acceptance, and its tokens' labels."""
+        sent, proposal, confidences = self.verifying.get(req_id, (0, [], None))
+        if sent:
+            self.acceptance.observe(req_id, sent, min(len(committed) - 1, sent))
+        if confidences is not None:
+            self.calibration.observe(confidences, proposal, committed)
+
+    def _observe_step(self, start: float, req_ids: list[str]) -> None:
+        """Teaches the step cost the step that just ran if it continued the last batch; charges the plan's error."""
+        continuing = self.live.intersection(req_ids)
+        if self.step_end is None or not continuing or not self.runner._sample.step_tokens:
+            return
+        measured = start - self.step_end
+        error = abs(self.predicted - measured) / measured if self.step_cost.seen.any() and measured > 0 else 0.0
+        self.step_cost.observe(self.runner._sample.step_tokens, measured)
+        for req_id in continuing:
+            self.runner._sample.counts_for(req_id).cost_error += error
+
+    def _draft(self, requests: list[tuple[int, DraftRequest]], drafts: list[list[int]], base_tokens: int,
+               verify_all: bool) -> None:
+        """Proposals for `requests` into `drafts`: all of each (`verify_all`) or, from a drafter that rates its
+        tokens, the prefix whose calibrated gains pay for verifying it."""
+        start = time.perf_counter()
+        proposals = self.drafter.propose([r for _, r in requests], max(r.max_tokens for _, r in requests))
+        sureness = self.drafter.confidences()
+        elapsed = time.perf_counter() - start
+        self.drafter_seconds += elapsed
+        name = type(self.drafter).__name__
+        if len(proposals) != len(requests) or (sureness is not None and len(sureness) != len(requests)):
+            raise RuntimeError(f"drafter {name} returned {len(proposals)} proposals and "
+                               f"{'no' if sureness is None else len(sureness)} confidence lists for {len(requests)} "
+                               "requests (drafters/base.py: one list per request)")
+        sampler, sources = self.runner._sample, self.drafter.sources()
+        unseen = sum(len(r.token_ids) - self.shown.get(r.request_id, 0) for _, r in requests)
+        self.rated = sureness is not None
+        made = []
+        for j, ((row, request), proposal) in enumerate(zip(requests, proposals)):
+            self.shown[request.request_id] = len(request.token_ids)
+            counts = sampler.counts_for(request.request_id)
+            counts.draft_seconds += elapsed / len(requests)
+            valid = token_ids_within(proposal[: request.max_tokens], self.vocab_size)
+            if valid is None:  # a plugin's bad ids must not reach the engine: no draft this step, counted
+                counts.invalid_drafts += 1
+                valid = []
+            rated = confidences_for(sureness[j], len(valid), name) if sureness is not None else None
+            made.append((row, request.request_id, valid, rated))
+        keep = [len(valid) for _, _, valid, _ in made]
+        if self.rated and not verify_all:
+            keep, _ = plan([self.calibration.gains(rated) for *_, rated in made], base_tokens, self.step_cost, None)
+        for j, ((row, req_id, valid, rated), n) in enumerate(zip(made, keep)):
+            drafts[row] = valid[:n]
+            self.verifying[req_id] = (n, valid, rated)
+            if n and sources:
+                counts = sampler.counts_for(req_id)
+                counts.choices[sources[j]] = counts.choices.get(sources[j], 0) + 1
+        passes = max(len(valid) for _, _, valid, _ in made)
+        self.draft_cost.observe(passes, sum(len(valid) for _, _, valid, _ in made), unseen, elapsed)
+
+
+def confidences_for(values, tokens: int, drafter: str) -> list[float]:
+    """A plugin's confidences for a proposal of `tokens` tokens as floats in [0, 1] (NaN counts as 0)."""
+    try:
+        floats = [float(v) for v in values[:tokens]]
+    except (TypeError, ValueError) as e:
+        raise RuntimeError(f"drafter {drafter}: confidences must be numbers, got {values!r}") from e
+    if len(floats) < tokens:
+        raise RuntimeError(f"drafter {drafter}: {len(floats)} confidences for a proposal of {tokens} tokens "
+                           "(drafters/base.py: one per draft token)")
+    return [0.0 if math.isnan(v) else min(max(v, 0.0), 1.0) for v in floats]
+
+
+def token_ids_within(proposal, vocab_size: int) -> list[int] | None:
+    """`proposal` as plain ints when every one is an integer id in [0, vocab_size); None otherwise."""
+    try:
+        ids = [operator.index(t) for t in proposal]
+    except TypeError:
+        return None
+    return ids if all(0 <= t < vocab_size for t in ids) else None
+
+
+def swap_draft_weights(worker, weights: list) -> bool:
+    """New weights for the drafter's own model, between engine steps (`Drafter.swap_weights`); False: it has none."""
+    bridge = getattr(worker.model_runner, "drafter", None)
+    return isinstance(bridge, DrafterBridge) and bridge.drafter.swap_weights(weights)
