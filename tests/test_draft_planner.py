@@ -145,3 +145,15 @@ def test_one_stalled_step_does_not_turn_drafting_off():
     cost.observe(20, 5.0)  # a step that waited on something else: a hundred times the usual
     assert cost.predict(20) < 2 * weight_bound(20) + 1e-9
     assert plan(rated([0.9] * 4, 4), 4, cost, DraftCost())[0] == [4, 4, 4, 4]
+
+
+def test_a_step_larger_than_any_seen_is_taken_as_measured_and_a_stall_where_the_curve_is_known_is_not():
+    """Beyond the largest step it has seen the curve only extrapolates: the first step there teaches its real cost
+    (a guard against stalls there kept a 1.8 s step of 909 tokens at 0.43 s, and the planner drafted on)."""
+    cost = learned(weight_bound)
+    known, far = 8, 900
+    before = float(cost.predict(known))
+    cost.observe(known, 100 * before)  # a stalled step: moves the curve by at most 2x
+    assert float(cost.predict(known)) <= 2 * before
+    cost.observe(far, 50 * float(cost.predict(far)))
+    assert float(cost.predict(far)) == pytest.approx(50 * float(learned(weight_bound).predict(far)), rel=0.01)
