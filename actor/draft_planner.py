@@ -37,13 +37,13 @@ class StepCost:
     def observe(self, tokens: int, seconds: float) -> None:
         b = min(int(np.searchsorted(self.BUCKETS, tokens, side="right")) - 1, len(self.BUCKETS) - 1)
         b = max(b, 0)
-        if self.seen[b]:  # one stalled step (a weight update, a busy host) moves the curve, never replaces it
+        # one stalled step (a weight update, a busy host) moves a measured bucket, never replaces it; a bucket's first
+        # step is taken as measured: where the curve only extrapolates, a guard would keep it wrong (k = 8 on CPU:
+        # 909 tokens predicted 0.21 s, measured 1.8 s; clamped to 0.43 s, the planner drafted 8 for each of 101
+        # requests three steps running)
+        if self.seen[b]:
             predicted = float(self.predict(tokens))
             seconds = min(max(seconds, predicted / 2), 2 * predicted)
-        # a bucket's first step is taken as measured: where the curve only extrapolates, a guard would keep it wrong
-        # (k = 8 on CPU: 909 tokens predicted 0.21 s, measured 1.8 s; clamped to 0.43 s, the planner drafted 8 for
-        # each of 101 requests three steps running)
-        if self.seen[b]:
             self.tokens[b] = self.decay * self.tokens[b] + (1 - self.decay) * tokens
             self.seconds[b] = self.decay * self.seconds[b] + (1 - self.decay) * seconds
         else:
