@@ -4,9 +4,9 @@ vllm 0.32.0's V1 model runner, like actor/vllm_hooks.py, which binds it).
 Each step it tells the `Drafter` plugin what each verify step committed, drops requests that left the batch, and
 asks the draft planner (actor/draft_planner.py) how many tokens each request may draft, learning the step and
 drafting costs and each request's acceptance as it goes. A drafter that rates its tokens (`Drafter.confidences`)
-is asked for every token that could pay if it were sure (planned with the best acceptance its calibration has
-seen), and its proposals are then verified only as far as each token's calibrated gain pays: drafting costs a
-little, verifying a token that is rejected costs a step's share on the verifier. Every verify step labels the
+is asked for the tokens that pay at the request's acceptance so far (as any drafter), and its proposals are then
+verified only as far as each token's calibrated gain pays: drafting is paid by then, verifying a token that is
+rejected still costs a step's share on the verifier. Every verify step labels the
 proposals it checked (drafters/calibration.py). The drafter sees ids, seeds, positions and views of the requests'
 histories, never copies."""
 
@@ -79,8 +79,7 @@ class DrafterBridge:
         budgets, explore = [self.k] * len(committed_rows), self.undrafted_steps >= EXPLORE_EVERY
         if self.planning:
             unseen = [int(num_tokens_no_spec[row]) - self.shown.get(req_ids[row], 0) for row in committed_rows]
-            rates = [self.calibration.best() if self.rated else self.acceptance.rate(req_ids[row])
-                     for row in committed_rows]
+            rates = [self.acceptance.rate(req_ids[row]) for row in committed_rows]
             budgets, _ = plan([geometric(rate, self.k) for rate in rates], len(req_ids), self.step_cost,
                               self.draft_cost, explore=explore, unseen=unseen)
         requests = []

@@ -54,7 +54,13 @@ class StepCost:
         tokens = np.asarray(tokens, dtype=float)
         if not self.seen.any():
             return np.zeros_like(tokens)
-        x, y = self.tokens[self.seen], np.maximum.accumulate(self.seconds[self.seen])  # more tokens never cost less
+        # fewer tokens never cost more: a bucket slower than some larger one is left out. Errors are one-sided (a
+        # stall only ever makes a step slower), so one stalled small step, never measured again, must not lift the
+        # curve (raising each bucket to the largest smaller one did: 3 tokens once at 12 ms held every step up to
+        # 190 tokens at 12 ms where they took 2.5-8; drafting looked free, and everything drafted)
+        x, y = self.tokens[self.seen], self.seconds[self.seen]
+        kept = y <= np.minimum.accumulate(y[::-1])[::-1]
+        x, y = x[kept], y[kept]
         slope = 0.0
         if len(x) >= 2:  # beyond the largest bucket: the trend of the last two buckets, never falling
             slope = max((y[-1] - y[-2]) / max(x[-1] - x[-2], 1e-9), 0.0)

@@ -42,10 +42,5 @@ class Calibration:
         """Per token, the expected committed tokens it adds: the probability that it and all before it are accepted."""
         return np.cumprod(self.rates(confidences)).tolist()
 
-    def best(self) -> float:
-        """The highest acceptance rate of any bucket with labels (a proposal's best case), 0.9 before any label."""
-        seen = self.labelled >= 1
-        return float(self._table()[seen].max()) if seen.any() else 0.9
-
     def _table(self) -> np.ndarray:
         return np.minimum((self.agreed + self.prior * MIDDLES) / (self.labelled + self.prior), MAX_RATE)

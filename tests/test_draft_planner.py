@@ -37,9 +37,12 @@ def test_step_cost_learns_the_curve_and_extrapolates_upwards():
 
 def test_step_cost_follows_a_changed_machine():
     cost = learned(weight_bound)
-    for _ in range(30):
-        cost.observe(8, 0.5)
-    assert cost.predict(8) == pytest.approx(0.5, rel=0.05)
+    slower = learned(lambda n: 10 * weight_bound(n))  # the same engine, ten times slower at every size it runs
+    for _ in range(10):
+        for n in range(1, 400):
+            cost.observe(n, 10 * weight_bound(n))
+    for n in (8, 64, 300):
+        assert cost.predict(n) == pytest.approx(slower.predict(n), rel=0.05)
 
 
 def test_draft_cost_learns_passes_tokens_and_catch_up():
@@ -145,6 +148,17 @@ def test_one_stalled_step_does_not_turn_drafting_off():
     cost.observe(20, 5.0)  # a step that waited on something else: a hundred times the usual
     assert cost.predict(20) < 2 * weight_bound(20) + 1e-9
     assert plan(rated([0.9] * 4, 4), 4, cost, DraftCost())[0] == [4, 4, 4, 4]
+
+
+def test_a_stalled_small_step_never_seen_again_does_not_lift_the_curve():
+    """A slow first step of a size that never recurs (an engine's warm-up, the end of a batch) caps nothing and is
+    capped: the curve above it stays what was measured there, so drafting is not taken for free."""
+    cost = learned(compute_bound, tokens=range(8, 400))
+    cost.observe(3, 5.0)  # the first and only step of 3 tokens, stalled
+    for n in (16, 40, 190):
+        assert cost.predict(n) == pytest.approx(compute_bound(n), rel=0.15)
+    assert cost.predict(3) <= cost.predict(8)
+    assert plan(rated([0.6] * 8, 4), 8, cost, DraftCost())[0] == [0] * 8  # compute-bound: still no drafting
 
 
 def test_a_step_larger_than_any_seen_is_taken_as_measured_and_a_stall_where_the_curve_is_known_is_not():

@@ -91,27 +91,48 @@ class Rated(Recording):
         super().__init__(proposals)
         self.rated = confidences
 
+    def propose(self, requests, k):
+        self.asked = len(requests)
+        return super().propose(requests, k)
+
     def confidences(self):
-        return [list(c) for c in self.rated]
+        return [list(c) for c in self.rated[: self.asked]]
 
 
 def test_a_rated_proposal_is_verified_as_far_as_its_calibrated_gains_pay_and_labelled_beyond():
     drafter = Rated([[1, 2, 3, 4]], [[0.999, 0.999, 0.1, 0.1]])
     b, runner = bridge(drafter, ["a-1"])
     assert propose(b, [[5]]) == [[1, 2, 3, 4]]  # nothing measured yet: drafting and verifying look free
+    propose(b, [[1, 2, 3, 4, 9]])  # every draft accepted so far: this request is worth drafting for
     for _ in range(300):  # labels so far: sure tokens are accepted, unsure ones rejected
         b.calibration.observe([0.999, 0.1], [1, 2], [1, 7])
     for tokens in range(1, 64):  # verifying a token costs a tenth of a decode step
         b.step_cost.observe(tokens, 0.01 + 0.001 * tokens)
-    assert propose(b, [[7]]) == [[1, 2]]  # all 4 drafted (they could have been sure), the sure 2 verified
+    assert propose(b, [[1, 2, 3, 4, 9]]) == [[1, 2]]  # 4 drafted (at its acceptance), the sure 2 verified
     assert b.verifying["a-1"] == (2, [1, 2, 3, 4], [0.999, 0.999, 0.1, 0.1])
-    assert runner._sample.counts["a"].planned_tokens == 4 + 2
+    assert runner._sample.counts["a"].planned_tokens == 4 + 4 + 2
     unsure = int(np.searchsorted(EDGES, 0.1, side="right"))
     agreed = b.calibration.agreed[unsure]
     propose(b, [[1, 2, 3]])  # both accepted, and the bonus token 3 is the third draft: a label it had not earned
     assert b.calibration.agreed[unsure] > agreed
     b.planning = False
     assert propose(b, [[1, 2, 3]]) == [[1, 2, 3, 4]]  # without the planner: every drafted token
+
+
+def test_a_rated_drafter_is_not_asked_for_drafts_its_requests_keep_refusing():
+    """Drafting is paid before the confidences are known: the first plan prices a request's drafts at what it has
+    accepted so far, however sure the drafter claims to be (the second plan only trims what was drafted)."""
+    drafter = Rated([[1, 2, 3, 4]] * 2, [[0.999] * 4] * 2)
+    b, _ = bridge(drafter, ["a-1", "b-1"])
+    propose(b, [[5], [5]])
+    for _ in range(5):  # a: every draft accepted; b: its first draft rejected every time
+        propose(b, [[1, 2, 3, 4, 9], [7]])
+    for tokens in range(1, 64):
+        b.step_cost.observe(tokens, 0.01 + 0.001 * tokens)
+    b.draft_cost.observe(4, 8, 0, 0.004)  # a drafting pass costs what verifying 4 tokens does
+    drafts = propose(b, [[1, 2, 3, 4, 9], [7]])
+    assert drafts[0] and drafts[1] == []
+    assert b.verifying.keys() == {"a-1"}  # b was not drafted for at all
 
 
 def test_confidences_that_do_not_rate_every_draft_token_stop_the_engine_with_the_drafters_name():
