@@ -76,7 +76,7 @@ class DraftCost:
     largest number of tokens drafted for one request, i.e. sequential forwards of a draft model; unseen: history
     tokens the drafting requests had not shown the drafter in a proposal before, i.e. a draft model's catch-up: a new
     request's whole prompt, or what a request committed while it was not drafting), fitted by exponentially weighted
-    least squares with every coefficient >= 0 (exactly: the best of the fits on each subset of the terms); a drafter
+    least squares with every coefficient >= 0 (exactly: Lawson and Hanson's active-set method); a drafter
     that costs nothing (n-gram lookup, replay) is learned as such. Clipping an unconstrained fit at 0 instead is not
     a fit: after four like steps and one unlike one (a hundred new requests drafting one token each) it once read a
     10 ms step as a 60 ms fixed cost, and the planner stopped drafting for the rest of the batch and the next."""
@@ -96,21 +96,34 @@ class DraftCost:
         self.coef = self._nonnegative_fit()
 
     def _nonnegative_fit(self) -> np.ndarray:
+        """Lawson and Hanson's active-set method on the normal equations: exact, a few small solves at most, and
+        usually one: the last fit's terms, checked for optimality, before starting from none."""
         gram = self.gram + self.ridge * np.eye(self.TERMS)
-        unconstrained = np.linalg.solve(gram, self.moment)
-        if np.all(unconstrained >= 0):  # the usual case, once the terms vary: one solve
-            return unconstrained
-        best, best_loss = np.zeros(self.TERMS), 0.0  # all terms 0: loss 0 in `x'Gx - 2x'm` (the constant dropped)
-        for mask in range(1, 2 ** self.TERMS - 1):
-            terms = [t for t in range(self.TERMS) if mask >> t & 1]
-            fit = np.linalg.solve(gram[np.ix_(terms, terms)], self.moment[terms])
-            if np.all(fit >= 0):
-                coef = np.zeros(self.TERMS)
-                coef[terms] = fit
-                loss = coef @ gram @ coef - 2 * coef @ self.moment
-                if loss < best_loss:
-                    best, best_loss = coef, loss
-        return best
+        tolerance = 1e-12 * max(float(np.abs(self.moment).max()), 1e-30)
+        free = self.coef > 0
+        if free.any():
+            coef = np.zeros(self.TERMS)
+            coef[free] = np.linalg.solve(gram[np.ix_(free, free)], self.moment[free])
+            if coef[free].min() > 0 and (free.all() or (self.moment - gram @ coef)[~free].max() <= tolerance):
+                return coef
+        coef, free = np.zeros(self.TERMS), np.zeros(self.TERMS, dtype=bool)
+        for _ in range(4 * self.TERMS):
+            gradient = self.moment - gram @ coef  # minus half the gradient of `x'Gx - 2x'm`
+            if free.all() or gradient[~free].max() <= tolerance:
+                break
+            free[np.argmax(np.where(free, -np.inf, gradient))] = True
+            while True:
+                trial = np.zeros(self.TERMS)
+                trial[free] = np.linalg.solve(gram[np.ix_(free, free)], self.moment[free])
+                if trial[free].min() > 0:
+                    coef = trial
+                    break
+                shrinking = free & (trial <= 0)  # step from coef towards trial until a coefficient reaches 0
+                step = np.min(coef[shrinking] / np.maximum(coef[shrinking] - trial[shrinking], 1e-300))
+                coef = coef + step * (trial - coef)
+                free &= coef > 0
+                coef[~free] = 0.0
+        return coef
 
     def predict(self, passes: np.ndarray, drafted: np.ndarray, unseen: np.ndarray | int = 0) -> np.ndarray:
         cost = self.coef[0] + self.coef[1] * passes + self.coef[2] * drafted + self.coef[3] * np.asarray(unseen)
@@ -171,26 +184,24 @@ def plan(gains: list[list[float]], base_tokens: int, step: StepCost, draft: Draf
             chosen[likeliest] = len(gains[likeliest])
             engine = float(step.predict(base_tokens + chosen[likeliest]))
         return chosen, engine
-    unseen = [0] * n if unseen is None else unseen
+    unseen = np.zeros(n) if unseen is None else np.asarray(unseen, dtype=float)
     coef = draft.coef if draft is not None else np.zeros(DraftCost.TERMS)
+    lengths = np.array([len(g) for g in gains], dtype=int)
+    flat = np.fromiter((x for g in gains for x in g), dtype=float, count=int(lengths.sum()))
+    owner = np.repeat(np.arange(n), lengths)  # the request of each draft token, and its place in the request (1..)
+    place = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths) + 1
     # the order drafts are taken in: by gain, a request's catch-up weighing on all of its drafts (in units of a plain
-    # step), so that its drafts stay in order and one long-idle request does not end the prefix of everyone else's
+    # step), so that its drafts stay in order (stable: gains never rise within a request) and one long-idle request
+    # does not end the prefix of everyone else's
     plain = max(float(step.predict(base_tokens)), 1e-9)
-    weight = [1 + coef[3] * u / plain for u in unseen]
-    order = [(g, i) for i in range(n) for g in gains[i]]
-    order.sort(key=lambda g: -g[0] / weight[g[1]])  # stable: a request's own drafts stay in order
+    weight = 1 + coef[3] * unseen / plain
+    order = np.argsort(-flat / weight[owner], kind="stable")
+    owner, place = owner[order], place[order]
     drafted = np.arange(len(order) + 1)
-    counts = [0] * n
-    passes, caught_up = np.zeros(len(order) + 1), np.zeros(len(order) + 1)
-    for p, (_, i) in enumerate(order, start=1):
-        counts[i] += 1
-        passes[p] = max(passes[p - 1], counts[i])
-        caught_up[p] = caught_up[p - 1] + (unseen[i] if counts[i] == 1 else 0)
-    committed = n + np.concatenate([[0.0], np.cumsum([g for g, _ in order])])
+    passes = np.concatenate([[0], np.maximum.accumulate(place)]) if len(order) else np.zeros(1)
+    caught_up = np.concatenate([[0.0], np.cumsum(np.where(place == 1, unseen[owner], 0.0))])
+    committed = n + np.concatenate([[0.0], np.cumsum(flat[order])])
     engine = step.predict(base_tokens + drafted)
     seconds = engine + (draft.predict(passes, drafted, caught_up) if draft is not None else 0.0)
     best = int(np.argmax(committed / np.maximum(seconds, 1e-9)))
-    chosen = [0] * n
-    for _, i in order[:best]:
-        chosen[i] += 1
-    return chosen, float(engine[best])
+    return np.bincount(owner[:best], minlength=n).tolist(), float(engine[best])

@@ -1,6 +1,6 @@
 """Rollout benchmark: the same GRPO groups, seeds and cores, every system in one run, paired and interleaved.
 
-    python -m bench.rollout [--preset smoke|full|longtail|gpu] [--epochs-before N] [--out PATH]
+    python -m bench.rollout [--preset smoke|full|longtail|gpu|policy] [--epochs-before N] [--out PATH]
 
 Systems (fixed before the run; `specactor` is the configured default, never the best of several afterwards)
 - `vllm`: plain vLLM with its own sampler, no speculation, unseeded requests: what RL frameworks run today;
@@ -13,8 +13,9 @@ Systems (fixed before the run; `specactor` is the configured default, never the 
   (suffix) drafter, fastest-of-N over suffix and the draft LM (listed, not chosen).
 The target is a cost-padded copy of the trained policy (bench/padded_target.py): 70.8M parameters of cost in fp32 on
 CPU presets; for `gpu` (the long-tail workload on one CUDA GPU, bf16, CUDA graphs as vLLM uses them by default)
-~1.0B, so that decoding is memory-bound as on real rollout GPUs (the preset refuses to start without CUDA). Every repeat runs every system
-(vanilla first, then a rotating order); a system's speed-up is the median over repeats of vanilla's makespan over
+~1.0B, so that decoding is memory-bound as on real rollout GPUs (the preset refuses to start without CUDA); `policy`
+runs the end-to-end benchmark's own rollout, the unpadded 0.8M policy on grpo_tiny's prompt mix. Every repeat runs
+every system (vanilla first, then a rotating order); a system's speed-up is the median over repeats of vanilla's makespan over
 its own in the same repeat, with a 95% t-interval of that paired ratio (`vllm` samples other tokens, so compare it
 with vanilla in tokens/s). The JSON also holds the workload's shape
 (length quantiles, the share of the makespan taken by the last 10% of requests, running batch over time), a
@@ -52,6 +53,11 @@ PRESETS = {
                      sweep=[1, 2, 4, 8, 16, 32, 64, 128]),
     "gpu": dict(ops=[1] * 8 + [2] * 5 + [3, 6, 24], group_size=8, max_tokens=400, repeats=3,
                 sweep=[1, 2, 4, 8, 16, 32, 64, 128, 256], device="cuda"),
+    # the end-to-end benchmark's rollout in isolation: grpo_tiny's own 0.8M-parameter policy, unpadded, on its
+    # operation mix (data.max_ops 4, power law 1.5), where an engine step is mostly vLLM's and the bridge's
+    # overhead: speculation's per-step costs, not the forward, decide whether it pays
+    "policy": dict(ops=[1] * 9 + [2] * 3 + [3] * 2 + [4] * 2, group_size=8, max_tokens=400, repeats=5,
+                   sweep=[1, 16, 128], padded=False),
 }
 TARGETS = {"cpu": dict(zero_layers=16, num_heads=32, intermediate_size=8192),  # 70.8M parameters of cost
            "cuda": dict(zero_layers=28, num_heads=64, intermediate_size=81920)}  # ~1.0B: memory-bound decode
@@ -287,8 +293,10 @@ def main(argv: list[str] | None = None) -> dict:
     out, log = Path(args.out), Path(args.out).with_suffix(".log")
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        target = Path(tmp) / "target"
-        target_config = build_padded_target(policy, target, **TARGETS[device], seed=args.seed)
+        padded = preset.get("padded", True)
+        target = Path(tmp) / "target" if padded else policy
+        target_config = build_padded_target(policy, target, **TARGETS[device], seed=args.seed) if padded else \
+            json.loads((policy / "config.json").read_text())
         oracle = Path(tmp) / "oracle.json"
         for repeat in range(preset["repeats"]):
             order = ["vanilla", *others[repeat % max(1, len(others)):], *others[: repeat % max(1, len(others))]]
@@ -334,7 +342,8 @@ def main(argv: list[str] | None = None) -> dict:
         "num_speculative_tokens": args.speculative_tokens, "specactor": "draft_lm, cost-model draft planner",
         "target": (f"cost-padded built-in policy: {TARGETS[device]['zero_layers']} zero-output layers in front of "
                    f"the 4 trained ones, widened to {TARGETS[device]['num_heads']} heads / "
-                   f"{TARGETS[device]['intermediate_size']} MLP units (bench/padded_target.py)"),
+                   f"{TARGETS[device]['intermediate_size']} MLP units (bench/padded_target.py)") if padded else
+                  "the built-in policy itself (builtin:dense, unpadded)",
         "target_params": parameter_count(target_config), "draft": "builtin:draft",
         "device": "one CUDA GPU, bf16" if device == "cuda" else "CPU, one engine thread (OMP_NUM_THREADS=1), fp32",
         "sweep_tokens": SWEEP_TOKENS,

@@ -119,7 +119,7 @@ class SuffixDrafter(Drafter):
 
     def _add(self, entry: _Prompt, tokens: list[int], first: int, end: int, sign: int) -> None:
         for i in range(first, end):
-            for n in range(1, min(self.max_n, i) + 1):
+            for n in range(self.min_n, min(self.max_n, i) + 1):  # shorter contexts are never looked up
                 context = tuple(tokens[i - n : i])
                 counts = entry.counts.get(context)
                 if counts is None:

@@ -55,6 +55,30 @@ def test_draft_cost_learns_passes_tokens_and_catch_up():
     assert cost.predict(np.array([0]), np.array([0]))[0] == 0.0  # no drafts, no drafting cost
 
 
+def test_draft_cost_fit_is_the_best_nonnegative_one():
+    """The active-set fit (warm-started from the last fit's terms) against the best of the least-squares fits on
+    every subset of the terms, after every observation of random, often collinear drafting steps."""
+    rng = np.random.default_rng(3)
+    for _ in range(40):
+        cost, truth = DraftCost(), rng.normal(size=DraftCost.TERMS) * 0.002
+        for _ in range(int(rng.integers(1, 30))):
+            passes, drafted, unseen = int(rng.integers(0, 5)), int(rng.integers(0, 64)), int(rng.integers(0, 500))
+            cost.observe(passes, drafted, unseen, max(0.0, truth @ [1, passes, drafted, unseen] + rng.normal() * 1e-3))
+            gram = cost.gram + cost.ridge * np.eye(DraftCost.TERMS)
+
+            def loss(coef):
+                return coef @ gram @ coef - 2 * coef @ cost.moment
+
+            best = 0.0
+            for mask in range(1, 2 ** DraftCost.TERMS):
+                terms = [t for t in range(DraftCost.TERMS) if mask >> t & 1]
+                fit = np.zeros(DraftCost.TERMS)
+                fit[terms] = np.linalg.solve(gram[np.ix_(terms, terms)], cost.moment[terms])
+                if fit.min() >= 0:
+                    best = min(best, loss(fit))
+            assert cost.coef.min() >= 0 and loss(cost.coef) <= best + 1e-9 * abs(best) + 1e-18
+
+
 def test_one_unlike_drafting_step_is_not_read_as_a_fixed_cost():
     """Measured (the draft LM in the long-tail benchmark's second epoch): four steps of two requests drafting four
     tokens, then a new batch of 101 requests drafting one token each and feeding the draft LM their 1286 prompt
