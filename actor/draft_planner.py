@@ -5,7 +5,7 @@ and loses where the engine is compute-bound. Where that line lies depends on the
 drafter, so the planner learns it online from the engine's own steps instead of a fixed gate:
 - `StepCost`: engine step seconds as a function of the tokens the step computes (piecewise linear over
   geometric buckets of exponentially averaged observations, monotone, extrapolated along its trend);
-- `DraftCost`: the drafter's seconds as a linear function of its draft passes, drafted tokens and catch-up tokens;
+- `DraftCost`: drafting's seconds as a linear function of its draft passes, drafted tokens and catch-up tokens;
 - `Acceptance`: each request's per-token acceptance probability, shrunk towards the drafter's running average.
 With acceptance `a`, the `j`-th draft token of a request adds `a**j` expected committed tokens; a drafter that
 rates its tokens (`Drafter.confidences`, calibrated in drafters/calibration.py) gives each token's own gain once it
@@ -72,14 +72,15 @@ class StepCost:
 
 
 class DraftCost:
-    """The drafter's seconds per step as `c0 + c1 * passes + c2 * drafted_tokens + c3 * unseen_tokens` (passes: the
-    largest number of tokens drafted for one request, i.e. sequential forwards of a draft model; unseen: history
-    tokens the drafting requests had not shown the drafter in a proposal before, i.e. a draft model's catch-up: a new
-    request's whole prompt, or what a request committed while it was not drafting), fitted by exponentially weighted
-    least squares with every coefficient >= 0 (exactly: Lawson and Hanson's active-set method); a drafter
-    that costs nothing (n-gram lookup, replay) is learned as such. Clipping an unconstrained fit at 0 instead is not
-    a fit: after four like steps and one unlike one (a hundred new requests drafting one token each) it once read a
-    10 ms step as a 60 ms fixed cost, and the planner stopped drafting for the rest of the batch and the next."""
+    """Drafting's seconds per step (the drafter's call and the bridge's work on its proposals) as
+    `c0 + c1 * passes + c2 * drafted_tokens + c3 * unseen_tokens` (passes: the largest number of tokens drafted for
+    one request, i.e. sequential forwards of a draft model; unseen: history tokens the drafting requests had not shown
+    the drafter in a proposal before, i.e. a draft model's catch-up: a new request's whole prompt, or what a request
+    committed while it was not drafting), fitted by exponentially weighted least squares with every coefficient >= 0
+    (exactly: Lawson and Hanson's active-set method); a drafter that costs nothing (n-gram lookup, replay) is learned
+    as such. Clipping an unconstrained fit at 0 instead is not a fit: after four like steps and one unlike one (a
+    hundred new requests drafting one token each) it once read a 10 ms step as a 60 ms fixed cost, and the planner
+    stopped drafting for the rest of the batch and the next."""
 
     TERMS = 4
 
