@@ -67,11 +67,14 @@ class DrafterBridge:
             self.acceptance.remove(gone)
             self.shown.pop(gone, None)
             self.known.discard(gone)
+            sampler.forget(gone)
         self.live = set(req_ids)
         committed_rows = [row for row, committed in enumerate(sampled_token_ids[: len(req_ids)]) if committed]
         for row in committed_rows:  # the drafter always hears what was committed, drafting or not
-            self.drafter.commit(req_ids[row], list(sampled_token_ids[row]))
-            self._learn(req_ids[row], list(sampled_token_ids[row]))
+            req_id, committed = req_ids[row], list(sampled_token_ids[row])
+            if req_id in self.verifying:
+                self._learn(req_id, committed)
+            self.drafter.commit(req_id, committed)
         self.verifying = {}
         drafts: list[list[int]] = [[] for _ in req_ids]
         if self.max_batch and len(req_ids) > self.max_batch:  # the configured bound: no drafting above it
@@ -79,8 +82,8 @@ class DrafterBridge:
         budgets, explore = [self.k] * len(committed_rows), self.undrafted_steps >= EXPLORE_EVERY
         if self.planning:
             unseen = [int(num_tokens_no_spec[row]) - self.shown.get(req_ids[row], 0) for row in committed_rows]
-            rates = [self.acceptance.rate(req_ids[row]) for row in committed_rows]
-            budgets, _ = plan([geometric(rate, self.k) for rate in rates], len(req_ids), self.step_cost,
+            rates = self.acceptance.rates([req_ids[row] for row in committed_rows])
+            budgets, _ = plan(geometric(rates, self.k), len(req_ids), self.step_cost,
                               self.draft_cost, explore=explore, unseen=unseen)
         requests = []
         for row, budget in zip(committed_rows, budgets):
@@ -104,7 +107,7 @@ class DrafterBridge:
 
     def _learn(self, req_id: str, committed: list[int]) -> None:
         """What the verifier committed after this request's last draft: its acceptance, and its tokens' labels."""
-        sent, proposal, confidences = self.verifying.get(req_id, (0, [], None))
+        sent, proposal, confidences = self.verifying[req_id]
         if sent:
             self.acceptance.observe(req_id, sent, min(len(committed) - 1, sent))
         if confidences is not None:

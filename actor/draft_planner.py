@@ -148,28 +148,30 @@ class Acceptance:
         self.global_accepted = self.decay * self.global_accepted + accepted
         self.global_rejected = self.decay * self.global_rejected + rejected
 
-    def rate(self, request_id: str) -> float:
+    def rates(self, request_ids: list[str]) -> np.ndarray:
         mean = self.global_accepted / max(self.global_accepted + self.global_rejected, 1e-9)
-        a, r = self.accepted.get(request_id, 0.0), self.rejected.get(request_id, 0.0)
-        return min((a + self.prior * mean) / (a + r + self.prior), 0.99)
+        a = np.fromiter((self.accepted.get(r, 0.0) for r in request_ids), dtype=float, count=len(request_ids))
+        r = np.fromiter((self.rejected.get(r, 0.0) for r in request_ids), dtype=float, count=len(request_ids))
+        return np.minimum((a + self.prior * mean) / (a + r + self.prior), 0.99)
 
     def remove(self, request_id: str) -> None:
         self.accepted.pop(request_id, None)
         self.rejected.pop(request_id, None)
 
 
-def geometric(rate: float, k: int) -> list[float]:
-    """The gains of `k` draft tokens accepted at `rate` each: the j-th is reached and accepted with `rate**j`."""
-    return [rate ** (j + 1) for j in range(k)]
+def geometric(rates: np.ndarray, k: int) -> np.ndarray:
+    """Per rate, the gains of `k` draft tokens accepted at that rate each: the j-th is reached and accepted with
+    `rate**j` (one row per rate)."""
+    return np.power.outer(np.asarray(rates, dtype=float), np.arange(1, k + 1))
 
 
-def plan(gains: list[list[float]], base_tokens: int, step: StepCost, draft: DraftCost | None,
+def plan(gains: list[list[float]] | np.ndarray, base_tokens: int, step: StepCost, draft: DraftCost | None,
          explore: bool = False, unseen: list[int] | None = None) -> tuple[list[int], float]:
     """Draft tokens per request maximising expected committed tokens per second, and the predicted step seconds of
     that plan (engine step only). `gains[i][j]`: the expected committed tokens the `j+1`-th draft token of request `i`
     adds (the probability that it and every one before it are accepted; never rising in `j`), so request `i` gets at
-    most `len(gains[i])`. `base_tokens`: tokens the step computes without drafts (one per decoding request, plus any
-    prefill). `draft`: the drafting cost model; None when the drafts are already made (their cost is paid, only
+    most `len(gains[i])` (a 2-D array: as many for every request). `base_tokens`: tokens the step computes without
+    drafts (one per decoding request, plus any prefill). `draft`: the drafting cost model; None when the drafts are already made (their cost is paid, only
     verifying them is left to decide). `unseen`: per request, the history tokens the drafter would see for the first
     time if it drafted (its catch-up, paid with the request's first draft token; zeros if not given). `explore`:
     where no drafting pays, the request most likely to accept drafts gets all of its tokens anyway, so that a planner
@@ -181,14 +183,17 @@ def plan(gains: list[list[float]], base_tokens: int, step: StepCost, draft: Draf
     if explore and n:
         chosen, engine = plan(gains, base_tokens, step, draft, unseen=unseen)
         if not any(chosen):
-            likeliest = int(np.argmax([g[0] if g else 0.0 for g in gains]))
+            likeliest = int(np.argmax([g[0] if len(g) else 0.0 for g in gains]))
             chosen[likeliest] = len(gains[likeliest])
             engine = float(step.predict(base_tokens + chosen[likeliest]))
         return chosen, engine
     unseen = np.zeros(n) if unseen is None else np.asarray(unseen, dtype=float)
     coef = draft.coef if draft is not None else np.zeros(DraftCost.TERMS)
-    lengths = np.array([len(g) for g in gains], dtype=int)
-    flat = np.fromiter((x for g in gains for x in g), dtype=float, count=int(lengths.sum()))
+    if isinstance(gains, np.ndarray):
+        lengths, flat = np.full(n, gains.shape[1] if gains.ndim == 2 else 0), gains.astype(float).ravel()
+    else:
+        lengths = np.array([len(g) for g in gains], dtype=int)
+        flat = np.fromiter((x for g in gains for x in g), dtype=float, count=int(lengths.sum()))
     owner = np.repeat(np.arange(n), lengths)  # the request of each draft token, and its place in the request (1..)
     place = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths) + 1
     # the order drafts are taken in: by gain, a request's catch-up weighing on all of its drafts (in units of a plain

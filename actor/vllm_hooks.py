@@ -65,6 +65,7 @@ class CoupledSampling:
         self.runner = runner
         self.unseeded: dict[str, int] = {}
         self.counts: dict[str, SpecCounts] = {}  # by the caller's request id
+        self.by_vllm_id: dict[str, SpecCounts] = {}  # the same objects by vLLM's request id, while vLLM holds it
         self.calls = 0  # sampling steps served: proof that this sampler, not vLLM's, ran
         self.seconds = 0.0  # time spent in it (a benchmark's per-step profile)
         self.checked: set[str] = set()  # requests whose sampling parameters were checked (the current batch's)
@@ -91,10 +92,12 @@ class CoupledSampling:
         self._check_parameters(req_ids)
         self.step_tokens = int(runner.query_start_loc.np[n])
         device = logits.device
-        if spec is None:
+        drafted = spec is not None and spec.max_spec_len > 0
+        if not drafted:  # a speculating engine's step without drafts (vLLM 0.32 builds the metadata every step) samples
+            # as a plain step does: one row per request, each its request's next (bonus) token
             rows_per_request = torch.ones(n, dtype=torch.long)
-            logit_rows = runner.query_start_loc.gpu[1 : n + 1] - 1
-            logits = runner.sampler.apply_logits_processors(logits.float(), meta, predict_bonus_token=False)
+            logit_rows = runner.query_start_loc.gpu[1 : n + 1] - 1 if spec is None else spec.logits_indices
+            logits = runner.sampler.apply_logits_processors(logits.float(), meta, predict_bonus_token=spec is not None)
         else:
             rows_per_request = torch.tensor(spec.num_draft_tokens, dtype=torch.long) + 1
             logit_rows = spec.logits_indices
@@ -122,7 +125,7 @@ class CoupledSampling:
             top_p = per_row(batch.top_p_cpu[:n].astype("float32"))
         tokens, logprobs = coupled_sample(logits, seeds, positions, temperature, top_k, top_p)
 
-        if spec is None:
+        if not drafted:
             sampled = tokens.to(torch.int32).unsqueeze(1)
             logprob_rows, logprob_tokens = logprobs, tokens
         else:
@@ -159,8 +162,16 @@ class CoupledSampling:
                     c.accepted_tokens + a
 
     def counts_for(self, req_id: str) -> SpecCounts:
-        """The running counts of vLLM request `req_id` (kept under the caller's id until `take_counts`)."""
-        return self.counts.setdefault(caller_id(req_id), SpecCounts())
+        """The running counts of vLLM request `req_id` (kept under the caller's id until `take_counts`; looked up by
+        vLLM's id too, since the bridge asks for every running request on every step)."""
+        counts = self.by_vllm_id.get(req_id)
+        if counts is None:
+            counts = self.by_vllm_id[req_id] = self.counts.setdefault(caller_id(req_id), SpecCounts())
+        return counts
+
+    def forget(self, req_id: str) -> None:
+        """vLLM no longer holds `req_id` (finished or aborted): its counts stay with its caller's id only."""
+        self.by_vllm_id.pop(req_id, None)
 
     def take_counts(self, req_ids: list[str]) -> dict[str, SpecCounts]:
         """Speculation counts per finished request, by the caller's request id."""

@@ -7,8 +7,8 @@ import pytest
 from actor.draft_planner import Acceptance, DraftCost, StepCost, geometric, plan
 
 
-def rated(rates: list[float], k: int) -> list[list[float]]:
-    return [geometric(rate, k) for rate in rates]
+def rated(rates: list[float], k: int) -> np.ndarray:
+    return geometric(rates, k)
 
 
 def learned(curve, tokens=range(1, 400)) -> StepCost:
@@ -108,10 +108,10 @@ def test_acceptance_per_request_shrinks_towards_the_drafter_average():
     for _ in range(50):
         acc.observe("good", 4, 4)
         acc.observe("bad", 4, 0)
-    assert acc.rate("good") > 0.9 and acc.rate("bad") < 0.1
-    assert 0.1 < acc.rate("new") < 0.9  # never seen: the average over every request
+    assert acc.rates(["good"])[0] > 0.9 and acc.rates(["bad"])[0] < 0.1
+    assert 0.1 < acc.rates(["new"])[0] < 0.9  # never seen: the average over every request
     acc.remove("good")
-    assert acc.rate("good") == acc.rate("new")
+    assert acc.rates(["good"])[0] == acc.rates(["new"])[0]
 
 
 def test_plan_drafts_fully_where_verifying_is_nearly_free():
@@ -135,6 +135,7 @@ def test_an_exploring_plan_drafts_for_the_likeliest_request_only_where_nothing_p
     weight = learned(weight_bound)  # where drafting pays, exploring changes nothing
     gains = rated([0.8] * 4, 4)
     assert plan(gains, 4, weight, DraftCost(), explore=True) == plan(gains, 4, weight, DraftCost())
+    assert plan(rated([0.5, 0.7, 0.4], 4).tolist(), 3, cost, DraftCost(), explore=True)[0] == [0, 4, 0]  # as lists
 
 
 def test_plan_gives_drafts_to_requests_that_accept_them():
