@@ -33,6 +33,7 @@ class StepCost:
         self.tokens = np.zeros(len(self.BUCKETS))  # per bucket: averaged tokens and seconds of its steps
         self.seconds = np.zeros(len(self.BUCKETS))
         self.seen = np.zeros(len(self.BUCKETS), dtype=bool)
+        self.curve: tuple[np.ndarray, np.ndarray, float] | None = None  # the kept buckets and the slope beyond them
 
     def observe(self, tokens: int, seconds: float) -> None:
         b = min(int(np.searchsorted(self.BUCKETS, tokens, side="right")) - 1, len(self.BUCKETS) - 1)
@@ -48,6 +49,7 @@ class StepCost:
             self.seconds[b] = self.decay * self.seconds[b] + (1 - self.decay) * seconds
         else:
             self.tokens[b], self.seconds[b], self.seen[b] = tokens, seconds, True
+        self.curve = None
 
     def predict(self, tokens: np.ndarray | int) -> np.ndarray:
         """Predicted seconds (0 before any observation: drafting looks free until the engine is measured)."""
@@ -58,12 +60,15 @@ class StepCost:
         # stall only ever makes a step slower), so one stalled small step, never measured again, must not lift the
         # curve (raising each bucket to the largest smaller one did: 3 tokens once at 12 ms held every step up to
         # 190 tokens at 12 ms where they took 2.5-8; drafting looked free, and everything drafted)
-        x, y = self.tokens[self.seen], self.seconds[self.seen]
-        kept = y <= np.minimum.accumulate(y[::-1])[::-1]
-        x, y = x[kept], y[kept]
-        slope = 0.0
-        if len(x) >= 2:  # beyond the largest bucket: the trend of the last two buckets, never falling
-            slope = max((y[-1] - y[-2]) / max(x[-1] - x[-2], 1e-9), 0.0)
+        if self.curve is None:
+            x, y = self.tokens[self.seen], self.seconds[self.seen]
+            kept = y <= np.minimum.accumulate(y[::-1])[::-1]
+            x, y = x[kept], y[kept]
+            slope = 0.0
+            if len(x) >= 2:  # beyond the largest bucket: the trend of the last two buckets, never falling
+                slope = max((y[-1] - y[-2]) / max(x[-1] - x[-2], 1e-9), 0.0)
+            self.curve = x, y, slope
+        x, y, slope = self.curve
         inside = np.interp(tokens, x, y)
         # below the smallest bucket: as if proportional to tokens, the cheapest a smaller step could be, so that a
         # planner that has only seen drafted steps tries one with fewer drafts and learns what it really costs
