@@ -1,10 +1,10 @@
 """The rollout actor: a vLLM engine stepped by hand so weights can change between steps.
 
-It admits GRPO groups (one request per sample, seeds `group_seed + i`) while the group's learner step is at
-most `algorithm.max_staleness` versions ahead of the weights it holds, streams each trajectory as soon as its
-group completes, and applies a new weight version between two engine steps with requests in flight
-(reload, re-pack the tied CPU lm_head, reset the prefix cache and recompute running requests' context under
-the new weights); a new draft LM version (distilled by the learner) is swapped in the same way, between steps.
+It admits GRPO groups (one request per sample, seeds `group_seed + i`) while the group's learner step (shifted by
+the learner's cursor lead, tasks/schedule.py) is at most `algorithm.max_staleness` versions ahead of the weights it
+holds, streams each trajectory as soon as its group completes, and applies a new weight version between two engine
+steps with requests in flight (reload, re-pack the tied CPU lm_head, reset the prefix cache and recompute running
+requests' context under the new weights); a new draft LM version (distilled by the learner) is swapped in the same way, between steps.
 Every token records the version it was sampled under and comes from the coupled sampler
 (sampling/coupled.py), speculating with the configured drafter or not; per-sequence draft/accept counts ride
 along in each trajectory. Which prompts it takes is `tasks.schedule.CursorPlan`'s rule.
@@ -57,6 +57,8 @@ class RolloutActor:
         self.outbox = Outbox(trajectory_endpoint, f"actor-{actor_id}", hwm=cfg.transport.trajectory_queue, keys=keys)
         self.weights = WeightSubscriber(weight_endpoint, keys=keys)  # keys: CURVE, as the driver admitted them
         self.version = version  # of the weights in model_dir
+        # the learner's cursor lead (tasks/schedule.py), sent with every version; until then a resumed run's offset
+        self.lead = plan.lead_at(version, delivered=0)
         self.first_k = first_k  # this actor's first group (a replacement resumes where the dead actor stopped)
         self.seq = incarnation << INCARNATION_SHIFT
         self.stopping = threading.Event()
@@ -90,7 +92,7 @@ class RolloutActor:
             while not self.evaluations.empty() and not (apart and samples):
                 evaluating.update(self.start_evaluation(self.evaluations.get(), tokens_input))
             cursor = self.plan.cursor(self.actor_id, k)
-            fresh = self.plan.step(cursor) <= self.version + self.cfg.algorithm.max_staleness  # bounded asynchrony
+            fresh = self.plan.admits(cursor, self.version, self.cfg.algorithm.max_staleness, self.lead)  # bounded
             if apart and fresh and (samples or evaluating):
                 fresh = False  # the engine is not empty yet
             elif apart and fresh and not self.llm.reset_prefix_cache():
@@ -106,7 +108,7 @@ class RolloutActor:
                 finished[cursor] = []
                 k += 1
                 cursor = self.plan.cursor(self.actor_id, k)
-                fresh = self.plan.step(cursor) <= self.version + self.cfg.algorithm.max_staleness
+                fresh = self.plan.admits(cursor, self.version, self.cfg.algorithm.max_staleness, self.lead)
             if not self.engine.has_unfinished_requests():
                 self.poll_weights(100)  # ahead of the learner: wait for new weights
                 if time.time() - beat > HEARTBEAT_S:  # how far it got, so a lost last trajectory shows
@@ -225,7 +227,7 @@ class RolloutActor:
         # recomputed, making every later token a sample of exactly the new policy (what the learner's ratio assumes).
         if not self.llm.reset_prefix_cache(reset_running_requests=True):
             raise RuntimeError(f"actor {self.actor_id}: vLLM could not reset its prefix cache after weights v{version}")
-        self.version = version
+        self.version, self.lead = version, self.weights.lead
         self.stats["weight_updates"] += 1
         self._send(WeightAck(SCHEMA_VERSION, self.actor_id, version, time.time() - start))
 

@@ -108,7 +108,9 @@ class Intake:
             return "group"
         if t.group_id < 0 or self.plan.owner(t.group_id) != t.actor_id:  # only a cursor's owner may send its group
             return "owner"
-        if self.plan.step(t.group_id) > version + self.max_staleness:  # no actor admits it yet (bounds `pending`)
+        # no actor admits it yet (bounds `pending`); mid-collect the lead counts this step's groups already in, so
+        # the bound is looser by up to a step, never tighter than what actors admit
+        if not self.plan.admits(t.group_id, version, self.max_staleness, self.lead(version)):
             return "ahead"
         if not t.prompt_ids or n == 0 or len(t.behaviour_logprobs) != n or len(t.policy_versions) != n:
             return "lengths"
@@ -141,6 +143,11 @@ class Intake:
         self.counts.lost += gap
         self.next_seq[actor] = max(expected, seq + arrived)
         return gap
+
+    def lead(self, version: int) -> int:
+        """How many cursors ahead of `prompts_per_step x version` the next group the learner takes is
+        (tasks/schedule.py): exact between steps, when every delivered group was trained or dropped."""
+        return self.plan.lead_at(version, len(self.delivered))
 
     def take_gaps(self) -> dict[int, int]:
         """Actors whose messages were lost since the last call, each with the k it regenerates from: its partial

@@ -82,6 +82,7 @@ class Learner:
             self.intake = Intake(cfg.rollout.group_size, cfg.algorithm.max_staleness, plan, vocab,
                                  cfg.model.max_model_len, whole_steps=cfg.trainer.deterministic)
         self.published: list | None = None  # rank 0: the newest weight buckets sent, for a replacement actor
+        self.lead = 0  # rank 0: the cursor lead sent with them (tasks/schedule.py)
         self.draft_published: list | None = None  # rank 0: the same for the draft LM, when distilled
         self.draft_version = 0
         self.version = 0
@@ -304,7 +305,9 @@ class Learner:
         # per-expert checkpoint tensors
         named = revert_weight_conversion(self.engine.module, state).items()
         self.published = pack_buckets(iter(named), self.cfg.transport.weight_bucket_mib << 20)
-        sent = self.publisher.publish(self.version, self.published)
+        with self.lock:
+            self.lead = self.intake.lead(self.version)  # between steps: exact (tasks/schedule.py)
+        sent = self.publisher.publish(self.version, self.published, lead=self.lead)
         draft = self.distiller.take_outgoing() if self.distiller is not None else None
         if draft is not None:
             self.draft_version, self.draft_published = draft[0], pack_buckets(
@@ -313,6 +316,7 @@ class Learner:
         with self.lock:  # the actors' acknowledgements of earlier versions
             applied, swapped = self.intake.take_apply_seconds(), self.intake.take_apply_seconds("draft")
         return {"sync/weight_seconds": time.time() - start, "sync/weight_bytes": float(sent),
+                "rollout/cursor_lead": float(self.lead),
                 **({"sync/apply_seconds_max": max(applied)} if applied else {}),
                 **({"draft/swap_seconds": max(swapped)} if swapped else {})}
 
@@ -321,7 +325,7 @@ class Learner:
         first step there is nothing to send: the actors' starting weights are that version."""
         with self.lock:
             if self.published is not None:
-                self.publisher.publish(self.version, self.published)
+                self.publisher.publish(self.version, self.published, lead=self.lead)
             if self.draft_published is not None:
                 self.publisher.publish(self.draft_version, self.draft_published, model="draft")
             return self.version

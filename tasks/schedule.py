@@ -2,7 +2,11 @@
 
 A run (or a resumed run) starts at data cursor `start`. Actor `a` of `R` owns the cursors `start + k * R + a`
 (its k-th group, k = 0, 1, ...), and the group of cursor `c` is meant for learner step `c // prompts_per_step`,
-so an actor admits it only while that step is at most `max_staleness` versions ahead of its weights. A
+so an actor admits it only while that step is at most `max_staleness` versions ahead of its weights. The learner
+takes whole groups in the order they arrive, so a group it drops as stale (overtaken by a later one) leaves every
+later cursor trained one place earlier than meant: `lead` counts those places (with a resumed run's offset, when
+its data cursor is ahead of `prompts_per_step x version`), and admission goes by `step(c - lead)`. Without it one
+dropped group made the learner wait, every step after, for a group of the next step that could not yet start. A
 replacement for actor `a` resumes at `a`'s first cursor not yet delivered whole.
 """
 
@@ -28,6 +32,15 @@ class CursorPlan:
     def step(self, cursor: int) -> int:
         """The learner step the group of `cursor` is meant for."""
         return cursor // self.prompts_per_step
+
+    def admits(self, cursor: int, version: int, max_staleness: int, lead: int) -> bool:
+        """Whether an actor holding weights `version` may start the group of `cursor`: the learner, `lead` cursors
+        ahead of its steps, trains it at most `max_staleness` versions later."""
+        return self.step(cursor - lead) <= version + max_staleness
+
+    def lead_at(self, version: int, delivered: int) -> int:
+        """The learner's lead at `version`, once `delivered` groups (trained or dropped) reached it since `start`."""
+        return self.start + delivered - self.prompts_per_step * version
 
     def first_undelivered(self, actor: int, delivered: Container[int]) -> int:
         """The smallest k whose cursor `actor` owns and that is not in `delivered`."""

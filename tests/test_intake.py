@@ -157,6 +157,41 @@ def test_cursor_plan_is_one_rule_for_actors_steps_and_replacements():
     assert [two.first_of_step(1, k) for k in range(5)] == [0, 0, 2, 2, 4]
 
 
+def test_a_group_dropped_as_stale_moves_admission_on_by_one_cursor():
+    """The learner takes whole groups as they arrive, so a group overtaken and then dropped as stale leaves every
+    later cursor trained one place earlier: the lead says so, and the actors may start one group more (before it,
+    one such drop made the learner wait, every step after, for a group the actors could not start yet)."""
+    plan = CursorPlan(start=0, num_actors=1, prompts_per_step=2)
+    intake = Intake(group_size=2, max_staleness=1, plan=plan)
+    seq = iter(range(100))
+
+    def deliver(group: int, version: int, sampled_under: int):
+        return [intake.take(trajectory(group, i, seq=next(seq), versions=(sampled_under,), group_size=2), version)
+                for i in range(2)][-1]
+
+    assert [plan.admits(c, version=0, max_staleness=1, lead=0) for c in range(5)] == [True] * 4 + [False]
+    assert deliver(0, 0, 0) and deliver(2, 0, 0)  # step 0 takes groups 0 and 2: 2 overtook the slower group 1
+    assert deliver(3, 1, 1) and deliver(4, 1, 1)  # step 1 takes 3 and 4
+    assert intake.lead(version=2) == 0
+    assert deliver(1, 2, 0) is None and intake.counts.dropped_stale == 2  # group 1 comes in step 2: too old by then
+    assert deliver(5, 2, 1) and deliver(6, 2, 2)
+    assert intake.lead(version=3) == 1  # 7 cursors used by 3 steps of 2 groups
+    assert plan.admits(10, version=3, max_staleness=1, lead=1) and not plan.admits(10, version=3, max_staleness=1,
+                                                                                    lead=0)
+    assert intake._invalid(trajectory(10, 0, group_size=2), version=3) is None  # not "ahead" any more
+    assert intake._invalid(trajectory(11, 0, group_size=2), version=3) == "ahead"
+
+
+def test_a_resumed_run_whose_cursor_is_ahead_of_its_steps_still_admits_groups():
+    """A run that dropped groups is resumed at a data cursor past `prompts_per_step x version`: its actors start
+    with that lead, or (32 or more groups ahead, at max_staleness 1) none would ever be admitted and the run hangs."""
+    plan = CursorPlan(start=140, num_actors=1, prompts_per_step=16)  # resumed at step 5 with 60 groups dropped
+    lead = plan.lead_at(5, delivered=0)
+    assert lead == 60 and plan.admits(140, version=5, max_staleness=1, lead=lead)
+    assert not plan.admits(140, version=5, max_staleness=1, lead=0)
+    assert Intake(group_size=4, max_staleness=1, plan=plan).lead(version=5) == 60
+
+
 def test_counters_survive_a_resume_with_trajectories_pending():
     """What was received but not trained when the checkpoint was taken is counted as dropped at resume, so the
     resumed run's books still balance: received == trained + pending + every dropped reason."""

@@ -78,10 +78,10 @@ def test_weight_buckets_arrive_whole_and_bounded():
     deadline = time.time() + 5
     result = None
     while result is None and time.time() < deadline:  # PUB/SUB: resend until the subscription is live
-        pub.publish(7, buckets)
+        pub.publish(7, buckets, lead=3)
         result = sub.poll(200)
     version, received = result
-    assert version == 7
+    assert version == 7 and sub.lead == 3  # the learner's cursor lead comes with the version (tasks/schedule.py)
     assert [n for n, _ in received] == [n for n, _ in weights]
     for (_, a), (_, b) in zip(received, weights):
         assert torch.equal(a, b)
@@ -172,20 +172,20 @@ def test_a_weight_subscriber_survives_forged_buckets():
     sub = WeightSubscriber(f"tcp://127.0.0.1:{port}")
     real = torch.arange(4, dtype=torch.float32)
 
-    def bucket(version, index=0, count=1, dtype="float32", shape=(4,), payload=real.numpy().tobytes()):
-        header = WeightBucket(SCHEMA_VERSION, version, index, count, [TensorSpec("w", dtype, list(shape))])
+    def bucket(version, index=0, count=1, dtype="float32", shape=(4,), payload=real.numpy().tobytes(), lead=0):
+        header = WeightBucket(SCHEMA_VERSION, version, index, count, [TensorSpec("w", dtype, list(shape))], lead=lead)
         return [msgspec.msgpack.encode(header), payload]
 
     forged = [bucket(3, dtype="Tensor"), bucket(3, dtype="__class__"), bucket(3, index=5, count=2),
-              bucket(3, count=-1), bucket(3, shape=(5,)), bucket(3, shape=(-4,)), bucket(-2)]
+              bucket(3, count=-1), bucket(3, shape=(5,)), bucket(3, shape=(-4,)), bucket(-2), bucket(4, lead=-9)]
     forged += [bucket(100 + v, count=2) for v in range(10)]  # endless partial versions: bounded
     deadline, result = time.time() + 5, None
     while result is None and time.time() < deadline:  # PUB/SUB: resend until the subscription is live
         for frames in forged + [bucket(2)]:
             raw.send_multipart(frames)
         result = sub.poll(200)
-    assert result is not None and result[0] == 2 and torch.equal(result[1][0][1], real)
-    assert sub.dropped >= 7 and len(sub._pending) <= 4
+    assert result is not None and result[0] == 2 and torch.equal(result[1][0][1], real) and sub.lead == 0
+    assert sub.dropped >= 8 and len(sub._pending) <= 4
     raw.close(0)
     sub.close()
 

@@ -56,6 +56,7 @@ class WeightBucket(msgspec.Struct, tag="weights", frozen=True):
     num_buckets: int
     tensors: list[TensorSpec]
     model: str = "policy"  # or "draft": a version of the draft LM (learner/distill.py), numbered on its own
+    lead: int = 0  # policy versions: the learner's cursor lead, by which actors admit groups (tasks/schedule.py)
 
 
 class WeightAck(msgspec.Struct, tag="weight_ack", frozen=True):

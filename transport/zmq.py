@@ -178,12 +178,14 @@ class WeightPublisher:
         port = self.socket.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{dialable(host)}:{port}"
 
-    def publish(self, version: int, buckets: list[list[tuple[str, torch.Tensor]]], model: str = "policy") -> int:
-        """Sends each bucket of `model`'s weights once to every subscriber; returns the bytes sent."""
+    def publish(self, version: int, buckets: list[list[tuple[str, torch.Tensor]]], model: str = "policy",
+                lead: int = 0) -> int:
+        """Sends each bucket of `model`'s weights once to every subscriber, with the learner's cursor `lead`;
+        returns the bytes sent."""
         sent = 0
         for index, bucket in enumerate(buckets):
             specs = [TensorSpec(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in bucket]
-            header = WeightBucket(SCHEMA_VERSION, version, index, len(buckets), specs, model)
+            header = WeightBucket(SCHEMA_VERSION, version, index, len(buckets), specs, model, lead)
             frames = [_encoder.encode(header)] + [t.view(torch.uint8).reshape(-1).numpy() for _, t in bucket]
             self.socket.send_multipart(frames, copy=False)
             sent += sum(t.numel() * t.element_size() for _, t in bucket)
@@ -227,6 +229,7 @@ class WeightSubscriber:
         # per model: partial versions being assembled, and the newest complete one not yet taken
         self._pending: dict[str, dict[int, dict[int, list[tuple[str, torch.Tensor]]]]] = {m: {} for m in MODELS}
         self._complete: dict[str, tuple[int, list[tuple[str, torch.Tensor]]]] = {}
+        self.lead = 0  # sent with the newest complete policy version
         self.dropped = 0
 
     def poll(self, timeout_ms: int = 0) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
@@ -248,9 +251,9 @@ class WeightSubscriber:
                 if header.schema != SCHEMA_VERSION or len(frames) != len(header.tensors) + 1:
                     raise ValueError(f"schema {header.schema}, {len(frames) - 1} tensor frames")
                 if not 0 <= header.bucket < header.num_buckets <= MAX_BUCKETS or header.version < 0 \
-                        or header.model not in MODELS:
+                        or header.model not in MODELS or header.lead < 0:
                     raise ValueError(f"bucket {header.bucket} of {header.num_buckets}, version {header.version} of "
-                                     f"{header.model!r}")
+                                     f"{header.model!r}, lead {header.lead}")
                 tensors = [(spec.name, _tensor(spec, frame.buffer)) for spec, frame in zip(header.tensors, frames[1:])]
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
                 self.dropped += 1
@@ -263,6 +266,8 @@ class WeightSubscriber:
                 del pending[min(pending)]
             if len(buckets) == header.num_buckets:
                 self._complete[header.model] = (header.version, [t for i in sorted(buckets) for t in buckets[i]])
+                if header.model == "policy":
+                    self.lead = header.lead
                 self._pending[header.model] = {v: b for v, b in pending.items() if v > header.version}
 
     def close(self) -> None:
