@@ -176,12 +176,12 @@ def plan(gains: list[list[float]] | np.ndarray, base_tokens: int, step: StepCost
     that plan (engine step only). `gains[i][j]`: the expected committed tokens the `j+1`-th draft token of request `i`
     adds (the probability that it and every one before it are accepted; never rising in `j`), so request `i` gets at
     most `len(gains[i])` (a 2-D array: as many for every request). `base_tokens`: tokens the step computes without
-    drafts (one per decoding request, plus any prefill). `draft`: the drafting cost model; None when the drafts are already made (their cost is paid, only
-    verifying them is left to decide). `unseen`: per request, the history tokens the drafter would see for the first
-    time if it drafted (its catch-up, paid with the request's first draft token; zeros if not given). `explore`:
-    where no drafting pays, the request most likely to accept drafts gets all of its tokens anyway, so that a planner
-    that stopped drafting keeps measuring what drafting gives (acceptance and costs drift with the policy and the
-    batch); its caller decides how rarely."""
+    drafts (one per decoding request, plus any prefill). `draft`: the drafting cost model; None when the drafts are
+    already made (their cost is paid, only verifying them is left to decide). `unseen`: per request, the history
+    tokens the drafter would see for the first time if it drafted (its catch-up, paid with the request's first draft
+    token; zeros if not given). `explore`: where no drafting pays, the request most likely to accept drafts gets all
+    of its tokens anyway, so that a planner that stopped drafting keeps measuring what drafting gives (acceptance and
+    costs drift with the policy and the batch); its caller decides how rarely."""
     n = len(gains)
     if not step.seen.any():  # nothing measured yet: draft fully, and learn what verifying costs
         return [len(g) for g in gains], 0.0

@@ -4,8 +4,8 @@ It admits GRPO groups (one request per sample, seeds `group_seed + i`) while the
 the learner's cursor lead, tasks/schedule.py) is at most `algorithm.max_staleness` versions ahead of the weights it
 holds, streams each trajectory as soon as its group completes, and applies a new weight version between two engine
 steps with requests in flight (reload, re-pack the tied CPU lm_head, reset the prefix cache and recompute running
-requests' context under the new weights); a new draft LM version (distilled by the learner) is swapped in the same way, between steps.
-Every token records the version it was sampled under and comes from the coupled sampler
+requests' context under the new weights); a new draft LM version (distilled by the learner) is swapped in the same
+way, between steps. Every token records the version it was sampled under and comes from the coupled sampler
 (sampling/coupled.py), speculating with the configured drafter or not; per-sequence draft/accept counts ride
 along in each trajectory. Which prompts it takes is `tasks.schedule.CursorPlan`'s rule.
 """
