@@ -123,6 +123,7 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
          "must be >= 0 (0: the draft LM stays frozen)"),
         ("speculation.distill.lr", cfg.speculation.distill.lr > 0, "must be > 0"),
         ("speculation.distill.top_k", cfg.speculation.distill.top_k >= 1, "must be >= 1"),
+        ("speculation.distill.micro_batch_size", cfg.speculation.distill.micro_batch_size >= 1, "must be >= 1"),
         ("speculation.distill.wrong_weight", cfg.speculation.distill.wrong_weight >= 0, "must be >= 0"),
     ]
     batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size

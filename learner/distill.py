@@ -35,7 +35,7 @@ import torch
 from omegaconf import DictConfig
 
 from learner.grpo import Packed
-from sampling.coupled import coupled_sample, group_seed
+from sampling.coupled import GREEDY_BELOW, NOISE_ELEMENTS, group_seed, gumbel, processed_logits
 from transport.messages import Trajectory
 
 log = logging.getLogger(__name__)
@@ -63,17 +63,29 @@ def acceptance_walk(match: list[bool], k: int) -> int:
 
 
 class Batch:
-    """One micro-batch of the policy's step (`Packed`), its policy top-k targets and its sampling seeds."""
+    """Trajectories of the policy's step as `Packed` tensors, with their policy top-k targets `classes` and `probs`
+    [B, T, k] (renormalised; 0 past a response's end) and their sampling seeds."""
 
-    def __init__(self, trajectories: list[Trajectory], packed: Packed, teacher: torch.Tensor, top_k: int,
-                 run_seed: int):
-        self.packed = packed
-        values, classes = teacher.topk(min(top_k, teacher.shape[-1]), dim=-1)  # on the policy's device; kept: [B, T, k]
-        self.classes = classes.cpu()
-        self.probs = values.float().softmax(-1).cpu()  # the policy's top-k, renormalised (-inf outside top-k/p: 0)
+    def __init__(self, trajectories: list[Trajectory], classes: torch.Tensor, probs: torch.Tensor, run_seed: int):
+        self.trajectories, self.classes, self.probs = trajectories, classes, probs
+        self.packed = Packed(trajectories)
         self.seeds = torch.tensor([group_seed(run_seed, t.group_id, t.group_size) + t.sample_index
                                    for t in trajectories])
         self.lengths = [len(t.response_ids) for t in trajectories]
+
+
+def regrouped(batches: list[Batch], rows: int, run_seed: int, order: int) -> list[Batch]:
+    """The trajectories of `batches` re-cut into batches of `rows` (one may have fewer) of similar lengths, which pad
+    little, in an order drawn from `order` (a new one each step)."""
+    items = [(t, b.classes[i, :n], b.probs[i, :n]) for b in batches
+             for i, (t, n) in enumerate(zip(b.trajectories, b.lengths))]
+    items.sort(key=lambda item: len(item[0].prompt_ids) + len(item[0].response_ids))
+    pad = torch.nn.utils.rnn.pad_sequence
+    chunks = [items[i : i + rows] for i in range(0, len(items), rows)]
+    # learnt in a random order, not shortest first: steps walking up the lengths drag the draft LM towards the last
+    chunks = [chunks[i] for i in torch.randperm(len(chunks), generator=torch.Generator().manual_seed(order))]
+    return [Batch([t for t, _, _ in chunk], pad([c for _, c, _ in chunk], batch_first=True),
+                  pad([p for _, _, p in chunk], batch_first=True), run_seed) for chunk in chunks]
 
 
 class DraftDistiller:
@@ -99,35 +111,35 @@ class DraftDistiller:
 
     def observe(self, trajectories: list[Trajectory], packed: Packed, teacher: torch.Tensor) -> None:
         """One micro-batch of the policy's step: `teacher` [B, T, vocab] the policy's processed logprobs."""
-        self.batches.append(Batch(trajectories, packed, teacher.detach(), self.cfg.speculation.distill.top_k,
-                                  self.cfg.seed))
+        values, classes = teacher.detach().topk(min(self.cfg.speculation.distill.top_k, teacher.shape[-1]), dim=-1)
+        probs = values.float().softmax(-1).cpu()  # the top-k renormalised (-inf outside the policy's top-k/p: 0)
+        self.batches.append(Batch(trajectories, classes.cpu(), probs, self.cfg.seed))
 
     def _rows(self, model, batch: Batch) -> torch.Tensor:
         p = batch.packed
         logits = model(input_ids=p.ids, attention_mask=p.attention).logits
         return logits.gather(1, p.index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [B, T, vocab]
 
-    def _drafts(self, rows: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """[B, T] the token the drafter proposes at each response position (coupled noise, teacher-forced)."""
+    def _drafts(self, batch: Batch, *rows: torch.Tensor) -> list[torch.Tensor]:
+        """Per drafter's `rows` [B, T, vocab]: [B, T] the token it proposes at each response position (teacher-forced),
+        by the coupled sampler's rule (`sampling/coupled.py`): the argmax of its processed logits plus the Gumbel
+        noise of (seed, position). The noise depends on neither drafter, so it is made once for all of them, a
+        chunk of positions at a time."""
         r = self.cfg.rollout
-        b, t, v = rows.shape
-        flat = rows.detach().reshape(-1, v)
-        tokens, _ = coupled_sample(flat, batch.seeds.repeat_interleave(t), torch.arange(t).repeat(b),
-                                   torch.full((b * t,), float(r.temperature)),
-                                   torch.full((b * t,), r.top_k) if r.top_k > 0 else None,
-                                   torch.full((b * t,), float(r.top_p)) if r.top_p < 1 else None)
-        return tokens.view(b, t)
-
-    @torch.no_grad()
-    def replay(self, model, batches: list[Batch]) -> float:
-        """`model`'s replayed acceptance length over `batches` (tokens per verify step)."""
-        k = self.cfg.speculation.num_speculative_tokens
-        tokens = steps = 0
-        for batch in batches:
-            match = (self._drafts(self._rows(model, batch), batch) == batch.packed.targets).tolist()
-            for row, length in zip(match, batch.lengths):
-                tokens, steps = tokens + length, steps + acceptance_walk(row[:length], k)
-        return tokens / max(steps, 1)
+        b, t, v = rows[0].shape
+        n = b * t
+        flat = [processed_logits(x.detach().reshape(-1, v), torch.full((n,), float(r.temperature)),
+                                 torch.full((n,), r.top_k) if r.top_k > 0 else None,
+                                 torch.full((n,), float(r.top_p)) if r.top_p < 1 else None) for x in rows]
+        tokens = [x.argmax(-1) for x in flat]  # greedy rollouts: no noise
+        if r.temperature >= GREEDY_BELOW:
+            seeds, positions = batch.seeds.repeat_interleave(t), torch.arange(t).repeat(b)
+            chunk = max(1, NOISE_ELEMENTS // v)
+            for start in range(0, n, chunk):
+                noise = gumbel(seeds[start : start + chunk], positions[start : start + chunk], v)
+                for x, out in zip(flat, tokens):
+                    out[start : start + chunk] = (x[start : start + chunk].double() + noise).argmax(-1)
+        return [x.view(b, t) for x in tokens]
 
     def start(self, policy_version: int) -> dict[str, float]:
         """After the policy's step: runs `step` on its micro-batches in a thread of its own, which overlaps the
@@ -156,33 +168,31 @@ class DraftDistiller:
         return done
 
     def step(self, policy_version: int, batches: list[Batch] | None = None) -> dict[str, float]:
-        """Gate (when due), then one optimizer step per micro-batch of `batches` (default: those observed since the
-        last step); returns metrics."""
+        """One optimizer step per micro-batch of `batches` (default: those observed since the last step), each
+        micro-batch replayed first by the running drafter, the run's starting one and, when a gate is due, the
+        candidate as it was before this step (it learns from none of what judges it); then the gate. Metrics."""
         d, temperature = self.cfg.speculation.distill, max(float(self.cfg.rollout.temperature), 1e-3)
+        k = self.cfg.speculation.num_speculative_tokens
         if batches is None:
             batches, self.batches = self.batches, []
         start = time.time()
-        running = self.replay(self.running, batches)
-        metrics = {"draft/replayed_acceptance": running,
-                   "draft/initial_replayed_acceptance": self.replay(self.initial, batches)}
+        batches = regrouped(batches, d.micro_batch_size, self.cfg.seed, order=policy_version)
+        judges = {"replayed": self.running, "initial_replayed": self.initial}
         if policy_version % d.every_versions == 0 and self.learned:  # an untrained candidate is the running one
-            candidate = self.replay(self.model, batches)
-            metrics["draft/candidate_acceptance"] = candidate
-            if candidate >= running:
-                with self.lock:
-                    self.running.load_state_dict(self.model.state_dict())
-                    self.version += 1
-                    self.outgoing = [(n, t.detach().clone()) for n, t in self.running.state_dict().items()]
-            else:
-                self.rejected += 1
-        if running < ALARM_BELOW:
-            log.warning("the draft LM the actors run (draft version %d) replays at acceptance %.2f: it agrees with "
-                        "almost none of the policy's tokens (broken weights?)", self.version, running)
+            judges["candidate"] = copy.deepcopy(self.model).eval()
+        walked = {name: [0, 0] for name in judges}  # tokens, verify steps
         self.model.train()
         losses = []
         for batch in batches:
+            with torch.no_grad():
+                judged = [self._rows(model, batch) for model in judges.values()]
             rows = self._rows(self.model, batch)
-            wrong = (self._drafts(rows, batch) != batch.packed.targets).float()
+            *replayed, own = self._drafts(batch, *judged, rows)
+            for name, drafts in zip(judges, replayed):
+                for row, length in zip((drafts == batch.packed.targets).tolist(), batch.lengths):
+                    walked[name][0] += length
+                    walked[name][1] += acceptance_walk(row[:length], k)
+            wrong = (own != batch.packed.targets).float()
             logq = (rows / temperature).log_softmax(-1).gather(-1, batch.classes)
             kl = (batch.probs * (batch.probs.clamp(min=1e-12).log() - logq)).sum(-1)  # [B, T]
             weight = batch.packed.mask * (1 + d.wrong_weight * wrong)
@@ -193,7 +203,21 @@ class DraftDistiller:
             self.optimizer.step()
             losses.append(loss.item())
         self.learned = self.learned or bool(losses)
-        return {**metrics, "draft/loss": sum(losses) / max(len(losses), 1), "draft/version": float(self.version),
+        acceptance = {name: tokens / max(steps, 1) for name, (tokens, steps) in walked.items()}
+        running = acceptance["replayed"]
+        if "candidate" in judges:
+            if acceptance["candidate"] >= running:
+                with self.lock:
+                    self.running.load_state_dict(judges["candidate"].state_dict())
+                    self.version += 1
+                    self.outgoing = [(n, t.detach().clone()) for n, t in self.running.state_dict().items()]
+            else:
+                self.rejected += 1
+        if running < ALARM_BELOW:
+            log.warning("the draft LM the actors run (draft version %d) replays at acceptance %.2f: it agrees with "
+                        "almost none of the policy's tokens (broken weights?)", self.version, running)
+        return {**{f"draft/{name}_acceptance": value for name, value in acceptance.items()},
+                "draft/loss": sum(losses) / max(len(losses), 1), "draft/version": float(self.version),
                 "draft/rejected_swaps": float(self.rejected), "draft/alarm": float(running < ALARM_BELOW),
                 "draft/train_seconds": time.time() - start}
 

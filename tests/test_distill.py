@@ -8,7 +8,7 @@ import torch
 from configs.load import load_config
 from drafters.base import DraftRequest
 from drafters.draft_lm import DraftLM
-from learner.distill import DraftDistiller, acceptance_walk
+from learner.distill import DraftDistiller, acceptance_walk, regrouped
 from learner.grpo import Packed
 from models.zoo import resolve
 from sampling.coupled import coupled_sample, group_seed, processed_logprobs
@@ -49,7 +49,7 @@ def test_replay_is_exactly_what_the_draft_lm_proposes():
     t = trajectory(3, 2, tokenizer_prompt, response)
     distiller.observe([t], Packed([t]), torch.zeros(1, len(response), 272))
     batch = distiller.batches[0]
-    replayed = distiller._drafts(distiller._rows(distiller.running, batch), batch)[0].tolist()
+    replayed = distiller._drafts(batch, distiller._rows(distiller.running, batch))[0][0].tolist()
     assert replayed[:5] == own[:5] and replayed[5] == own[5] != response[5]
     for position in (6, 9):  # after the mismatch: drafts conditioned on the committed history
         drafter.remove("r")
@@ -60,7 +60,30 @@ def test_replay_is_exactly_what_the_draft_lm_proposes():
         seen = min(agree + 1, K)  # the accepted drafts and the first rejected one
         assert proposal[:seen] == replayed[position: position + seen]
     steps = acceptance_walk([a == b for a, b in zip(replayed, response)], K)
-    assert distiller.replay(distiller.running, distiller.batches) == pytest.approx(len(response) / steps)
+    assert distiller.step(1)["draft/replayed_acceptance"] == pytest.approx(len(response) / steps)
+
+
+def test_regrouped_batches_keep_each_trajectory_with_its_own_targets():
+    """The policy's micro-batches re-cut for distillation: every trajectory once, shortest first, each row's top-k
+    targets still its own (a misaligned row would teach one response another's distributions)."""
+    cfg = config()
+    distiller = DraftDistiller(cfg)
+    lengths = [[7, 2, 9], [4, 11], [3, 5, 6]]
+    for b, batch in enumerate(lengths):
+        rows = [trajectory(10 * b + i, 0, [1, 2, 3], [20 + n] * n) for i, n in enumerate(batch)]
+        teacher = torch.full((len(rows), max(batch), 272), -50.0)
+        for i, n in enumerate(batch):
+            teacher[i, :n, 20 + n] = 0.0  # the policy's favourite at every position is the row's own token
+        distiller.observe(rows, Packed(rows), teacher)
+    out = sorted(regrouped(distiller.batches, 3, cfg.seed, order=1), key=lambda b: b.lengths[0])
+    assert [len(b.lengths) for b in out] == [3, 3, 2]
+    assert [n for b in out for n in b.lengths] == sorted(n for batch in lengths for n in batch)
+    for batch in out:
+        assert batch.classes.shape[1] == max(batch.lengths) == batch.packed.targets.shape[1]
+        for row, n in enumerate(batch.lengths):
+            assert (batch.classes[row, :n, 0] == batch.packed.targets[row, :n]).all()  # its own targets
+            assert (batch.probs[row, n:] == 0).all() and (batch.packed.mask[row, :n] == 1).all()
+            assert batch.seeds[row] == group_seed(cfg.seed, batch.trajectories[row].group_id, 8)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +116,7 @@ def policy_batches():
 
 
 def test_distillation_raises_replayed_acceptance_and_the_gate_publishes_only_better(policy_batches):
-    distiller = DraftDistiller(config(lr=3e-3))
+    distiller = DraftDistiller(config(lr=3e-4))
     before = None
     for step in range(1, 9):
         for rows, packed, teacher in policy_batches:
@@ -112,7 +135,7 @@ def test_distillation_raises_replayed_acceptance_and_the_gate_publishes_only_bet
     assert distiller.version >= 1 and metrics["draft/alarm"] == 0.0
     for rows, packed, teacher in policy_batches:
         distiller.observe(rows, packed, teacher)
-    after = distiller.replay(distiller.running, distiller.batches)
+    after = distiller.step(9)["draft/replayed_acceptance"]  # the running drafter's, before the step's gate
     assert after > before * 1.05, f"replayed acceptance {before:.3f} -> {after:.3f}"
 
 
