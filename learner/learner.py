@@ -17,7 +17,7 @@ import msgspec
 import torch
 from omegaconf import DictConfig
 
-from configs.schema import Dtype
+from configs.schema import Dtype, LossAggregation
 from learner.base import checkpoint_state, partial, seal_checkpoint, staleness
 from learner.distill import DraftDistiller
 from learner.grpo import Packed, group_advantages, policy_loss
@@ -171,12 +171,20 @@ class Learner:
         rewards = torch.tensor([[t.reward for t in g] for g in groups])
         advantages = group_advantages(rewards, algo.normalize_advantage_std).flatten()
         share = len(trajectories) // self.world
-        mine = range(self.rank * share, (self.rank + 1) * share)
+        # micro-batches of similar lengths, which pad little; the step's update does not depend on how they are cut
+        mine = sorted(range(self.rank * share, (self.rank + 1) * share),
+                      key=lambda i: len(trajectories[i].prompt_ids) + len(trajectories[i].response_ids))
+        micro_batches = [mine[i : i + self.micro] for i in range(0, share, self.micro)]
+        step_tokens = sum(len(t.response_ids) for t in trajectories)
         self.engine.train()
         lr = self.engine.get_lr()[0]  # this step's (the scheduler moves on with the optimizer step)
         start, sums, extremes = time.time(), torch.zeros(6), torch.tensor([float("-inf"), float("-inf")])
-        for i in range(mine.start, mine.stop, self.micro):
-            loss, stats = self.micro_batch_loss(trajectories[i : i + self.micro], advantages[i : i + self.micro])
+        for rows in micro_batches:
+            batch = [trajectories[i] for i in rows]
+            loss, stats = self.micro_batch_loss(batch, advantages[rows])
+            if algo.loss_aggregation == LossAggregation.token_mean:  # a mean over the step's tokens, not the
+                # micro-batch's: DeepSpeed averages the micro-batches and the ranks
+                loss = loss * (sum(len(t.response_ids) for t in batch) * len(micro_batches) * self.world / step_tokens)
             self.engine.backward(loss)
             boundary = self.engine.is_gradient_accumulation_boundary()  # once per step: the optimizer steps
             plain = not (self.engine.zero_optimization() or self.engine.bfloat16_enabled())

@@ -25,10 +25,10 @@ def sequence_logprob(model, prompt: list[int], response: list[int]) -> list[floa
     return rows.gather(-1, torch.tensor(response).unsqueeze(-1)).squeeze(-1).tolist()
 
 
-def make_groups(model, tok) -> list[list[Trajectory]]:
-    """GROUPS as trajectories sampled under `model`; the first response of each group is the rewarded one."""
+def make_groups(model, tok, texts=GROUPS) -> list[list[Trajectory]]:
+    """`texts` as trajectories sampled under `model`; the first response of each group is the rewarded one."""
     groups = []
-    for g, (prompt, responses) in enumerate(GROUPS):
+    for g, (prompt, responses) in enumerate(texts):
         p = tok(prompt, add_special_tokens=False).input_ids
         rs = [tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id] for text in responses]
         groups.append([Trajectory(SCHEMA_VERSION, 0, i, g, 4, i, p, r, sequence_logprob(model, p, r), [0] * len(r),
@@ -66,6 +66,28 @@ def test_grpo_steps_raise_rewarded_and_lower_unrewarded_responses(kl_coef):
         assert steps[0]["rl/kl"] == pytest.approx(0.0, abs=1e-7) and steps[-1]["rl/kl"] > 1e-7
     else:
         assert "rl/kl" not in metrics
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_a_steps_gradient_does_not_depend_on_how_its_micro_batches_are_cut(aggregation):
+    """The learner cuts a step into micro-batches of similar lengths; the gradient is the loss's over the whole step
+    either way (token_mean: every token of the step weighs the same, not every token of its micro-batch)."""
+    from learner.learner import Learner
+
+    model_dir = str(resolve("builtin:dense"))
+    texts = [("Question: 3+4=?\nAnswer:", [" 3+4=7\n#### 7", " 3 plus 4 is 8, so 3+4=8\n#### 8", " 9", " 3+4 = 6\n#### 6"]),
+             ("Question: 9-2=?\nAnswer:", [" 9-2=7 as 9-1=8 and 8-1=7\n#### 7", " 6", " 9-2=5\n#### 5", " 8"])]
+    norms = []
+    for micro in (2, 8):
+        cfg = load_config("grpo_tiny", ["rollout.prompts_per_step=2", "rollout.group_size=4",
+                                        f"learner.micro_batch_size={micro}", f"algorithm.loss_aggregation={aggregation}"])
+        learner = Learner(cfg, model_dir, model_dir, CursorPlan(0, 1, 2))
+        learner.start()
+        learner.groups = make_groups(learner.engine.module, transformers.AutoTokenizer.from_pretrained(model_dir), texts)
+        metrics = learner.train()
+        norms.append((metrics["rl/grad_norm"], metrics["rl/loss"]))
+    assert norms[0][0] == pytest.approx(norms[1][0], rel=1e-5) and norms[0][0] > 0
+    assert norms[0][1] == pytest.approx(norms[1][1], rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1])  # the plain optimizer (the learner skips) and ZeRO's (DeepSpeed does)
