@@ -13,10 +13,11 @@ draft after accepted ones is conditioned on the committed prefix, so one teacher
 drafter proposes at every position. Walking a response in verify steps of `num_speculative_tokens` drafts
 (accepted run + 1 token each) gives its *replayed acceptance length*, the number the actors would measure.
 
-It runs in a thread of its own on rank 0, beside the learner's next collect (rank 0 mostly waits there for
-rollouts), so it is off the step's critical path; its scalars come one step late.
+It runs in a thread of its own on rank 0 at the lowest CPU priority, beside the learner's next steps, on the CPU
+they leave: a step that ends while it is still busy is skipped (`draft/skipped_steps`), so distillation never holds
+the learner back, and on a host with no CPU to spare it learns from fewer steps. Its scalars come a step or more late.
 
-When it publishes: every `every_versions` policy versions the trained candidate and the drafter the actors run are
+When it publishes: at most every `every_versions` policy versions the trained candidate and the drafter the actors run are
 both replayed on the step's trajectories, before the candidate learns from them; the candidate goes out as the
 next draft version (model `draft` on the weight channel, `transport/`) only if it does at least as well. A replayed
 acceptance near 1 (the drafter agrees with nothing: weights zeroed, a wrong tokenizer) raises `draft/alarm`.
@@ -24,9 +25,11 @@ acceptance near 1 (the drafter agrees with nothing: weights zeroed, a wrong toke
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -104,6 +107,8 @@ class DraftDistiller:
         self.batches: list[Batch] = []
         self.outgoing: list[tuple[str, torch.Tensor]] | None = None  # a draft version to publish
         self.rejected = 0
+        self.skipped = 0  # steps whose trajectories came while the thread was busy
+        self.gated_at = 0  # the policy version of the last gate
         self.learned = False  # the candidate has trained since it was made
         self.thread: threading.Thread | None = None  # the distillation of the last step, while it runs
         self.finished: list[dict[str, float] | BaseException] = []  # its metrics (or error), once done
@@ -142,12 +147,18 @@ class DraftDistiller:
         return [x.view(b, t) for x in tokens]
 
     def start(self, policy_version: int) -> dict[str, float]:
-        """After the policy's step: runs `step` on its micro-batches in a thread of its own, which overlaps the
-        learner's next collect (where rank 0 waits for rollouts), and returns the metrics of the previous step's
-        distillation (so `draft/*` scalars come one step late; {} at first)."""
+        """After the policy's step: `step` on its micro-batches, in a thread of its own at the lowest CPU priority,
+        unless the thread is still busy with an earlier step's (then this step's are skipped). Returns the metrics
+        of the distillation finished since the last call ({} if none)."""
+        if self.thread is not None and self.thread.is_alive():
+            self.batches, self.skipped = [], self.skipped + 1
+            return {"draft/skipped_steps": float(self.skipped)}
         metrics = self.wait()
         batches, self.batches = self.batches, []
+
         def run() -> None:
+            with contextlib.suppress(OSError):  # Linux: this thread's nice value; the learner's own stay as they are
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
             try:
                 self.finished.append(self.step(policy_version, batches))
             except BaseException as e:  # raised again in the learner's thread at the next wait()
@@ -178,7 +189,8 @@ class DraftDistiller:
         start = time.time()
         batches = regrouped(batches, d.micro_batch_size, self.cfg.seed, order=policy_version)
         judges = {"replayed": self.running, "initial_replayed": self.initial}
-        if policy_version % d.every_versions == 0 and self.learned:  # an untrained candidate is the running one
+        if policy_version - self.gated_at >= d.every_versions and self.learned:  # (untrained: the running one)
+            self.gated_at = policy_version
             judges["candidate"] = copy.deepcopy(self.model).eval()
         walked = {name: [0, 0] for name in judges}  # tokens, verify steps
         self.model.train()
@@ -218,7 +230,8 @@ class DraftDistiller:
                         "almost none of the policy's tokens (broken weights?)", self.version, running)
         return {**{f"draft/{name}_acceptance": value for name, value in acceptance.items()},
                 "draft/loss": sum(losses) / max(len(losses), 1), "draft/version": float(self.version),
-                "draft/rejected_swaps": float(self.rejected), "draft/alarm": float(running < ALARM_BELOW),
+                "draft/rejected_swaps": float(self.rejected), "draft/skipped_steps": float(self.skipped),
+                "draft/alarm": float(running < ALARM_BELOW),
                 "draft/train_seconds": time.time() - start}
 
     def save(self, directory: Path) -> None:

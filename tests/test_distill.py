@@ -2,6 +2,9 @@
 proposed, distillation on the policy's outputs raises the draft's acceptance, the gate keeps a worse candidate
 out, and a broken running drafter raises the alarm."""
 
+import os
+import threading
+
 import pytest
 import torch
 
@@ -158,6 +161,28 @@ def test_a_worse_candidate_is_kept_out_and_a_broken_drafter_raises_the_alarm(pol
     for rows, packed, teacher in policy_batches:
         distiller.observe(rows, packed, teacher)
     assert distiller.step(3)["draft/alarm"] == 1.0
+
+
+def test_distillation_never_holds_the_learner_back(policy_batches, monkeypatch):
+    """A step that ends while the distiller's thread is still busy is skipped and counted, not waited for; the
+    thread runs at the lowest CPU priority, so it takes the CPU the learner and actors leave."""
+    distiller, release, seen = DraftDistiller(config()), threading.Event(), {}
+    real = distiller.step
+
+    def slow_step(version, batches):
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        release.wait(30)
+        return real(version, batches)
+
+    monkeypatch.setattr(distiller, "step", slow_step)
+    for step in (1, 2):
+        for rows, packed, teacher in policy_batches:
+            distiller.observe(rows, packed, teacher)
+        metrics = distiller.start(step)
+    assert metrics == {"draft/skipped_steps": 1.0} and distiller.batches == []  # step 2: the thread was busy
+    release.set()
+    metrics = distiller.wait()
+    assert metrics["draft/skipped_steps"] == 1.0 and metrics["draft/loss"] > 0 and seen["nice"] == 19
 
 
 def test_a_checkpointed_draft_lm_resumes_and_goes_out_first(policy_batches, tmp_path):
