@@ -1,9 +1,9 @@
-"""Online distillation of the draft LM (`speculation.distill`), on learner rank 0, beside the policy's step.
+"""Online distillation of the draft LM (`speculation.distill`): fed by learner rank 0, in a Ray actor beside it.
 
 Where: the soft targets are the policy's distributions at the rollout temperature, which the GRPO step has just
-computed for every trained token; a separate trainer process would need them shipped ([tokens, top-k] per step)
-or recomputed (a second policy forward), and the draft LM is a few percent of the policy, so its step costs rank 0
-little. Rank 0 distils on its share of the step's trajectories (all of them with one rank).
+computed for every trained token on rank 0; they go to the distiller as their top-k ([tokens, k] per step, about
+1 MB for grpo_tiny's step) rather than being recomputed by a second policy forward. Rank 0 distils on its share of
+the step's trajectories (all of them with one rank).
 
 What: per trained token, the forward KL from the policy's top-k distribution (renormalised) to the draft's at the
 rollout temperature, weighted `1 + wrong_weight` where the draft would have proposed another token than the one
@@ -13,13 +13,15 @@ draft after accepted ones is conditioned on the committed prefix, so one teacher
 drafter proposes at every position. Walking a response in verify steps of `num_speculative_tokens` drafts
 (accepted run + 1 token each) gives its *replayed acceptance length*, the number the actors would measure.
 
-It runs in a thread of its own on rank 0 at the lowest CPU priority, beside the learner's next steps, on the CPU
-they leave: a step that ends while it is still busy is skipped (`draft/skipped_steps`), so distillation never holds
-the learner back, and on a host with no CPU to spare it learns from fewer steps. Its scalars come a step or more late.
+It runs in a Ray actor of its own on rank 0's node (`RemoteDistiller`), reserving no CPU and scheduled as idle
+(Linux SCHED_IDLE: it runs on a CPU nothing else wants), beside the learner's next steps; a process of its own, so
+it shares no GIL with the learner's loop. A step that ends while it is still busy is skipped
+(`draft/skipped_steps`): distillation never holds the learner back, and on a host with no CPU to spare it learns
+from fewer steps. Its scalars come a step or more late.
 
-When it publishes: at most every `every_versions` policy versions the trained candidate and the drafter the actors run are
-both replayed on the step's trajectories, before the candidate learns from them; the candidate goes out as the
-next draft version (model `draft` on the weight channel, `transport/`) only if it does at least as well. A replayed
+When it publishes: at most every `every_versions` policy versions the trained candidate and the drafter the actors
+run are both replayed on the step's trajectories, before the candidate learns from them; the candidate goes out as
+the next draft version (model `draft` on the weight channel, `transport/`) only if it does at least as well. A replayed
 acceptance near 1 (the drafter agrees with nothing: weights zeroed, a wrong tokenizer) raises `draft/alarm`.
 """
 
@@ -27,10 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import logging
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -71,10 +73,13 @@ class Batch:
 
     def __init__(self, trajectories: list[Trajectory], classes: torch.Tensor, probs: torch.Tensor, run_seed: int):
         self.trajectories, self.classes, self.probs = trajectories, classes, probs
-        self.packed = Packed(trajectories)
         self.seeds = torch.tensor([group_seed(run_seed, t.group_id, t.group_size) + t.sample_index
                                    for t in trajectories])
         self.lengths = [len(t.response_ids) for t in trajectories]
+
+    @functools.cached_property
+    def packed(self) -> Packed:  # made where the batch is learnt (the distiller's actor), not where it is observed
+        return Packed(self.trajectories)
 
 
 def regrouped(batches: list[Batch], rows: int, run_seed: int, order: int) -> list[Batch]:
@@ -107,18 +112,12 @@ class DraftDistiller:
         self.batches: list[Batch] = []
         self.outgoing: list[tuple[str, torch.Tensor]] | None = None  # a draft version to publish
         self.rejected = 0
-        self.skipped = 0  # steps whose trajectories came while the thread was busy
         self.gated_at = 0  # the policy version of the last gate
         self.learned = False  # the candidate has trained since it was made
-        self.thread: threading.Thread | None = None  # the distillation of the last step, while it runs
-        self.finished: list[dict[str, float] | BaseException] = []  # its metrics (or error), once done
-        self.lock = threading.Lock()  # version and outgoing: set by that thread, taken by publish
 
-    def observe(self, trajectories: list[Trajectory], packed: Packed, teacher: torch.Tensor) -> None:
+    def observe(self, trajectories: list[Trajectory], teacher: torch.Tensor) -> None:
         """One micro-batch of the policy's step: `teacher` [B, T, vocab] the policy's processed logprobs."""
-        values, classes = teacher.detach().topk(min(self.cfg.speculation.distill.top_k, teacher.shape[-1]), dim=-1)
-        probs = values.float().softmax(-1).cpu()  # the top-k renormalised (-inf outside the policy's top-k/p: 0)
-        self.batches.append(Batch(trajectories, classes.cpu(), probs, self.cfg.seed))
+        self.batches.append(observed(self.cfg, trajectories, teacher))
 
     def _rows(self, model, batch: Batch) -> torch.Tensor:
         p = batch.packed
@@ -145,38 +144,6 @@ class DraftDistiller:
                 for x, out in zip(flat, tokens):
                     out[start : start + chunk] = (x[start : start + chunk].double() + noise).argmax(-1)
         return [x.view(b, t) for x in tokens]
-
-    def start(self, policy_version: int) -> dict[str, float]:
-        """After the policy's step: `step` on its micro-batches, in a thread of its own at the lowest CPU priority,
-        unless the thread is still busy with an earlier step's (then this step's are skipped). Returns the metrics
-        of the distillation finished since the last call ({} if none)."""
-        if self.thread is not None and self.thread.is_alive():
-            self.batches, self.skipped = [], self.skipped + 1
-            return {"draft/skipped_steps": float(self.skipped)}
-        metrics = self.wait()
-        batches, self.batches = self.batches, []
-
-        def run() -> None:
-            with contextlib.suppress(OSError):  # Linux: this thread's nice value; the learner's own stay as they are
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-            try:
-                self.finished.append(self.step(policy_version, batches))
-            except BaseException as e:  # raised again in the learner's thread at the next wait()
-                self.finished.append(e)
-
-        self.thread = threading.Thread(target=run, name="draft-distiller", daemon=True)
-        self.thread.start()
-        return metrics
-
-    def wait(self) -> dict[str, float]:
-        """Waits for the distillation `start` began, if any; returns its metrics."""
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
-        done = self.finished.pop() if self.finished else {}
-        if isinstance(done, BaseException):
-            raise RuntimeError("draft LM distillation failed") from done
-        return done
 
     def step(self, policy_version: int, batches: list[Batch] | None = None) -> dict[str, float]:
         """One optimizer step per micro-batch of `batches` (default: those observed since the last step), each
@@ -219,10 +186,9 @@ class DraftDistiller:
         running = acceptance["replayed"]
         if "candidate" in judges:
             if acceptance["candidate"] >= running:
-                with self.lock:
-                    self.running.load_state_dict(judges["candidate"].state_dict())
-                    self.version += 1
-                    self.outgoing = [(n, t.detach().clone()) for n, t in self.running.state_dict().items()]
+                self.running.load_state_dict(judges["candidate"].state_dict())
+                self.version += 1
+                self.outgoing = [(n, t.detach().clone()) for n, t in self.running.state_dict().items()]
             else:
                 self.rejected += 1
         if running < ALARM_BELOW:
@@ -230,8 +196,7 @@ class DraftDistiller:
                         "almost none of the policy's tokens (broken weights?)", self.version, running)
         return {**{f"draft/{name}_acceptance": value for name, value in acceptance.items()},
                 "draft/loss": sum(losses) / max(len(losses), 1), "draft/version": float(self.version),
-                "draft/rejected_swaps": float(self.rejected), "draft/skipped_steps": float(self.skipped),
-                "draft/alarm": float(running < ALARM_BELOW),
+                "draft/rejected_swaps": float(self.rejected), "draft/alarm": float(running < ALARM_BELOW),
                 "draft/train_seconds": time.time() - start}
 
     def save(self, directory: Path) -> None:
@@ -239,25 +204,95 @@ class DraftDistiller:
         from safetensors.torch import save_file
 
         directory.mkdir(parents=True, exist_ok=True)
-        with self.lock:
-            state = {n: t.detach().clone().contiguous() for n, t in self.running.state_dict().items()}
-            version = self.version
-        save_file(state, str(directory / "model.safetensors"))
-        (directory / "version.json").write_text(json.dumps({"version": version}))
+        save_file({n: t.detach().clone().contiguous() for n, t in self.running.state_dict().items()},
+                  str(directory / "model.safetensors"))
+        (directory / "version.json").write_text(json.dumps({"version": self.version}))
 
     def load(self, directory: Path) -> None:
         """A resumed run continues from a checkpoint's draft LM, which the actors get with the first publish."""
         from safetensors.torch import load_file
 
         state = load_file(str(directory / "model.safetensors"))
-        with self.lock:
-            self.running.load_state_dict(state)
-            self.model.load_state_dict(state)
-            self.version = json.loads((directory / "version.json").read_text())["version"]
-            self.outgoing = list(state.items()) if self.version > 0 else None
+        self.running.load_state_dict(state)
+        self.model.load_state_dict(state)
+        self.version = json.loads((directory / "version.json").read_text())["version"]
+        self.outgoing = list(state.items()) if self.version > 0 else None
 
     def take_outgoing(self) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
         """The newest draft version and its weights (checkpoint names) when one is due to be published, once."""
-        with self.lock:
-            outgoing, self.outgoing = self.outgoing, None
-            return None if outgoing is None else (self.version, outgoing)
+        outgoing, self.outgoing = self.outgoing, None
+        return None if outgoing is None else (self.version, outgoing)
+
+    def distil(self, policy_version: int, batches: list[Batch]) -> tuple[dict[str, float], tuple | None]:
+        """`RemoteDistiller`'s call: `step` on one thread scheduled as idle, then `take_outgoing`."""
+        torch.set_num_threads(1)
+        with contextlib.suppress(OSError, AttributeError):  # Linux: this thread (the one Ray runs the calls in)
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # runs only on a CPU nothing else wants
+        return self.step(policy_version, batches), self.take_outgoing()
+
+    def tensors(self) -> int:
+        """How many tensors a published draft version has."""
+        return len(self.running.state_dict())
+
+
+class RemoteDistiller:
+    """Rank 0's handle on a `DraftDistiller` in a Ray actor of its own on this node, reserving no CPU (one torch
+    thread, scheduled as idle). `observe` and `start` as the learner calls them; `take_outgoing`, `save` and `load` for
+    its publish and checkpoints."""
+
+    def __init__(self, cfg: DictConfig):
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.cfg = cfg
+        self.worker = ray.remote(num_cpus=0, scheduling_strategy=here)(DraftDistiller).remote(cfg)
+        self.tensors = ray.get(self.worker.tensors.remote())
+        self.batches: list[Batch] = []
+        self.running = None  # the ObjectRef of the distillation under way
+        self.outgoing: tuple | None = None
+        self.skipped = 0  # steps whose trajectories came while the actor was busy
+
+    def observe(self, trajectories: list[Trajectory], teacher: torch.Tensor) -> None:
+        self.batches.append(observed(self.cfg, trajectories, teacher))
+
+    def start(self, policy_version: int) -> dict[str, float]:
+        """After the policy's step: hands its micro-batches to the actor, or skips them if it is still busy with an
+        earlier step's. Returns the metrics of a distillation finished since the last call ({} if none)."""
+        import ray
+
+        metrics: dict[str, float] = {}
+        if self.running is not None:
+            if not ray.wait([self.running], timeout=0)[0]:
+                self.batches, self.skipped = [], self.skipped + 1
+                return {"draft/skipped_steps": float(self.skipped)}
+            try:
+                metrics, outgoing = ray.get(self.running)
+            except ray.exceptions.RayError as e:
+                raise RuntimeError("draft LM distillation failed") from e
+            self.outgoing = outgoing or self.outgoing
+        batches, self.batches = self.batches, []
+        self.running = self.worker.distil.remote(policy_version, batches)
+        return {**metrics, "draft/skipped_steps": float(self.skipped)} if metrics else {}
+
+    def take_outgoing(self) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
+        outgoing, self.outgoing = self.outgoing, None
+        return outgoing
+
+    def save(self, directory: Path) -> None:  # after the distillation under way (the actor runs one call at a time)
+        import ray
+
+        ray.get(self.worker.save.remote(directory))
+
+    def load(self, directory: Path) -> None:
+        import ray
+
+        ray.get(self.worker.load.remote(directory))
+        self.outgoing = ray.get(self.worker.take_outgoing.remote())
+
+
+def observed(cfg: DictConfig, trajectories: list[Trajectory], teacher: torch.Tensor) -> Batch:
+    """One micro-batch of the policy's step as a `Batch`: `teacher` [B, T, vocab] the policy's processed logprobs,
+    kept as their top-k, renormalised (-inf outside the policy's top-k/p: 0)."""
+    values, classes = teacher.detach().topk(min(cfg.speculation.distill.top_k, teacher.shape[-1]), dim=-1)
+    return Batch(trajectories, classes.cpu(), values.float().softmax(-1).cpu(), cfg.seed)

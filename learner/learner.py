@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from configs.schema import Dtype, LossAggregation
 from learner.base import checkpoint_state, partial, seal_checkpoint, staleness
-from learner.distill import DraftDistiller
+from learner.distill import RemoteDistiller
 from learner.grpo import Packed, group_advantages, policy_loss
 from learner.intake import Intake
 from learner.metrics import rollout_metrics
@@ -67,14 +67,14 @@ class Learner:
         the weight publisher (transport/auth.py)."""
         self.cfg, self.policy_dir, self.reference_dir = cfg, policy_dir, reference_dir
         self.rank, self.world, self.micro = rank, cfg.learner.num_ranks, cfg.learner.micro_batch_size
-        self.distiller: DraftDistiller | None = None  # rank 0, when the draft LM is distilled
+        self.distiller: RemoteDistiller | None = None  # rank 0, when the draft LM is distilled
         if rank == 0:
             self.gate = None if keys is None else Gate(keys)
             self.inbox = Inbox(cfg.transport.host, cfg.transport.max_message_mib << 20, cfg.transport.trajectory_queue,
                                accepts=Trajectory | WeightAck | Heartbeat, gate=self.gate)  # a weight bucket: dropped
             # the draft LM distilled beside the policy, published on the same channel (learner/distill.py)
-            self.distiller = DraftDistiller(cfg) if cfg.speculation.distill.every_versions > 0 else None
-            draft_tensors = len(self.distiller.model.state_dict()) + 1 if self.distiller else 0
+            self.distiller = RemoteDistiller(cfg) if cfg.speculation.distill.every_versions > 0 else None
+            draft_tensors = self.distiller.tensors + 1 if self.distiller else 0
             # a subscriber that stops reading holds up at most two versions here (a bucket holds >= 1 tensor)
             self.publisher = WeightPublisher(cfg.transport.host, gate=self.gate,
                                              queued_buckets=2 * (tensor_count(policy_dir) + 1 + draft_tensors))
@@ -259,7 +259,7 @@ class Learner:
 
         full = response_logprobs(self.engine)
         if self.distiller is not None:  # rank 0: the policy's distributions teach the draft LM
-            self.distiller.observe(batch, packed, full)
+            self.distiller.observe(batch, full)
         logprobs = full.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         reference = None
         if self.reference is not None:

@@ -2,8 +2,8 @@
 proposed, distillation on the policy's outputs raises the draft's acceptance, the gate keeps a worse candidate
 out, and a broken running drafter raises the alarm."""
 
+import json
 import os
-import threading
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ import torch
 from configs.load import load_config
 from drafters.base import DraftRequest
 from drafters.draft_lm import DraftLM
-from learner.distill import DraftDistiller, acceptance_walk, regrouped
+from learner.distill import DraftDistiller, RemoteDistiller, acceptance_walk, regrouped
 from learner.grpo import Packed
 from models.zoo import resolve
 from sampling.coupled import coupled_sample, group_seed, processed_logprobs
@@ -50,7 +50,7 @@ def test_replay_is_exactly_what_the_draft_lm_proposes():
     response = list(own)
     response[5] = (response[5] + 1) % 272  # the verifier committed another token at position 5
     t = trajectory(3, 2, tokenizer_prompt, response)
-    distiller.observe([t], Packed([t]), torch.zeros(1, len(response), 272))
+    distiller.observe([t], torch.zeros(1, len(response), 272))
     batch = distiller.batches[0]
     replayed = distiller._drafts(batch, distiller._rows(distiller.running, batch))[0][0].tolist()
     assert replayed[:5] == own[:5] and replayed[5] == own[5] != response[5]
@@ -77,7 +77,7 @@ def test_regrouped_batches_keep_each_trajectory_with_its_own_targets():
         teacher = torch.full((len(rows), max(batch), 272), -50.0)
         for i, n in enumerate(batch):
             teacher[i, :n, 20 + n] = 0.0  # the policy's favourite at every position is the row's own token
-        distiller.observe(rows, Packed(rows), teacher)
+        distiller.observe(rows, teacher)
     out = sorted(regrouped(distiller.batches, 3, cfg.seed, order=1), key=lambda b: b.lengths[0])
     assert [len(b.lengths) for b in out] == [3, 3, 2]
     assert [n for b in out for n in b.lengths] == sorted(n for batch in lengths for n in batch)
@@ -123,7 +123,7 @@ def test_distillation_raises_replayed_acceptance_and_the_gate_publishes_only_bet
     before = None
     for step in range(1, 9):
         for rows, packed, teacher in policy_batches:
-            distiller.observe(rows, packed, teacher)
+            distiller.observe(rows, teacher)
         metrics = distiller.step(step)
         before = before or metrics["draft/replayed_acceptance"]
         outgoing = distiller.take_outgoing()
@@ -137,7 +137,7 @@ def test_distillation_raises_replayed_acceptance_and_the_gate_publishes_only_bet
             assert all(torch.equal(t, running[n]) for n, t in outgoing[1])
     assert distiller.version >= 1 and metrics["draft/alarm"] == 0.0
     for rows, packed, teacher in policy_batches:
-        distiller.observe(rows, packed, teacher)
+        distiller.observe(rows, teacher)
     after = distiller.step(9)["draft/replayed_acceptance"]  # the running drafter's, before the step's gate
     assert after > before * 1.05, f"replayed acceptance {before:.3f} -> {after:.3f}"
 
@@ -145,51 +145,57 @@ def test_distillation_raises_replayed_acceptance_and_the_gate_publishes_only_bet
 def test_a_worse_candidate_is_kept_out_and_a_broken_drafter_raises_the_alarm(policy_batches):
     distiller = DraftDistiller(config(lr=1e-9))
     for rows, packed, teacher in policy_batches:
-        distiller.observe(rows, packed, teacher)
-    # a first step trains the candidate (by nothing, at this learning rate), in the background as the learner runs it
-    assert distiller.start(1) == {} and distiller.batches == []
-    assert distiller.wait()["draft/loss"] > 0 and distiller.wait() == {}
+        distiller.observe(rows, teacher)
+    assert distiller.step(1)["draft/loss"] > 0 and distiller.batches == []  # trains the candidate (by nothing)
     with torch.no_grad():
         for p in distiller.model.parameters():
             p.zero_()  # the candidate: zeroed weights, the failure peers shipped silently
     for rows, packed, teacher in policy_batches:
-        distiller.observe(rows, packed, teacher)
+        distiller.observe(rows, teacher)
     metrics = distiller.step(2)
     assert metrics["draft/candidate_acceptance"] < metrics["draft/replayed_acceptance"]
     assert distiller.take_outgoing() is None and distiller.version == 0 and metrics["draft/rejected_swaps"] == 1
     distiller.running.load_state_dict(distiller.model.state_dict())  # had it gone out: the alarm
     for rows, packed, teacher in policy_batches:
-        distiller.observe(rows, packed, teacher)
+        distiller.observe(rows, teacher)
     assert distiller.step(3)["draft/alarm"] == 1.0
 
 
-def test_distillation_never_holds_the_learner_back(policy_batches, monkeypatch):
-    """A step that ends while the distiller's thread is still busy is skipped and counted, not waited for; the
-    thread runs at the lowest CPU priority, so it takes the CPU the learner and actors leave."""
-    distiller, release, seen = DraftDistiller(config()), threading.Event(), {}
-    real = distiller.step
+def test_distillation_never_holds_the_learner_back(policy_batches, tmp_path):
+    """The distiller runs in a Ray actor of its own, scheduled as idle; a step that ends while it is still
+    busy is skipped and counted, not waited for; what it learns comes back to the learner's handle."""
+    import ray
 
-    def slow_step(version, batches):
-        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        release.wait(30)
-        return real(version, batches)
+    ray.init(num_cpus=1, include_dashboard=False)
+    try:
+        distiller = RemoteDistiller(config(lr=3e-4))
+        assert distiller.tensors == len(DraftDistiller(config()).running.state_dict())
 
-    monkeypatch.setattr(distiller, "step", slow_step)
-    for step in (1, 2):
-        for rows, packed, teacher in policy_batches:
-            distiller.observe(rows, packed, teacher)
-        metrics = distiller.start(step)
-    assert metrics == {"draft/skipped_steps": 1.0} and distiller.batches == []  # step 2: the thread was busy
-    release.set()
-    metrics = distiller.wait()
-    assert metrics["draft/skipped_steps"] == 1.0 and metrics["draft/loss"] > 0 and seen["nice"] == 19
+        def step(version: int) -> dict[str, float]:
+            for rows, _, teacher in policy_batches:
+                distiller.observe(rows, teacher)
+            return distiller.start(version)
+
+        assert step(1) == {}  # handed over; nothing finished yet
+        assert step(2) == {"draft/skipped_steps": 1.0} and distiller.batches == []  # the actor is busy with step 1
+        ray.get(distiller.running)
+        metrics = step(3)  # step 1's metrics, as step 3 is handed over
+        assert metrics["draft/loss"] > 0 and metrics["draft/skipped_steps"] == 1.0 and metrics["draft/version"] == 0
+        ray.get(distiller.running)
+        assert step(4)["draft/version"] == 1 and distiller.take_outgoing()[0] == 1  # step 3 gated a trained one
+        policy = ray.get(distiller.worker.__ray_call__.remote(lambda worker: os.sched_getscheduler(0)))
+        assert policy == os.SCHED_IDLE  # the thread that runs its calls takes only CPU nothing else wants
+        distiller.save(tmp_path / "draft")  # after step 4's distillation, under way
+        assert json.loads((tmp_path / "draft" / "version.json").read_text())["version"] >= 1
+    finally:
+        ray.shutdown()
 
 
 def test_a_checkpointed_draft_lm_resumes_and_goes_out_first(policy_batches, tmp_path):
     distiller = DraftDistiller(config(lr=3e-3))
     for step in (1, 2):
         for rows, packed, teacher in policy_batches:
-            distiller.observe(rows, packed, teacher)
+            distiller.observe(rows, teacher)
         distiller.step(step)
     distiller.version += 1  # as if the gate had let it out (the weights saved are the running ones either way)
     distiller.save(tmp_path / "draft")

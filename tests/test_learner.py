@@ -75,15 +75,18 @@ def test_a_steps_gradient_does_not_depend_on_how_its_micro_batches_are_cut(aggre
     from learner.learner import Learner
 
     model_dir = str(resolve("builtin:dense"))
-    texts = [("Question: 3+4=?\nAnswer:", [" 3+4=7\n#### 7", " 3 plus 4 is 8, so 3+4=8\n#### 8", " 9", " 3+4 = 6\n#### 6"]),
+    texts = [("Question: 3+4=?\nAnswer:",
+              [" 3+4=7\n#### 7", " 3 plus 4 is 8, so 3+4=8\n#### 8", " 9", " 3+4 = 6\n#### 6"]),
              ("Question: 9-2=?\nAnswer:", [" 9-2=7 as 9-1=8 and 8-1=7\n#### 7", " 6", " 9-2=5\n#### 5", " 8"])]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     norms = []
     for micro in (2, 8):
         cfg = load_config("grpo_tiny", ["rollout.prompts_per_step=2", "rollout.group_size=4",
-                                        f"learner.micro_batch_size={micro}", f"algorithm.loss_aggregation={aggregation}"])
+                                        f"learner.micro_batch_size={micro}",
+                                        f"algorithm.loss_aggregation={aggregation}"])
         learner = Learner(cfg, model_dir, model_dir, CursorPlan(0, 1, 2))
         learner.start()
-        learner.groups = make_groups(learner.engine.module, transformers.AutoTokenizer.from_pretrained(model_dir), texts)
+        learner.groups = make_groups(learner.engine.module, tokenizer, texts)
         metrics = learner.train()
         norms.append((metrics["rl/grad_norm"], metrics["rl/loss"]))
     assert norms[0][0] == pytest.approx(norms[1][0], rel=1e-5) and norms[0][0] > 0
