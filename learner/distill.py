@@ -109,15 +109,10 @@ class DraftDistiller:
         self.initial = copy.deepcopy(self.running)  # the draft LM the run started with: what distillation gained
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=d.lr)
         self.version = 0  # of the running drafter (0: the one the actors started with)
-        self.batches: list[Batch] = []
         self.outgoing: list[tuple[str, torch.Tensor]] | None = None  # a draft version to publish
         self.rejected = 0
         self.gated_at = 0  # the policy version of the last gate
         self.learned = False  # the candidate has trained since it was made
-
-    def observe(self, trajectories: list[Trajectory], teacher: torch.Tensor) -> None:
-        """One micro-batch of the policy's step: `teacher` [B, T, vocab] the policy's processed logprobs."""
-        self.batches.append(observed(self.cfg, trajectories, teacher))
 
     def _rows(self, model, batch: Batch) -> torch.Tensor:
         p = batch.packed
@@ -145,14 +140,12 @@ class DraftDistiller:
                     out[start : start + chunk] = (x[start : start + chunk].double() + noise).argmax(-1)
         return [x.view(b, t) for x in tokens]
 
-    def step(self, policy_version: int, batches: list[Batch] | None = None) -> dict[str, float]:
-        """One optimizer step per micro-batch of `batches` (default: those observed since the last step), each
-        micro-batch replayed first by the running drafter, the run's starting one and, when a gate is due, the
-        candidate as it was before this step (it learns from none of what judges it); then the gate. Metrics."""
+    def step(self, policy_version: int, batches: list[Batch]) -> dict[str, float]:
+        """One optimizer step per batch of the policy step's `batches` (re-cut), each batch replayed first by the
+        running drafter, the run's starting one and, when a gate is due, the candidate as it was before this step
+        (it learns from none of what judges it); then the gate. Metrics."""
         d, temperature = self.cfg.speculation.distill, max(float(self.cfg.rollout.temperature), 1e-3)
         k = self.cfg.speculation.num_speculative_tokens
-        if batches is None:
-            batches, self.batches = self.batches, []
         start = time.time()
         batches = regrouped(batches, d.micro_batch_size, self.cfg.seed, order=policy_version)
         judges = {"replayed": self.running, "initial_replayed": self.initial}

@@ -11,7 +11,7 @@ import torch
 from configs.load import load_config
 from drafters.base import DraftRequest
 from drafters.draft_lm import DraftLM
-from learner.distill import DraftDistiller, RemoteDistiller, acceptance_walk, regrouped
+from learner.distill import DraftDistiller, RemoteDistiller, acceptance_walk, observed, regrouped
 from learner.grpo import Packed
 from models.zoo import resolve
 from sampling.coupled import coupled_sample, group_seed, processed_logprobs
@@ -50,8 +50,7 @@ def test_replay_is_exactly_what_the_draft_lm_proposes():
     response = list(own)
     response[5] = (response[5] + 1) % 272  # the verifier committed another token at position 5
     t = trajectory(3, 2, tokenizer_prompt, response)
-    distiller.observe([t], torch.zeros(1, len(response), 272))
-    batch = distiller.batches[0]
+    batch = observed(cfg, [t], torch.zeros(1, len(response), 272))
     replayed = distiller._drafts(batch, distiller._rows(distiller.running, batch))[0][0].tolist()
     assert replayed[:5] == own[:5] and replayed[5] == own[5] != response[5]
     for position in (6, 9):  # after the mismatch: drafts conditioned on the committed history
@@ -63,22 +62,21 @@ def test_replay_is_exactly_what_the_draft_lm_proposes():
         seen = min(agree + 1, K)  # the accepted drafts and the first rejected one
         assert proposal[:seen] == replayed[position: position + seen]
     steps = acceptance_walk([a == b for a, b in zip(replayed, response)], K)
-    assert distiller.step(1)["draft/replayed_acceptance"] == pytest.approx(len(response) / steps)
+    assert distiller.step(1, [batch])["draft/replayed_acceptance"] == pytest.approx(len(response) / steps)
 
 
 def test_regrouped_batches_keep_each_trajectory_with_its_own_targets():
     """The policy's micro-batches re-cut for distillation: every trajectory once, shortest first, each row's top-k
     targets still its own (a misaligned row would teach one response another's distributions)."""
     cfg = config()
-    distiller = DraftDistiller(cfg)
-    lengths = [[7, 2, 9], [4, 11], [3, 5, 6]]
+    lengths, batches = [[7, 2, 9], [4, 11], [3, 5, 6]], []
     for b, batch in enumerate(lengths):
         rows = [trajectory(10 * b + i, 0, [1, 2, 3], [20 + n] * n) for i, n in enumerate(batch)]
         teacher = torch.full((len(rows), max(batch), 272), -50.0)
         for i, n in enumerate(batch):
             teacher[i, :n, 20 + n] = 0.0  # the policy's favourite at every position is the row's own token
-        distiller.observe(rows, teacher)
-    out = sorted(regrouped(distiller.batches, 3, cfg.seed, order=1), key=lambda b: b.lengths[0])
+        batches.append(observed(cfg, rows, teacher))
+    out = sorted(regrouped(batches, 3, cfg.seed, order=1), key=lambda b: b.lengths[0])
     assert [len(b.lengths) for b in out] == [3, 3, 2]
     assert [n for b in out for n in b.lengths] == sorted(n for batch in lengths for n in batch)
     for batch in out:
@@ -114,17 +112,20 @@ def policy_batches():
         with torch.no_grad():
             logits = policy(input_ids=packed.ids, attention_mask=packed.attention).logits
             teacher = processed_logprobs(logits.gather(1, packed.index.unsqueeze(-1).expand(-1, -1, 272)), 1.0)
-        out.append((rows, packed, teacher))
+        out.append((rows, teacher))
     return out
+
+
+def learnt(policy_batches) -> list:
+    """The fixture's micro-batches as a policy step hands them to the distiller."""
+    return [observed(config(), rows, teacher) for rows, teacher in policy_batches]
 
 
 def test_distillation_raises_replayed_acceptance_and_the_gate_publishes_only_better(policy_batches):
     distiller = DraftDistiller(config(lr=3e-4))
     before = None
     for step in range(1, 9):
-        for rows, packed, teacher in policy_batches:
-            distiller.observe(rows, teacher)
-        metrics = distiller.step(step)
+        metrics = distiller.step(step, learnt(policy_batches))
         before = before or metrics["draft/replayed_acceptance"]
         outgoing = distiller.take_outgoing()
         gated = step > 1  # the first step has no trained candidate to compare yet
@@ -136,29 +137,21 @@ def test_distillation_raises_replayed_acceptance_and_the_gate_publishes_only_bet
             assert outgoing[0] == distiller.version and len(outgoing[1]) == len(running)
             assert all(torch.equal(t, running[n]) for n, t in outgoing[1])
     assert distiller.version >= 1 and metrics["draft/alarm"] == 0.0
-    for rows, packed, teacher in policy_batches:
-        distiller.observe(rows, teacher)
-    after = distiller.step(9)["draft/replayed_acceptance"]  # the running drafter's, before the step's gate
+    after = distiller.step(9, learnt(policy_batches))["draft/replayed_acceptance"]  # the running one's, before the gate
     assert after > before * 1.05, f"replayed acceptance {before:.3f} -> {after:.3f}"
 
 
 def test_a_worse_candidate_is_kept_out_and_a_broken_drafter_raises_the_alarm(policy_batches):
     distiller = DraftDistiller(config(lr=1e-9))
-    for rows, packed, teacher in policy_batches:
-        distiller.observe(rows, teacher)
-    assert distiller.step(1)["draft/loss"] > 0 and distiller.batches == []  # trains the candidate (by nothing)
+    assert distiller.step(1, learnt(policy_batches))["draft/loss"] > 0  # trains the candidate (by nothing)
     with torch.no_grad():
         for p in distiller.model.parameters():
             p.zero_()  # the candidate: zeroed weights, the failure peers shipped silently
-    for rows, packed, teacher in policy_batches:
-        distiller.observe(rows, teacher)
-    metrics = distiller.step(2)
+    metrics = distiller.step(2, learnt(policy_batches))
     assert metrics["draft/candidate_acceptance"] < metrics["draft/replayed_acceptance"]
     assert distiller.take_outgoing() is None and distiller.version == 0 and metrics["draft/rejected_swaps"] == 1
     distiller.running.load_state_dict(distiller.model.state_dict())  # had it gone out: the alarm
-    for rows, packed, teacher in policy_batches:
-        distiller.observe(rows, teacher)
-    assert distiller.step(3)["draft/alarm"] == 1.0
+    assert distiller.step(3, learnt(policy_batches))["draft/alarm"] == 1.0
 
 
 def test_distillation_never_holds_the_learner_back(policy_batches, tmp_path):
@@ -172,7 +165,7 @@ def test_distillation_never_holds_the_learner_back(policy_batches, tmp_path):
         assert distiller.tensors == len(DraftDistiller(config()).running.state_dict())
 
         def step(version: int) -> dict[str, float]:
-            for rows, _, teacher in policy_batches:
+            for rows, teacher in policy_batches:
                 distiller.observe(rows, teacher)
             return distiller.start(version)
 
@@ -194,9 +187,7 @@ def test_distillation_never_holds_the_learner_back(policy_batches, tmp_path):
 def test_a_checkpointed_draft_lm_resumes_and_goes_out_first(policy_batches, tmp_path):
     distiller = DraftDistiller(config(lr=3e-3))
     for step in (1, 2):
-        for rows, packed, teacher in policy_batches:
-            distiller.observe(rows, teacher)
-        distiller.step(step)
+        distiller.step(step, learnt(policy_batches))
     distiller.version += 1  # as if the gate had let it out (the weights saved are the running ones either way)
     distiller.save(tmp_path / "draft")
     resumed = DraftDistiller(config())
