@@ -83,9 +83,9 @@ class DistillConfig:
     """Online distillation of the draft LM the actors run (learner/distill.py), on learner rank 0."""
 
     every_versions: int = 0  # publish a new draft version at most every N policy versions (0: the draft LM is frozen)
-    lr: float = 1.0e-4  # AdamW, one step per micro-batch of the policy's step (1e-3 undoes the draft on grpo_tiny)
+    lr: float = 1.0e-4  # AdamW, a step per micro_batch_size trajectories (1e-3 undoes the draft on grpo_tiny)
     top_k: int = 16  # the policy's top-k tokens per position are the soft targets
-    micro_batch_size: int = 16  # trajectories per optimizer step: the policy's micro-batches joined up to this many
+    micro_batch_size: int = 16  # trajectories per optimizer step (the policy's step re-cut by length)
     wrong_weight: float = 1.0  # extra loss weight where the draft would have proposed another token than committed
 
 
