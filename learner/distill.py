@@ -245,6 +245,7 @@ class RemoteDistiller:
         self.running = None  # the ObjectRef of the distillation under way
         self.outgoing: tuple | None = None
         self.skipped = 0  # steps whose trajectories came while the actor was busy
+        self.failed = False  # the actor died or raised: distillation is off for the rest of the run
 
     def observe(self, trajectories: list[Trajectory], teacher: torch.Tensor) -> None:
         self.batches.append(observed(self.cfg, trajectories, teacher))
@@ -255,6 +256,9 @@ class RemoteDistiller:
         import ray
 
         metrics: dict[str, float] = {}
+        if self.failed:
+            self.batches = []
+            return {}
         if self.running is not None:
             if not ray.wait([self.running], timeout=0)[0]:
                 self.batches, self.skipped = [], self.skipped + 1
@@ -262,7 +266,7 @@ class RemoteDistiller:
             try:
                 metrics, outgoing = ray.get(self.running)
             except ray.exceptions.RayError as e:
-                raise RuntimeError("draft LM distillation failed") from e
+                return self.fail(e)
             self.outgoing = outgoing or self.outgoing
         batches, self.batches = self.batches, []
         self.running = self.worker.distil.remote(policy_version, batches)
@@ -272,10 +276,22 @@ class RemoteDistiller:
         outgoing, self.outgoing = self.outgoing, None
         return outgoing
 
+    def fail(self, error: BaseException) -> dict[str, float]:
+        """The actor died or raised: the run goes on without distillation. The actors keep the draft version they
+        run, and no trajectory depends on it (the coupled sampler), so nothing is lost but the drafter's updates."""
+        log.error("draft LM distillation failed and is off for the rest of this run; the actors keep the draft "
+                  "version they run: %s", error)
+        self.failed, self.running, self.batches = True, None, []
+        return {"draft/alarm": 1.0}
+
     def save(self, directory: Path) -> None:  # after the distillation under way (the actor runs one call at a time)
         import ray
 
-        ray.get(self.worker.save.remote(directory))
+        if not self.failed:  # else the checkpoint has no draft LM, and a run resumed from it starts from the base one
+            try:
+                ray.get(self.worker.save.remote(directory))
+            except ray.exceptions.RayError as e:
+                self.fail(e)
 
     def load(self, directory: Path) -> None:
         import ray

@@ -156,7 +156,8 @@ def test_a_worse_candidate_is_kept_out_and_a_broken_drafter_raises_the_alarm(pol
 
 def test_distillation_never_holds_the_learner_back(policy_batches, tmp_path):
     """The distiller runs in a Ray actor of its own, scheduled as idle; a step that ends while it is still
-    busy is skipped and counted, not waited for; what it learns comes back to the learner's handle."""
+    busy is skipped and counted, not waited for; what it learns comes back to the learner's handle; if it dies, the
+    learner goes on without it."""
     import ray
 
     ray.init(num_cpus=1, include_dashboard=False)
@@ -180,6 +181,12 @@ def test_distillation_never_holds_the_learner_back(policy_batches, tmp_path):
         assert policy == os.SCHED_IDLE  # the thread that runs its calls takes only CPU nothing else wants
         distiller.save(tmp_path / "draft")  # after step 4's distillation, under way
         assert json.loads((tmp_path / "draft" / "version.json").read_text())["version"] >= 1
+        step(5)
+        ray.kill(distiller.worker)  # a distiller that dies mid-run: the run goes on without it, alarmed
+        ray.wait([distiller.running], timeout=30)  # step 5's call fails once Ray has seen the death
+        assert step(6) == {"draft/alarm": 1.0} and step(7) == {} and distiller.batches == []
+        distiller.save(tmp_path / "after")
+        assert not (tmp_path / "after").exists()
     finally:
         ray.shutdown()
 
