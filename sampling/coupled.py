@@ -5,14 +5,17 @@
 with `z = processed_logits(...)`: the logits over T, then top-k/top-p masked (the one definition of the
 distribution a rollout samples, used by the rollout engine, the drafters and the learner's logprobs), and `G`
 Gumbel noise from a counter-based integer hash of (seed, output position, token id). Pure torch integer ops, so
-the noise is the same on CPU and GPU and needs no per-request generators. Verification accepts a draft token only
-where it equals the target's own coupled sample and emits the target's sample at the first mismatch (or the
-bonus token), so a speculative rollout emits exactly the tokens of plain decoding.
+the noise's bits are the same on CPU and GPU (the float64 logs turning them into G may differ in their last bits,
+which changes a sample only on a near-exact tie) and it needs no per-request generators. Verification accepts a
+draft token only where it equals the target's own coupled sample and emits the target's sample at the first
+mismatch (or the bonus token), so a speculative rollout emits exactly the tokens of plain decoding.
 
 This package imports nothing but torch: the actor's vLLM glue, drafter plugins and the learner all use it.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -56,12 +59,18 @@ def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
     return ((bits.double() + 0.5) * 2.0**-UNIFORM_BITS).clamp(max=1.0 - 2.0**-53)
 
 
-def gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, vocab] float64 Gumbel(0, 1) noise, always finite; row r depends only on (seeds[r], positions[r])."""
+def noise_bits(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, vocab] int64 holding `UNIFORM_BITS` random bits, row r a function of (seeds[r], positions[r]) alone:
+    integer ops only, so they are bit for bit the same on every device."""
     row = _mix(_mix(seeds.long() * _SEED_KEY) ^ (positions.long() * _POSITION_KEY))
     tokens = torch.arange(vocab_size, device=seeds.device, dtype=torch.long)
-    bits = _shift_right(_mix(row.unsqueeze(1) ^ tokens.unsqueeze(0)), 64 - UNIFORM_BITS)
-    return -torch.log(-torch.log(uniform_from_bits(bits)))
+    return _shift_right(_mix(row.unsqueeze(1) ^ tokens.unsqueeze(0)), 64 - UNIFORM_BITS)
+
+
+def gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, vocab] float64 Gumbel(0, 1) noise, always finite; row r depends only on (seeds[r], positions[r]).
+    Its bits are device-independent; the float64 logs may differ by an ulp between devices' math libraries."""
+    return -torch.log(-torch.log(uniform_from_bits(noise_bits(seeds, positions, vocab_size))))
 
 
 def mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -99,6 +108,7 @@ def processed_logits(
 
 
 NOISE_ELEMENTS = 1 << 24  # rows x vocab of float64 noise made at once: bounds the sampler's temporaries
+SAMPLE_ELEMENTS = 1 << 26  # rows x vocab processed at once (top-k/top-p sorting): bounds them at 1024+ rows
 
 
 def coupled_sample(
@@ -109,10 +119,20 @@ def coupled_sample(
     top_k: torch.Tensor | None = None,  # [rows]
     top_p: torch.Tensor | None = None,  # [rows]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens [rows] and the processed log-probabilities [rows, vocab] of the distribution they were drawn from."""
-    masked = processed_logits(logits, temperature, top_k, top_p)
-    tokens, _ = _noisy_top(masked, seeds, positions, temperature, margins=False)
-    return tokens, masked.log_softmax(dim=-1)
+    """Tokens [rows] and the processed log-probabilities [rows, vocab] of the distribution they were drawn from.
+    A chunk of rows at a time, so that its temporaries stay bounded whatever the batch (vLLM's memory profiling
+    does not see them), and without a host synchronisation."""
+    rows, vocab = logits.shape
+    tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
+    logprobs = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)
+    step = max(1, SAMPLE_ELEMENTS // vocab)
+    for start in range(0, rows, step):
+        part = slice(start, start + step)
+        masked = processed_logits(logits[part], temperature[part], None if top_k is None else top_k[part],
+                                  None if top_p is None else top_p[part])
+        tokens[part] = _noisy_top(masked, seeds[part], positions[part], temperature[part], margins=False)[0]
+        logprobs[part] = masked.log_softmax(dim=-1)
+    return tokens, logprobs
 
 
 def coupled_draft(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor,
@@ -126,23 +146,39 @@ def coupled_draft(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Te
     return _noisy_top(masked, seeds, positions, temperature, margins=True)
 
 
+def _noisy_argmax(masked: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return (masked.double() + gumbel(seeds, positions, masked.shape[-1])).argmax(dim=-1)
+
+
+@functools.cache
+def _fused_noisy_argmax():
+    """`_noisy_argmax` compiled into one GPU kernel (hash, logs, add, argmax) that never writes the noise out:
+    ~25 elementwise passes over [rows, vocab] int64/float64 tensors become one read of `masked`."""
+    return torch.compile(_noisy_argmax, dynamic=True)
+
+
 def _noisy_top(masked: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor,
                margins: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """argmax of `masked + G` per row (of `masked` on greedy rows) and, with `margins`, its lead over the second."""
+    """argmax of `masked + G` per row (of `masked` on greedy rows) and, with `margins`, its lead over the second.
+    Noise is made for every row, greedy ones too, rather than finding the sampled rows (a host synchronisation)."""
+    greedy = temperature < GREEDY_BELOW
     tokens = masked.argmax(dim=-1)
     lead = None
     if margins:
         top = masked.topk(min(2, masked.shape[-1]), dim=-1).values.double()
         lead = top[:, 0] - top[:, -1] if top.shape[-1] == 2 else torch.full_like(top[:, 0], float("inf"))
-    sampled = (temperature >= GREEDY_BELOW).nonzero().flatten()
+    noisy_argmax = _fused_noisy_argmax() if masked.is_cuda and not margins else _noisy_argmax
     chunk = max(1, NOISE_ELEMENTS // masked.shape[-1])
-    for start in range(0, sampled.numel(), chunk):  # noise for a chunk of rows at a time, never [rows, vocab]
-        rows = sampled[start : start + chunk]
-        noisy = masked[rows].double() + gumbel(seeds[rows], positions[rows], masked.shape[-1])
-        tokens[rows] = noisy.argmax(dim=-1)
-        if margins and noisy.shape[-1] >= 2:
+    for start in range(0, masked.shape[0], chunk):  # noise for a chunk of rows at a time, never [rows, vocab]
+        rows = slice(start, start + chunk)
+        if margins and masked.shape[-1] >= 2:
+            noisy = masked[rows].double() + gumbel(seeds[rows], positions[rows], masked.shape[-1])
             top = noisy.topk(2, dim=-1).values
-            lead[rows] = top[:, 0] - top[:, 1]
+            tokens[rows] = torch.where(greedy[rows], tokens[rows], noisy.argmax(dim=-1))
+            lead[rows] = torch.where(greedy[rows], lead[rows], top[:, 0] - top[:, 1])
+        else:
+            tokens[rows] = torch.where(greedy[rows], tokens[rows], noisy_argmax(masked[rows], seeds[rows],
+                                                                                  positions[rows]))
     return tokens, lead
 
 

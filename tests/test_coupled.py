@@ -77,18 +77,23 @@ def test_uniforms_stay_strictly_inside_zero_one_at_the_extreme_bits():
 
 
 def test_rows_with_a_very_large_vocabulary_are_sampled_in_chunks_identically():
+    """Rows processed (SAMPLE_ELEMENTS) and noised (NOISE_ELEMENTS) a chunk at a time give what the whole batch at
+    once gives, token for token and logprob for logprob, with greedy rows and per-row top-k/top-p mixed in."""
     from sampling import coupled
 
-    logits = torch.randn(6, 5000)
-    args = (torch.arange(6), torch.arange(6), torch.full((6,), 0.8))
-    whole, _ = coupled_sample(logits, *args)
-    limit = coupled.NOISE_ELEMENTS
+    logits = torch.randn(7, 5000) * 3
+    args = (torch.arange(7), torch.arange(7), torch.tensor([0.8, 0.0, 1.0, 0.7, 0.0, 1.3, 1.0]),
+            torch.tensor([0, 0, 20, 0, 5, 0, 100]), torch.tensor([1.0, 1.0, 0.9, 0.95, 1.0, 1.0, 0.5]))
+    whole = coupled_sample(logits, *args)
+    limits = coupled.NOISE_ELEMENTS, coupled.SAMPLE_ELEMENTS
     try:
-        coupled.NOISE_ELEMENTS = 5000  # one row of noise at a time
-        chunked, _ = coupled_sample(logits, *args)
+        coupled.NOISE_ELEMENTS, coupled.SAMPLE_ELEMENTS = 5000, 3 * 5000  # noise a row, process 3 rows, at a time
+        chunked = coupled_sample(logits, *args)
     finally:
-        coupled.NOISE_ELEMENTS = limit
-    assert torch.equal(whole, chunked)
+        coupled.NOISE_ELEMENTS, coupled.SAMPLE_ELEMENTS = limits
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+    assert torch.equal(whole[0][[1, 4]], (logits[[1, 4]]).argmax(-1))  # greedy rows: the argmax, noise or not
+    assert not torch.equal(whole[0], logits.argmax(-1))  # and the others sampled
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9), (1.0, 5, 1.0), (0.0, 0, 1.0)])
