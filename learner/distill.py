@@ -17,7 +17,8 @@ It runs in a Ray actor of its own on rank 0's node (`RemoteDistiller`), reservin
 (Linux SCHED_IDLE: it runs on a CPU nothing else wants), beside the learner's next steps; a process of its own, so
 it shares no GIL with the learner's loop. A step that ends while it is still busy is skipped
 (`draft/skipped_steps`): distillation never holds the learner back, and on a host with no CPU to spare it learns
-from fewer steps. Its scalars come a step or more late.
+from fewer steps. Its scalars come a step or more late. With `num_gpus` > 0 (GPU clusters) the actor reserves that
+share of a GPU on rank 0's node and distils there; the CPU still only launches its kernels.
 
 When it publishes: at most every `every_versions` policy versions the trained candidate and the drafter the actors
 run are both replayed on the step's trajectories, before the candidate learns from them; the candidate goes out as
@@ -81,6 +82,14 @@ class Batch:
     def packed(self) -> Packed:  # made where the batch is learnt (the distiller's actor), not where it is observed
         return Packed(self.trajectories)
 
+    def to(self, device: torch.device) -> Batch:
+        """This batch with its tensors (and its `packed` ones) on `device`."""
+        packed = self.packed
+        for name, value in vars(packed).items():
+            setattr(packed, name, value.to(device))
+        self.classes, self.probs, self.seeds = self.classes.to(device), self.probs.to(device), self.seeds.to(device)
+        return self
+
 
 def regrouped(batches: list[Batch], rows: int, run_seed: int, order: int) -> list[Batch]:
     """The trajectories of `batches` re-cut into batches of `rows` (one may have fewer) of similar lengths, which pad
@@ -103,8 +112,9 @@ class DraftDistiller:
         from models.zoo import resolve
 
         self.cfg, d = cfg, cfg.speculation.distill
+        self.device = torch.device("cuda" if d.num_gpus > 0 else "cpu")  # Ray shows the actor the GPU it reserved
         self.model = AutoModelForCausalLM.from_pretrained(str(resolve(draft_model(cfg.speculation))),
-                                                          dtype=torch.float32)
+                                                          dtype=torch.float32).to(self.device)
         self.running = copy.deepcopy(self.model).eval().requires_grad_(False)  # what the actors draft with
         self.initial = copy.deepcopy(self.running)  # the draft LM the run started with: what distillation gained
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=d.lr)
@@ -124,15 +134,16 @@ class DraftDistiller:
         by the coupled sampler's rule (`sampling/coupled.py`): the argmax of its processed logits plus the Gumbel
         noise of (seed, position). The noise depends on neither drafter, so it is made once for all of them, a
         chunk of positions at a time."""
-        r = self.cfg.rollout
+        r, device = self.cfg.rollout, self.device
         b, t, v = rows[0].shape
         n = b * t
-        flat = [processed_logits(x.detach().reshape(-1, v), torch.full((n,), float(r.temperature)),
-                                 torch.full((n,), r.top_k) if r.top_k > 0 else None,
-                                 torch.full((n,), float(r.top_p)) if r.top_p < 1 else None) for x in rows]
+        flat = [processed_logits(x.detach().reshape(-1, v), torch.full((n,), float(r.temperature), device=device),
+                                 torch.full((n,), r.top_k, device=device) if r.top_k > 0 else None,
+                                 torch.full((n,), float(r.top_p), device=device) if r.top_p < 1 else None)
+                for x in rows]
         tokens = [x.argmax(-1) for x in flat]  # greedy rollouts: no noise
         if r.temperature >= GREEDY_BELOW:
-            seeds, positions = batch.seeds.repeat_interleave(t), torch.arange(t).repeat(b)
+            seeds, positions = batch.seeds.repeat_interleave(t), torch.arange(t, device=device).repeat(b)
             chunk = max(1, NOISE_ELEMENTS // v)
             for start in range(0, n, chunk):
                 noise = gumbel(seeds[start : start + chunk], positions[start : start + chunk], v)
@@ -148,6 +159,7 @@ class DraftDistiller:
         k = self.cfg.speculation.num_speculative_tokens
         start = time.time()
         batches = regrouped(batches, d.micro_batch_size, self.cfg.seed, order=policy_version)
+        batches = [batch.to(self.device) for batch in batches]
         judges = {"replayed": self.running, "initial_replayed": self.initial}
         if policy_version - self.gated_at >= d.every_versions and self.learned:  # (untrained: the running one)
             self.gated_at = policy_version
@@ -181,7 +193,7 @@ class DraftDistiller:
             if acceptance["candidate"] >= running:
                 self.running.load_state_dict(judges["candidate"].state_dict())
                 self.version += 1
-                self.outgoing = [(n, t.detach().clone()) for n, t in self.running.state_dict().items()]
+                self.outgoing = [(n, t.detach().to("cpu", copy=True)) for n, t in self.running.state_dict().items()]
             else:
                 self.rejected += 1
         if running < ALARM_BELOW:
@@ -197,7 +209,7 @@ class DraftDistiller:
         from safetensors.torch import save_file
 
         directory.mkdir(parents=True, exist_ok=True)
-        save_file({n: t.detach().clone().contiguous() for n, t in self.running.state_dict().items()},
+        save_file({n: t.detach().to("cpu", copy=True).contiguous() for n, t in self.running.state_dict().items()},
                   str(directory / "model.safetensors"))
         (directory / "version.json").write_text(json.dumps({"version": self.version}))
 
@@ -239,7 +251,8 @@ class RemoteDistiller:
 
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.cfg = cfg
-        self.worker = ray.remote(num_cpus=0, scheduling_strategy=here)(DraftDistiller).remote(cfg)
+        self.worker = ray.remote(num_cpus=0, num_gpus=cfg.speculation.distill.num_gpus,
+                                 scheduling_strategy=here)(DraftDistiller).remote(cfg)
         self.tensors = ray.get(self.worker.tensors.remote())
         self.batches: list[Batch] = []
         self.running = None  # the ObjectRef of the distillation under way
