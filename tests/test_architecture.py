@@ -18,8 +18,8 @@ ALLOWED = {
     "actor": {"sampling", "drafters", "transport", "tasks", "configs", "models"},
     "learner": {"sampling", "transport", "tasks", "configs", "models"},
     "driver": {"actor", "learner", "tasks", "configs", "models", "transport"},  # transport: makes the run's keys
-    # driver: log routing; transport: bench.weight_sync
-    "bench": {"actor", "sampling", "drafters", "configs", "models", "tasks", "driver", "transport"},
+    # driver: log routing; transport: bench.weight_sync; learner: bench.gpu_torch times the draft LM's distiller
+    "bench": {"actor", "sampling", "drafters", "configs", "models", "tasks", "driver", "transport", "learner"},
 }
 THIRD_PARTY_FORBIDDEN = {"sampling": {"vllm", "transformers", "ray", "deepspeed", "zmq"}}
 

@@ -20,6 +20,15 @@ def test_gpu_preset_exits_at_once_without_cuda(capsys):
     assert "\n" not in err and "--preset gpu" in err and "CUDA" in err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the benchmark would run")
+def test_the_gpu_torch_benchmark_exits_at_once_without_cuda(capsys):
+    from bench import gpu_torch
+
+    assert gpu_torch.main(["--out", "/nonexistent/never-written.json"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "bench.gpu_torch" in err and "CUDA" in err
+
+
 def test_gpu_preset_runs_the_long_tail_workload_with_a_wider_sweep():
     assert PRESETS["gpu"]["ops"] == PRESETS["longtail"]["ops"] and PRESETS["gpu"]["device"] == "cuda"
     assert max(PRESETS["gpu"]["sweep"]) > max(PRESETS["longtail"]["sweep"])

@@ -1,0 +1,257 @@
+"""The parts of the lossless core and of the distiller that are plain torch, measured on one CUDA GPU: what a GPU
+machine without vLLM can check (the coupled sampler, verification against plain decoding, the distiller).
+
+    python -m bench.gpu_torch --out runs/bench/gpu_torch.json [--quick]
+
+1. `noise`: the coupled sampler's noise and samples are the same on the GPU as on the CPU (its contract says they
+   are: integer hashing only), over every token of a 152k vocabulary, at T = 1 and under top-k / top-p.
+2. `sampler`: the coupled sampler at rollout-engine shapes (rows x a 151,936-token vocabulary, bf16 logits in):
+   milliseconds per call, GPU memory it takes beyond its input and output, host synchronisations per call, and
+   whether its fused noise kernel's samples equal the contract's definition computed unfused.
+3. `verify_vs_decode`: speculative decoding (oracle drafts: plain decoding's own tokens, k = 4, so every verify step
+   runs k + 1 query tokens) against plain decoding (one token per forward), same seeds, with Hugging Face
+   transformers (sdpa attention, batch 1) on the GPU preset's cost-padded target (bench/padded_target.py), in bf16
+   and fp32: the fraction of identical sequences, and of positions whose logits are bit-identical. A verify forward
+   and a decode forward take different matmul and attention kernels; this measures what that does to the tokens.
+   vLLM's kernels are not these (vLLM is not installed on the GPU machines lent here).
+4. `distiller`: one step of `learner/distill.py` (128 trajectories of grpo_tiny-like lengths) on the GPU
+   (`speculation.distill.num_gpus` > 0) against one CPU thread (the default, idle-scheduled actor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from sampling.coupled import coupled_sample, gumbel, noise_bits, processed_logits, verify
+
+VOCAB = 151_936  # Qwen's
+
+
+def timed(fn, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def noise(rows: int) -> dict:
+    seeds = torch.randint(0, 2**62, (rows,))
+    positions = torch.randint(0, 4096, (rows,))
+    cpu, gpu = gumbel(seeds, positions, VOCAB), gumbel(seeds.cuda(), positions.cuda(), VOCAB).cpu()
+    logits = torch.randn(rows, VOCAB) * 3
+    result = {"rows": rows, "vocab": VOCAB,
+              "bits_identical": torch.equal(noise_bits(seeds, positions, VOCAB),
+                                            noise_bits(seeds.cuda(), positions.cuda(), VOCAB).cpu()),
+              "noise_bit_identical_fraction": float((cpu == gpu).double().mean()),
+              "noise_max_relative_diff": float(((cpu - gpu).abs() / cpu.abs().clamp(min=1e-300)).max()),
+              "noise_max_abs_diff": float((cpu - gpu).abs().max())}
+    settings = {"T=1": (1.0, None, None), "T=0.7,top_k=20": (0.7, 20, None), "T=1,top_p=0.9": (1.0, None, 0.9)}
+    for name, (t, k, p) in settings.items():
+        args = [torch.full((rows,), t), None if k is None else torch.full((rows,), k),
+                None if p is None else torch.full((rows,), p)]
+        cpu, _ = coupled_sample(logits, seeds, positions, *args)
+        gpu, _ = coupled_sample(logits.cuda(), seeds.cuda(), positions.cuda(),
+                                *[a if a is None else a.cuda() for a in args])
+        result[f"samples_equal_{name}"] = float((cpu == gpu.cpu()).float().mean())
+    return result
+
+
+def sampler(rows: int, top_p: bool) -> dict:
+    logits = torch.randn(rows, VOCAB, device="cuda", dtype=torch.bfloat16) * 3
+    seeds = torch.randint(0, 2**62, (rows,), device="cuda")
+    positions = torch.randint(0, 4096, (rows,), device="cuda")
+    temperature = torch.ones(rows, device="cuda")
+    p = torch.full((rows,), 0.9, device="cuda") if top_p else None
+
+    def call():
+        return coupled_sample(logits, seeds, positions, temperature, None, p)
+
+    start = time.perf_counter()
+    tokens = call()[0]
+    first = time.perf_counter() - start  # includes compiling the fused kernel for a new shape class
+    masked = processed_logits(logits, temperature, None, p)
+    reference = torch.cat([(masked[i : i + 64].double() + gumbel(seeds[i : i + 64], positions[i : i + 64], VOCAB))
+                           .argmax(-1) for i in range(0, rows, 64)])  # the contract's definition, unfused
+    equal = float((tokens == reference).float().mean())
+    del masked, reference
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = call()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - out[1].numel() * out[1].element_size()
+    del out
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    torch.cuda.set_sync_debug_mode(0)
+    seconds = timed(call, 10)
+    return {"rows": rows, "top_p": 0.9 if top_p else 1.0, "ms_median": 1e3 * statistics.median(seconds),
+            "first_call_s": first, "tokens_equal_unfused": equal,
+            "workspace_mib": extra / 2**20, "output_mib": rows * VOCAB * 4 / 2**20,
+            "host_syncs_per_call": sum("synchroniz" in str(w.message) for w in caught)}
+
+
+@torch.no_grad()
+def decode(model, prompt: list[int], seed: int, temperature: float, max_tokens: int, eos: int,
+           oracle: list[int] | None, k: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Plain decoding (`oracle` None: one token per forward) or coupled speculative decoding drafting `oracle`'s
+    next k tokens. The tokens and each token's logits row."""
+    from transformers import DynamicCache
+
+    cache, device = DynamicCache(), next(model.parameters()).device
+
+    def forward(ids: list[int]) -> torch.Tensor:
+        return model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True).logits[0]
+
+    def sample(rows: torch.Tensor, first: int) -> torch.Tensor:
+        n = rows.shape[0]
+        return coupled_sample(rows.float(), torch.full((n,), seed, device=device),
+                              torch.arange(first, first + n, device=device),
+                              torch.full((n,), temperature, device=device))[0]
+
+    logits = forward(prompt)[-1:]
+    tokens, rows = [int(sample(logits, 0))], [logits[0].float().cpu()]
+    while tokens[-1] != eos and len(tokens) < max_tokens:
+        drafts = [] if oracle is None else oracle[len(tokens) : len(tokens) + min(k, max_tokens - len(tokens) - 1)]
+        logits = forward([tokens[-1], *drafts])
+        samples = sample(logits, len(tokens))
+        if drafts:
+            samples = verify(samples, torch.tensor(drafts, device=device), torch.tensor([len(drafts)], device=device),
+                             len(drafts))[0]
+        committed = [int(s) for s in samples if s >= 0]
+        for j, token in enumerate(committed):
+            tokens.append(token)
+            rows.append(logits[j].float().cpu())
+            if token == eos or len(tokens) == max_tokens:
+                break
+        extra = cache.get_seq_length() - (len(prompt) + len(tokens) - 1)  # rejected drafts' entries
+        if extra:
+            cache.crop(-extra)
+    return tokens, rows
+
+
+def verify_vs_decode(model, prompts: list[list[int]], eos: int, max_tokens: int, temperature: float) -> dict:
+    identical = positions = bit_identical = 0
+    worst = 0.0
+    for i, prompt in enumerate(prompts):
+        plain, plain_rows = decode(model, prompt, 1000 + i, temperature, max_tokens, eos, None, 4)
+        spec, spec_rows = decode(model, prompt, 1000 + i, temperature, max_tokens, eos, plain, 4)
+        identical += spec == plain
+        for j, (a, b) in enumerate(zip(plain_rows, spec_rows)):
+            if plain[:j] != spec[:j]:
+                break
+            positions += 1
+            bit_identical += torch.equal(a, b)
+            worst = max(worst, float((a - b).abs().max()))
+    return {"sequences": len(prompts), "identical_sequences": identical / len(prompts),
+            "positions_compared": positions, "bit_identical_logits": bit_identical / max(positions, 1),
+            "max_abs_logit_diff": worst}
+
+
+def distiller_step(device: str, steps: int) -> dict:
+    from configs.load import load_config
+    from learner.distill import DraftDistiller, observed
+    from learner.grpo import Packed
+    from transport.messages import Trajectory
+
+    gpu = ["cluster.device=cuda", "speculation.distill.num_gpus=1"] if device == "cuda" else []
+    cfg = load_config("grpo_tiny", ["speculation.method=draft_lm", "speculation.distill.every_versions=2", *gpu])
+    torch.set_num_threads(1)  # the CPU distiller's actor runs one thread
+    distiller = DraftDistiller(cfg)
+    rng = random.Random(0)
+
+    def trajectory(group: int, index: int) -> Trajectory:
+        response = [rng.randrange(1, 270) for _ in range(min(45, max(2, int(rng.expovariate(1 / 16)))))]
+        return Trajectory(schema=1, actor_id=0, seq=0, group_id=group, group_size=8, sample_index=index,
+                          prompt_ids=[rng.randrange(1, 270) for _ in range(20)], response_ids=response,
+                          behaviour_logprobs=[0.0] * len(response), policy_versions=[0] * len(response),
+                          reward=0.0, finish_reason="stop", generate_seconds=0.0)
+
+    seconds = []
+    for version in range(1, steps + 1):
+        trajectories = [trajectory(g, i) for g in range(16) for i in range(8)]
+        batches = []
+        for start in range(0, len(trajectories), 8):
+            part = trajectories[start : start + 8]
+            teacher = torch.randn(8, Packed(part).targets.shape[1], 272).log_softmax(-1)
+            batches.append(observed(cfg, part, teacher))
+        begin = time.perf_counter()
+        metrics = distiller.step(version, batches)
+        seconds.append(time.perf_counter() - begin)
+    return {"device": device, "trajectories_per_step": 128, "steps": steps,
+            "step_s_median_after_first": statistics.median(seconds[1:]), "step_s": seconds,
+            "last_replayed_acceptance": metrics["draft/replayed_acceptance"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/bench/gpu_torch.json"))
+    parser.add_argument("--quick", action="store_true", help="small shapes and counts (a check of the script)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.gpu_torch needs a CUDA GPU; this machine has none (torch.cuda.is_available() is False)",
+              file=sys.stderr)
+        return 2
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bench.padded_target import build_padded_target, parameter_count
+    from models.zoo import resolve
+    from tasks.arithmetic import ArithmeticTask
+
+    quick = args.quick
+    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    result["noise"] = noise(64 if quick else 256)
+    print("noise", result["noise"], flush=True)
+    result["sampler"] = [sampler(rows, top_p) for rows in ([64] if quick else [256, 1024, 4096])
+                         for top_p in (False, True)]
+    for row in result["sampler"]:
+        print("sampler", row, flush=True)
+
+    policy = resolve("builtin:dense")
+    tokenizer = AutoTokenizer.from_pretrained(str(policy))
+    task = ArithmeticTask(seed=7)
+    prompts = [tokenizer(task[i].prompt)["input_ids"] for i in range(8 if quick else 24)]
+    eos = tokenizer.eos_token_id
+    with tempfile.TemporaryDirectory() as tmp:
+        shape = dict(zero_layers=2, num_heads=8, intermediate_size=1024) if quick else \
+            dict(zero_layers=28, num_heads=64, intermediate_size=81920)  # bench.rollout's gpu preset
+        config = build_padded_target(policy, Path(tmp), **shape)
+        result["target"] = {**shape, "parameters": parameter_count(config)}
+        result["verify_vs_decode"] = {}
+        for dtype, temperatures in ((torch.bfloat16, (1.0, 0.0)), (torch.float32, (1.0,))):
+            model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, attn_implementation="sdpa").cuda().eval()
+            for temperature in temperatures:
+                name = f"{str(dtype).removeprefix('torch.')},T={temperature:g}"
+                start = time.perf_counter()
+                result["verify_vs_decode"][name] = verify_vs_decode(model, prompts, eos, 48, temperature)
+                print("verify_vs_decode", name, result["verify_vs_decode"][name],
+                      f"{time.perf_counter() - start:.0f} s", flush=True)
+            del model
+            torch.cuda.empty_cache()
+    result["distiller"] = [distiller_step(device, 3 if quick else 5) for device in ("cuda", "cpu")]
+    for row in result["distiller"]:
+        print("distiller", row, flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print("wrote", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
