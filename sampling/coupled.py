@@ -15,7 +15,7 @@ This package imports nothing but torch: the actor's vLLM glue, drafter plugins a
 
 from __future__ import annotations
 
-import functools
+import logging
 
 import torch
 
@@ -150,11 +150,29 @@ def _noisy_argmax(masked: torch.Tensor, seeds: torch.Tensor, positions: torch.Te
     return (masked.double() + gumbel(seeds, positions, masked.shape[-1])).argmax(dim=-1)
 
 
-@functools.cache
-def _fused_noisy_argmax():
+class _Fused:
     """`_noisy_argmax` compiled into one GPU kernel (hash, logs, add, argmax) that never writes the noise out:
-    ~25 elementwise passes over [rows, vocab] int64/float64 tensors become one read of `masked`."""
-    return torch.compile(_noisy_argmax, dynamic=True)
+    ~25 elementwise passes over [rows, vocab] int64/float64 tensors become one read of `masked`. Where it cannot be
+    compiled (no Triton or C compiler on the node), the same function runs eagerly: the same tokens, slower."""
+
+    def __init__(self):
+        self.compiled = None
+
+    def __call__(self, masked: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.compiled is None:
+            self.compiled = torch.compile(_noisy_argmax, dynamic=True)
+        if self.compiled is not _noisy_argmax:
+            try:
+                return self.compiled(masked, seeds, positions)
+            except Exception as e:  # noqa: BLE001 - a compiler's failure, whatever its type, leaves the eager path
+                logging.getLogger(__name__).warning("coupled sampler: the fused noise kernel did not compile (%s: %s)"
+                                                    "; sampling with the unfused one (same tokens, slower)",
+                                                    type(e).__name__, e)
+                self.compiled = _noisy_argmax
+        return _noisy_argmax(masked, seeds, positions)
+
+
+_fused_noisy_argmax = _Fused()
 
 
 def _noisy_top(masked: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor,
@@ -167,7 +185,7 @@ def _noisy_top(masked: torch.Tensor, seeds: torch.Tensor, positions: torch.Tenso
     if margins:
         top = masked.topk(min(2, masked.shape[-1]), dim=-1).values.double()
         lead = top[:, 0] - top[:, -1] if top.shape[-1] == 2 else torch.full_like(top[:, 0], float("inf"))
-    noisy_argmax = _fused_noisy_argmax() if masked.is_cuda and not margins else _noisy_argmax
+    noisy_argmax = _fused_noisy_argmax if masked.is_cuda and not margins else _noisy_argmax
     chunk = max(1, NOISE_ELEMENTS // masked.shape[-1])
     for start in range(0, masked.shape[0], chunk):  # noise for a chunk of rows at a time, never [rows, vocab]
         rows = slice(start, start + chunk)

@@ -145,3 +145,24 @@ def test_a_drafts_margin_is_how_far_the_target_may_differ_before_its_coupled_sam
     far = logits.clone()
     far[torch.arange(rows), tokens] -= margins.float() * 1.01
     assert (coupled_sample(far, seeds, positions, temperature)[0] != tokens).all()
+
+
+def test_a_fused_noise_kernel_that_fails_to_compile_leaves_the_same_tokens_unfused(monkeypatch, caplog):
+    """On a node where torch.compile cannot build the kernel (no Triton or C compiler), sampling goes on unfused,
+    with one warning and no second attempt."""
+    from sampling import coupled
+
+    attempts = []
+
+    def broken(*args, **kwargs):
+        attempts.append(1)
+        raise RuntimeError("no C compiler")
+
+    monkeypatch.setattr(coupled.torch, "compile", lambda fn, **kwargs: broken)
+    fused = coupled._Fused()
+    masked, seeds, positions = torch.randn(5, 300), torch.arange(5), torch.arange(5)
+    expected = (masked.double() + coupled.gumbel(seeds, positions, 300)).argmax(-1)
+    with caplog.at_level("WARNING"):
+        assert torch.equal(fused(masked, seeds, positions), expected)
+        assert torch.equal(fused(masked, seeds, positions), expected)
+    assert len(attempts) == 1 and "did not compile" in caplog.text and "no C compiler" in caplog.text
