@@ -170,7 +170,7 @@ def distiller_step(device: str, steps: int) -> dict:
     from learner.grpo import Packed
     from transport.messages import Trajectory
 
-    gpu = ["cluster.device=cuda", "speculation.distill.num_gpus=1"] if device == "cuda" else []
+    gpu = ["cluster.device=cuda", "speculation.distill.num_gpus=0.5"] if device == "cuda" else []
     cfg = load_config("grpo_tiny", ["speculation.method=draft_lm", "speculation.distill.every_versions=2", *gpu])
     torch.set_num_threads(1)  # the CPU distiller's actor runs one thread
     distiller = DraftDistiller(cfg)

@@ -87,7 +87,7 @@ class DistillConfig:
     top_k: int = 16  # the policy's top-k tokens per position are the soft targets
     micro_batch_size: int = 16  # trajectories per optimizer step (the policy's step re-cut by length)
     wrong_weight: float = 1.0  # extra loss weight where the draft would have proposed another token than committed
-    num_gpus: float = 0.0  # share of a GPU on rank 0's node the distiller reserves and runs on (0: CPU; cuda only)
+    num_gpus: float = 0.0  # share of rank 0's GPU the distiller runs on (rank 0 keeps the rest; 0: CPU; cuda only)
 
 
 @dataclass

@@ -17,8 +17,8 @@ It runs in a Ray actor of its own on rank 0's node (`RemoteDistiller`), reservin
 (Linux SCHED_IDLE: it runs on a CPU nothing else wants), beside the learner's next steps; a process of its own, so
 it shares no GIL with the learner's loop. A step that ends while it is still busy is skipped
 (`draft/skipped_steps`): distillation never holds the learner back, and on a host with no CPU to spare it learns
-from fewer steps. Its scalars come a step or more late. With `num_gpus` > 0 (GPU clusters) the actor reserves that
-share of a GPU on rank 0's node and distils there; the CPU still only launches its kernels.
+from fewer steps. Its scalars come a step or more late. With `num_gpus` > 0 (GPU clusters) it takes that share of
+rank 0's GPU (rank 0 asks for the rest of it) and distils there; the CPU then only launches its kernels.
 
 When it publishes: at most every `every_versions` policy versions the trained candidate and the drafter the actors
 run are both replayed on the step's trajectories, before the candidate learns from them; the candidate goes out as
@@ -247,9 +247,11 @@ class RemoteDistiller:
 
     def __init__(self, cfg: DictConfig):
         import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        group = ray.util.get_current_placement_group()  # rank 0's bundle (0) holds its GPU share: placed, never pending
+        here = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0) if group is not None else \
+            NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.cfg = cfg
         self.worker = ray.remote(num_cpus=0, num_gpus=cfg.speculation.distill.num_gpus,
                                  scheduling_strategy=here)(DraftDistiller).remote(cfg)

@@ -60,7 +60,7 @@ def test_path_to_yaml_works(tmp_path):
     ("transport.trajectory_queue=1000", ["transport.trajectory_queue", "16384 MiB"]),  # x 64 MiB messages
     ("transport.weight_bucket_mib=0", ["transport.weight_bucket_mib"]),
     ("speculation.distill.num_gpus=0.5", ["speculation.distill.num_gpus", "cluster.device", "'cpu'"]),  # no GPU
-    ("speculation.distill.num_gpus=2 cluster.device=cuda", ["speculation.distill.num_gpus", "[0, 1]"]),
+    ("speculation.distill.num_gpus=1 cluster.device=cuda", ["speculation.distill.num_gpus", "[0, 1)", "rank 0"]),
 ])
 def test_bad_override_names_the_key(override, needles):
     with pytest.raises(ConfigError) as e:
