@@ -1,6 +1,6 @@
 """End-to-end benchmark: whole GRPO runs of the launcher, side by side, one fresh process per run.
 
-    python -m bench.e2e --preset smoke|full --out PATH      (smoke ~7 min here, full ~12; full for the README)
+    python -m bench.e2e --preset smoke|full --out PATH      (smoke ~7 min here, full ~20; full for the README)
 
 Systems, fixed before the run, in this order, each `launch.py --config grpo_tiny` with the same seed:
 - `sync`: rollout, then train, then the next rollout (`algorithm.max_staleness: 0`: an actor starts a step's groups
@@ -40,7 +40,7 @@ PRESETS = {
     # LM already agrees with nearly every token (replayed acceptance at its ceiling), and distillation cannot show
     "smoke": {"steps": 16, "repeats": 1, "overrides": ["rollout.prompts_per_step=8", "data.eval_size=64",
                                                        "learner.lr=1e-3"]},
-    "full": {"steps": 60, "repeats": 2, "overrides": ["data.eval_size=256", "learner.lr=1e-3"]},
+    "full": {"steps": 60, "repeats": 3, "overrides": ["data.eval_size=256", "learner.lr=1e-3"]},
 }
 SYSTEMS = {
     "sync": ["algorithm.max_staleness=0", "speculation.method=none"],
@@ -80,6 +80,7 @@ def run(system: str, steps: int, overrides: list[str], logdir: Path, log: Path) 
            if "draft/version" in events.Tags()["scalars"] else {}),
         "reward_by_step": [round(e.value, 4) for e in events.Scalars("rl/reward_mean")],
         "trained": summary["learner"]["trained"],
+        "dropped_stale": summary["learner"]["dropped_stale"],  # generated, then too old to train: wasted rollouts
     }
 
 
@@ -89,6 +90,12 @@ def trend(series: list[float]) -> float | None:
     if quarter == 0:
         return None
     return round(statistics.median(series[-quarter:]) / statistics.median(series[:quarter]), 3)
+
+
+def median_trend(runs: list[dict], key: str) -> float | None:
+    """The median over repeats of `trend(run[key])` (None: too short)."""
+    trends = [t for t in (trend(r[key]) for r in runs) if t is not None]
+    return statistics.median(trends) if trends else None
 
 
 def plot(result: dict, path: Path) -> None:
@@ -133,7 +140,8 @@ def main(argv: list[str] | None = None) -> dict:
                 runs[name].append(run(name, preset["steps"], preset["overrides"], Path(tmp) / f"{name}-{repeat}",
                                       log))
                 print(f"repeat {repeat + 1}: {name} {runs[name][-1]['step_s']:.2f} s/step, held-out reward "
-                      f"{runs[name][-1]['heldout_reward']:.3f}", flush=True)
+                      f"{runs[name][-1]['heldout_reward']:.3f}, dropped stale {runs[name][-1]['dropped_stale']}",
+                      flush=True)
     systems = {}
     for name in names:
         first = runs[name][0]
@@ -141,13 +149,13 @@ def main(argv: list[str] | None = None) -> dict:
             "step_s": statistics.median(r["step_s"] for r in runs[name]),
             "rollout_s": statistics.median(r["rollout_s"] for r in runs[name]),
             "acceptance_by_step": first["acceptance_by_step"],
-            # acceptance over the run's last quarter / its first quarter (first repeat; 1: no drift)
-            "acceptance_trend": trend(first["acceptance_by_step"]),
+            # acceptance over the run's last quarter / its first quarter (median over repeats; 1: no drift)
+            "acceptance_trend": median_trend(runs[name], "acceptance_by_step"),
             **{key: first[key] for key in ("replayed_acceptance_by_step", "initial_replayed_acceptance_by_step",
                                            "draft_version_by_step") if key in first},
             # replayed acceptance, last quarter / first quarter: the distilled draft LM and the frozen one, paired
-            **({"replayed_trend": trend(first["replayed_acceptance_by_step"]),
-                "initial_replayed_trend": trend(first["initial_replayed_acceptance_by_step"])}
+            **({"replayed_trend": median_trend(runs[name], "replayed_acceptance_by_step"),
+                "initial_replayed_trend": median_trend(runs[name], "initial_replayed_acceptance_by_step")}
                if "replayed_acceptance_by_step" in first else {}),
             "heldout_reward": statistics.median(r["heldout_reward"] for r in runs[name]),
             "speedup_over_sync": paired([r["step_s"] for r in runs["sync"]], [r["step_s"] for r in runs[name]]),
