@@ -4,6 +4,7 @@ out, and a broken running drafter raises the alarm."""
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -187,6 +188,33 @@ def test_distillation_never_holds_the_learner_back(policy_batches, tmp_path):
         assert step(6) == {"draft/alarm": 1.0} and step(7) == {} and distiller.batches == []
         distiller.save(tmp_path / "after")
         assert not (tmp_path / "after").exists()
+    finally:
+        ray.shutdown()
+
+
+def test_rank_0s_distiller_is_placed_in_rank_0s_bundle():
+    """Made by a process in a placement group (learner rank 0, in bundle 0 of the learner's group), the distiller's
+    actor goes into that bundle, whose resources (a share of rank 0's GPU on GPU clusters) are already reserved."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    here = Path(__file__).resolve().parent  # the stand-in rank 0 below is this module's: its workers import it
+    ray.init(num_cpus=1, include_dashboard=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}})
+    try:
+        group = placement_group([{"CPU": 1.0}])
+        ray.get(group.ready(), timeout=60)
+
+        @ray.remote(num_cpus=1)
+        class Rank0:
+            def distiller_group(self) -> str:
+                distiller = RemoteDistiller(config())
+                return ray.get(distiller.worker.__ray_call__.remote(
+                    lambda worker: ray.util.get_current_placement_group().id.hex()))
+
+        rank0 = Rank0.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, 0)).remote()
+        assert ray.get(rank0.distiller_group.remote(), timeout=120) == group.id.hex()
     finally:
         ray.shutdown()
 
