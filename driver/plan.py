@@ -100,6 +100,16 @@ def rollout_bytes(cfg: DictConfig, params: int) -> dict[str, float]:
     return {"weights": width * params / tp, "kv_cache": cfg.rollout.kv_cache_mib * float(1 << 20)}
 
 
+def distiller_bytes(cfg: DictConfig) -> float:
+    """The draft LM distiller's memory (0 without distillation): fp32 weights, gradients and AdamW's two moments of
+    the draft LM it trains, and the running, starting and candidate copies it replays (learner/distill.py)."""
+    from learner.distill import draft_model
+
+    if cfg.speculation.distill.every_versions == 0:
+        return 0.0
+    return 28.0 * parameters(draft_model(cfg.speculation))[1]
+
+
 def place(cfg: DictConfig, nodes: list[Node]) -> tuple[dict[str, list[str]], str | None]:
     """Node name -> the processes placed there, and the first shortfall (None when everything is placed)."""
     cuda = cfg.cluster.device.value == "cuda"
@@ -153,8 +163,18 @@ def plan(cfg: DictConfig, cluster: list[Node] | None, gpu_gib: float) -> int:
               + f" = {total / GIB:.2f} GiB of {budget / GIB:.0f} ({note})")
         if cuda and total > budget and shortfall is None:
             shortfall = f"a {name} needs {total / GIB:.2f} GiB, a GPU has {budget / GIB:.0f}"
+    distiller = distiller_bytes(cfg)
+    if distiller:
+        share = cfg.speculation.distill.num_gpus if cuda else 0
+        on_gpu = f"a {share:g} share of rank 0's GPU" if share else "rank 0's node, CPU"
+        print(f"  draft LM distiller: {distiller / 2**20:.1f} MiB on {on_gpu} (28 bytes per draft parameter: fp32 "
+              "weights, gradients, AdamW, three copies to judge with)")
+        rank0 = sum(learner.values()) + distiller
+        if share and rank0 > budget and shortfall is None:
+            shortfall = f"learner rank 0 with the distiller needs {rank0 / GIB:.2f} GiB, a GPU has {budget / GIB:.0f}"
     if not cuda:  # one host: every process's memory together
-        total = cfg.learner.num_ranks * sum(learner.values()) + cfg.rollout.num_actors * sum(rollout.values())
+        total = (cfg.learner.num_ranks * sum(learner.values()) + cfg.rollout.num_actors * sum(rollout.values())
+                 + distiller)
         if total > budget and shortfall is None:
             shortfall = f"the processes need {total / GIB:.2f} GiB, the machine has {budget / GIB:.0f}"
     system = "weights_curve" if cfg.transport.auth.value == "curve" else "weights"

@@ -51,3 +51,21 @@ def test_plan_on_this_machine_starts_nothing(capsys):
     assert launch.main(["--config", "grpo_tiny", "--plan"]) == 0
     out = capsys.readouterr().out
     assert "this machine: learner-0, rollout-0" in out and not ray.is_initialized()
+
+
+def test_the_distiller_is_planned_on_its_share_of_rank_0s_gpu(capsys, monkeypatch):
+    """With distillation on, the plan shows the draft LM distiller's memory where it runs, and counts it on rank
+    0's GPU: the grpo_moe shape's rank 0 fits at 80 GiB alone, not with a (hypothetically) 1B-parameter draft LM."""
+    from driver import plan
+
+    spec = ["speculation.method=draft_lm", "speculation.distill.every_versions=4", "speculation.distill.num_gpus=0.25"]
+    assert launch.main(["--config", "grpo_tiny", "--plan", "--cluster", "1x2:80", "cluster.device=cuda", *spec]) == 0
+    draft = plan.parameters("builtin:draft")[1]
+    out = capsys.readouterr().out
+    assert f"draft LM distiller: {28 * draft / 2**20:.1f} MiB on a 0.25 share of rank 0's GPU" in out
+    real = plan.parameters
+    monkeypatch.setattr(plan, "parameters",  # the policy as planned, a 1B-parameter draft LM
+                        lambda path: ("qwen3", 1_000_000_000) if path == "builtin:draft" else real(path))
+    assert launch.main(["--config", "grpo_moe", "--plan", "--cluster", "2x8:80",
+                        "model.path=configs/shapes/qwen3_30b_a3b", *spec]) == 3
+    assert "learner rank 0 with the distiller needs 82.95 GiB, a GPU has 80" in capsys.readouterr().out
