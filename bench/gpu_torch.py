@@ -1,7 +1,7 @@
 """The parts of the lossless core and of the distiller that are plain torch, measured on one CUDA GPU: what a GPU
 machine without vLLM can check (the coupled sampler, verification against plain decoding, the distiller).
 
-    python -m bench.gpu_torch --out runs/bench/gpu_torch.json [--quick]
+    python -m bench.gpu_torch --out runs/bench/gpu_torch.json [--quick] [--prompts N --task-seed S --max-tokens T]
 
 1. `noise`: the coupled sampler's noise and samples are the same on the GPU as on the CPU (its contract says they
    are: integer hashing only), over every token of a 152k vocabulary, at T = 1 and under top-k / top-p.
@@ -203,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("runs/bench/gpu_torch.json"))
     parser.add_argument("--quick", action="store_true", help="small shapes and counts (a check of the script)")
+    parser.add_argument("--prompts", type=int, default=24, help="verify_vs_decode: sequences per setting")
+    parser.add_argument("--task-seed", type=int, default=7, help="verify_vs_decode: the arithmetic task's seed")
+    parser.add_argument("--max-tokens", type=int, default=48, help="verify_vs_decode: tokens per sequence at most")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.gpu_torch needs a CUDA GPU; this machine has none (torch.cuda.is_available() is False)",
@@ -215,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.arithmetic import ArithmeticTask
 
     quick = args.quick
-    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                    "verify_workload": {"prompts": args.prompts, "task_seed": args.task_seed,
+                                        "max_tokens": args.max_tokens}}
     result["noise"] = noise(64 if quick else 256)
     print("noise", result["noise"], flush=True)
     result["sampler"] = [sampler(rows, top_p) for rows in ([64] if quick else [256, 1024, 4096])
@@ -225,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
 
     policy = resolve("builtin:dense")
     tokenizer = AutoTokenizer.from_pretrained(str(policy))
-    task = ArithmeticTask(seed=7)
-    prompts = [tokenizer(task[i].prompt)["input_ids"] for i in range(8 if quick else 24)]
+    task = ArithmeticTask(seed=args.task_seed)
+    prompts = [tokenizer(task[i].prompt)["input_ids"] for i in range(8 if quick else args.prompts)]
     eos = tokenizer.eos_token_id
     with tempfile.TemporaryDirectory() as tmp:
         shape = dict(zero_layers=2, num_heads=8, intermediate_size=1024) if quick else \
@@ -239,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             for temperature in temperatures:
                 name = f"{str(dtype).removeprefix('torch.')},T={temperature:g}"
                 start = time.perf_counter()
-                result["verify_vs_decode"][name] = verify_vs_decode(model, prompts, eos, 48, temperature)
+                result["verify_vs_decode"][name] = verify_vs_decode(model, prompts, eos, args.max_tokens, temperature)
                 print("verify_vs_decode", name, result["verify_vs_decode"][name],
                       f"{time.perf_counter() - start:.0f} s", flush=True)
             del model
