@@ -18,8 +18,8 @@ class LearnerGroup:
         """`keys`: the CURVE pair of rank 0's sockets (None: plain TCP); actors dial with `server_public`."""
         cls = ray.remote(num_cpus=1, num_gpus=num_gpus, max_concurrency=2)(Learner)
         self.group = reserve(cfg, "learner")  # every rank's resources at once, packed onto the learner nodes
-        d = cfg.speculation.distill  # rank 0 leaves the distiller its share of its GPU (learner/distill.py)
-        share = d.num_gpus if num_gpus and d.every_versions > 0 else 0.0
+        d = cfg.speculation.distill  # rank 0 leaves the distiller its share of its GPU (0 unless cuda: configs/)
+        share = d.num_gpus if d.every_versions > 0 else 0.0
         self.ranks = [cls.options(name=f"learner-{r}", scheduling_strategy=slot(self.group, r),
                                   num_gpus=num_gpus - (share if r == 0 else 0.0)).remote(
                           cfg, policy_dir, reference_dir, plan, r, keys if r == 0 else None)

@@ -165,7 +165,7 @@ def plan(cfg: DictConfig, cluster: list[Node] | None, gpu_gib: float) -> int:
             shortfall = f"a {name} needs {total / GIB:.2f} GiB, a GPU has {budget / GIB:.0f}"
     distiller = distiller_bytes(cfg)
     if distiller:
-        share = cfg.speculation.distill.num_gpus if cuda else 0
+        share = cfg.speculation.distill.num_gpus  # 0 unless cluster.device is cuda (configs/load.py)
         on_gpu = f"a {share:g} share of rank 0's GPU" if share else "rank 0's node, CPU"
         print(f"  draft LM distiller: {distiller / 2**20:.1f} MiB on {on_gpu} (28 bytes per draft parameter: fp32 "
               "weights, gradients, AdamW, three copies to judge with)")

@@ -121,7 +121,7 @@ def coupled_sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens [rows] and the processed log-probabilities [rows, vocab] of the distribution they were drawn from.
     A chunk of rows at a time, so that its temporaries stay bounded whatever the batch (vLLM's memory profiling
-    does not see them), and without a host synchronisation."""
+    does not see them), and on a GPU without a host synchronisation."""
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
     logprobs = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)
@@ -178,7 +178,8 @@ _fused_noisy_argmax = _Fused()
 def _noisy_top(masked: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor,
                margins: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """argmax of `masked + G` per row (of `masked` on greedy rows) and, with `margins`, its lead over the second.
-    Noise is made for every row, greedy ones too, rather than finding the sampled rows (a host synchronisation)."""
+    On a GPU noise is made for every row, greedy ones too: finding the sampled rows would be a host
+    synchronisation. On the CPU, where it costs nothing, only the sampled rows get noise."""
     greedy = temperature < GREEDY_BELOW
     tokens = masked.argmax(dim=-1)
     lead = None
@@ -186,9 +187,13 @@ def _noisy_top(masked: torch.Tensor, seeds: torch.Tensor, positions: torch.Tenso
         top = masked.topk(min(2, masked.shape[-1]), dim=-1).values.double()
         lead = top[:, 0] - top[:, -1] if top.shape[-1] == 2 else torch.full_like(top[:, 0], float("inf"))
     noisy_argmax = _fused_noisy_argmax if masked.is_cuda and not margins else _noisy_argmax
-    chunk = max(1, NOISE_ELEMENTS // masked.shape[-1])
-    for start in range(0, masked.shape[0], chunk):  # noise for a chunk of rows at a time, never [rows, vocab]
-        rows = slice(start, start + chunk)
+    chunk = max(1, NOISE_ELEMENTS // masked.shape[-1])  # noise for a chunk of rows at a time, never [rows, vocab]
+    if masked.is_cuda:
+        chunks = [slice(start, start + chunk) for start in range(0, masked.shape[0], chunk)]
+    else:
+        sampled = (~greedy).nonzero().flatten()
+        chunks = [sampled[start : start + chunk] for start in range(0, sampled.numel(), chunk)]
+    for rows in chunks:
         if margins and masked.shape[-1] >= 2:
             noisy = masked[rows].double() + gumbel(seeds[rows], positions[rows], masked.shape[-1])
             top = noisy.topk(2, dim=-1).values
