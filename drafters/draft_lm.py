@@ -4,13 +4,14 @@ the committed prefix after each verify step. It samples its drafts with the targ
 same output positions, same temperature/top-k/top-p), so wherever its distribution agrees with the target's its
 token is the target's token, and drafts are accepted as often as the two distributions allow.
 
-The forward reuses the Hugging Face model's own modules (embeddings, norms, projections, MLPs, rotary embedding)
-and replaces only attention, which reads the slot cache: any Llama-family decoder (Llama, Mistral, Qwen2, Qwen3)
-without sliding windows works."""
+The forward computes what the Hugging Face model's modules compute, from their weights packed once per weight
+version (q, k and v in one matrix, gate and up in another, the rotary angles in a table), and attention reads the
+slot cache: any Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) without sliding windows works. A draft LM
+worth drafting with is small, so its cost is the number of torch calls per pass rather than arithmetic: a pass
+makes about a dozen per layer, and the coupled noise of a whole proposal is made in one go."""
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass, field
 
@@ -18,9 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from drafters.base import Drafter, DraftRequest
-from sampling.coupled import coupled_draft
+from sampling.coupled import NOISE_ELEMENTS, coupled_draft, gumbel
 
-REQUIRED_MODULES = ("model.embed_tokens", "model.norm", "model.rotary_emb", "lm_head", "model.layers.0.mlp",
+REQUIRED_MODULES = ("model.embed_tokens", "model.norm", "model.rotary_emb", "lm_head",
+                    *(f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")),
                     "model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
                     *(f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"))
 
@@ -33,14 +35,13 @@ class _State:
 
 
 class SlotCache:
-    """Keys and values of every live request: per layer `[slots, length, kv_heads, head_dim]`, both dimensions grown
-    by doubling as needed (length up to `max_len`), so a draft model with a long context costs memory for the
-    lengths actually drafted at, not for its whole context per slot."""
+    """Keys and values of every live request: per layer `[slots, length, 2 * kv_heads, head_dim]` (keys, then values),
+    both dimensions grown by doubling as needed (length up to `max_len`), so a draft model with a long context costs
+    memory for the lengths actually drafted at, not for its whole context per slot."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype):
-        self.heads, self.dtype, self.max_len = (kv_heads, head_dim), dtype, max_len
-        self.keys = [torch.zeros(0, min(256, max_len), *self.heads, dtype=dtype) for _ in range(layers)]
-        self.values = [torch.zeros(0, min(256, max_len), *self.heads, dtype=dtype) for _ in range(layers)]
+        self.heads, self.dtype, self.max_len = (2 * kv_heads, head_dim), dtype, max_len
+        self.kv = [torch.zeros(0, min(256, max_len), *self.heads, dtype=dtype) for _ in range(layers)]
         self.free: list[int] = []
 
     def _grow(self, dim: int, new: int) -> None:
@@ -49,22 +50,41 @@ class SlotCache:
             shape[dim] = new - shape[dim]
             return torch.cat([t, torch.zeros(shape, dtype=self.dtype)], dim=dim)
 
-        self.keys, self.values = [grown(t) for t in self.keys], [grown(t) for t in self.values]
+        self.kv = [grown(t) for t in self.kv]
 
     def take(self) -> int:
         if not self.free:
-            old = self.keys[0].shape[0]
+            old = self.kv[0].shape[0]
             self._grow(0, max(2 * old, 8))
-            self.free = list(range(self.keys[0].shape[0] - 1, old - 1, -1))
+            self.free = list(range(self.kv[0].shape[0] - 1, old - 1, -1))
         return self.free.pop()
 
     def reserve(self, length: int) -> None:
         """Room for `length` positions in every slot."""
-        if length > self.keys[0].shape[1]:
-            self._grow(1, min(max(2 * self.keys[0].shape[1], length), self.max_len))
+        if length > self.kv[0].shape[1]:
+            self._grow(1, min(max(2 * self.kv[0].shape[1], length), self.max_len))
 
     def give_back(self, slot: int) -> None:
         self.free.append(slot)
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's weights as the forward uses them (packed from the Hugging Face modules)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: torch.Tensor  # q_proj, k_proj and v_proj stacked: [heads + 2 * kv_heads, head_dim] rows of output
+    qkv_bias: torch.Tensor | None
+    head_norms: torch.Tensor | None  # [heads + kv_heads, head_dim]: q_norm's weight per query head, k_norm's per key
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    gate_up: torch.Tensor  # gate_proj and up_proj stacked
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+    act: object  # the MLP's activation (its module's act_fn)
+    scaling: float
 
 
 class DraftLM(Drafter):
@@ -85,12 +105,46 @@ class DraftLM(Drafter):
                 missing.append(path)
         if missing:
             raise ValueError(f"DraftLM: {config.architectures} is not a Llama-family decoder (no {', '.join(missing)})")
-        self.rotate = importlib.import_module(type(self.model).__module__).apply_rotary_pos_emb
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.cache = SlotCache(config.num_hidden_layers, config.num_key_value_heads, self.head_dim,
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.cache = SlotCache(config.num_hidden_layers, self.kv_heads, self.head_dim,
                                config.max_position_embeddings, self.model.dtype)
+        self._pack()
         self.states: dict[str, _State] = {}
         self.sureness: list[list[float]] = []  # the last proposal's confidences
+
+    def _pack(self) -> None:
+        """The model's weights as the forward reads them (again after every weight swap)."""
+        inner = self.model.model
+        self.embed, self.final_norm = inner.embed_tokens.weight, inner.norm.weight
+        self.head, self.head_bias = self.model.lm_head.weight, self.model.lm_head.bias
+        self.eps = inner.norm.variance_epsilon
+
+        def cat(*tensors):
+            return None if tensors[0] is None else torch.cat(tensors)
+
+        self.layers = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+            norms = None
+            if hasattr(attn, "q_norm"):
+                norms = torch.cat([attn.q_norm.weight.expand(self.heads, -1),
+                                   attn.k_norm.weight.expand(self.kv_heads, -1)])
+            self.layers.append(_Layer(
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight, cat(*(p.weight for p in qkv)),
+                cat(*(p.bias for p in qkv)), norms, attn.o_proj.weight, attn.o_proj.bias,
+                cat(mlp.gate_proj.weight, mlp.up_proj.weight), cat(mlp.gate_proj.bias, mlp.up_proj.bias),
+                mlp.down_proj.weight, mlp.down_proj.bias, mlp.act_fn, attn.scaling))
+        self.cos = self.sin = torch.zeros(0, self.head_dim)  # rotary angles per position, grown as needed
+
+    def _angles(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary embedding's cos and sin for positions [0, length) at least, computed by the model's module."""
+        if length > self.cos.shape[0]:
+            n = min(max(2 * self.cos.shape[0], length, 256), self.cache.max_len)
+            cos, sin = self.model.model.rotary_emb(torch.zeros(1, dtype=self.model.dtype), torch.arange(n)[None])
+            self.cos, self.sin = cos[0], sin[0]
+        return self.cos, self.sin
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
@@ -102,19 +156,33 @@ class DraftLM(Drafter):
             if budgets[i] > 0 and 0 < len(request.token_ids) <= self.cache.max_len - budgets[i]:
                 active.append(i)
                 chunks.append(self._catch_up(request))
-        for j in range(max((budgets[i] for i in active), default=0)):
-            states = [self.states[requests[i].request_id] for i in active]
-            logits = self._forward(states, chunks)
-            rows = [requests[i] for i in active]
+        if not active:
+            return drafts
+        rows = [requests[i] for i in active]
+        passes = max(budgets[i] for i in active)
+        seeds, positions = torch.tensor([r.seed for r in rows]), torch.tensor([r.position for r in rows])
+        temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float32)
+        top_k = torch.tensor([r.top_k for r in rows]) if any(r.top_k > 0 for r in rows) else None
+        top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32) if any(r.top_p < 1 for r in rows) else None
+        vocab = self.head.shape[0]
+        noise = None  # the coupled noise of every position the proposal may reach, in one go where it is small
+        if len(rows) * passes * vocab <= NOISE_ELEMENTS:
+            offsets = torch.arange(passes)
+            noise = gumbel(seeds.repeat_interleave(passes), (positions[:, None] + offsets).flatten(), vocab)
+            noise = noise.view(len(rows), passes, vocab)
+        live = torch.arange(len(rows))  # the rows still drafting
+        for j in range(passes):
+            logits = self._forward([self.states[requests[i].request_id] for i in active], chunks)
             tokens, margins = coupled_draft(
-                logits, torch.tensor([r.seed for r in rows]), torch.tensor([r.position + j for r in rows]),
-                torch.tensor([r.temperature for r in rows], dtype=torch.float32),
-                torch.tensor([r.top_k for r in rows]) if any(r.top_k > 0 for r in rows) else None,
-                torch.tensor([r.top_p for r in rows], dtype=torch.float32) if any(r.top_p < 1 for r in rows) else None)
+                logits, seeds[live], positions[live] + j, temperature[live],
+                None if top_k is None else top_k[live], None if top_p is None else top_p[live],
+                noise=None if noise is None else noise[live, j])
             for i, token, margin in zip(active, tokens.tolist(), margins.tolist()):
                 drafts[i].append(token)
                 self.sureness[i].append(1.0 - math.exp(-margin))
-            active = [i for i in active if len(drafts[i]) < budgets[i]]
+            going = [n for n, i in enumerate(active) if len(drafts[i]) < budgets[i]]
+            if len(going) < len(active):
+                active, live = [active[n] for n in going], live[going]
             chunks = [drafts[i][-1:] for i in active]
         return drafts
 
@@ -142,40 +210,43 @@ class DraftLM(Drafter):
 
     def _forward(self, states: list[_State], chunks: list[list[int]]) -> torch.Tensor:
         """Feeds each state its chunk (appending keys/values to its slot) and returns each one's last logits."""
-        inner, m = self.model.model, len(chunks)
-        lengths = torch.tensor([len(c) for c in chunks])
-        q = int(lengths.max())
-        ids = torch.zeros(m, q, dtype=torch.long)
-        for i, chunk in enumerate(chunks):
-            ids[i, : len(chunk)] = torch.tensor(chunk)
-        start = torch.tensor([len(s.fed) for s in states])
-        positions = start[:, None] + torch.arange(q)  # [m, q]
-        valid = torch.arange(q)[None, :] < lengths[:, None]
-        rows, cols = valid.nonzero(as_tuple=True)
-        slots = torch.tensor([s.slot for s in states])
-        span = int((start + lengths).max())
+        m, lengths = len(chunks), [len(c) for c in chunks]
+        q, hd, heads, kv_heads = max(lengths), self.head_dim, self.heads, self.kv_heads
+        start, slots = torch.tensor([len(s.fed) for s in states]), torch.tensor([s.slot for s in states])
+        if q == 1:  # every pass after a proposal's first: one token each, no ragged chunks
+            ids, positions = torch.tensor(chunks), start[:, None]
+            written = (slots, start)
+        else:
+            ids = torch.tensor([c + [0] * (q - len(c)) for c in chunks])
+            positions = start[:, None] + torch.arange(q)  # [m, q]
+            rows, cols = (torch.arange(q)[None, :] < torch.tensor(lengths)[:, None]).nonzero(as_tuple=True)
+            written = (slots[rows], positions[rows, cols])
+        span = max(len(s.fed) + n for s, n in zip(states, lengths))
         self.cache.reserve(span)
-        mask = (torch.arange(span)[None, None, :] <= positions[:, :, None])[:, None]  # [m, 1, q, span]
-        hidden = inner.embed_tokens(ids)
-        cos, sin = inner.rotary_emb(hidden, positions)
-        for layer, keys, values in zip(inner.layers, self.cache.keys, self.cache.values):
-            attn, x = layer.self_attn, _norm(layer.input_layernorm, hidden)
-            shape = (m, q, -1, self.head_dim)
-            query, key, value = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
-            if hasattr(attn, "q_norm"):
-                query, key = _norm(attn.q_norm, query), _norm(attn.k_norm, key)
-            query, key = self.rotate(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
-            keys[slots[rows], positions[rows, cols]] = key.transpose(1, 2)[rows, cols]
-            values[slots[rows], positions[rows, cols]] = value[rows, cols]
-            out = F.scaled_dot_product_attention(
-                query, keys[slots, :span].transpose(1, 2), values[slots, :span].transpose(1, 2), attn_mask=mask,
-                scale=attn.scaling, enable_gqa=True)
-            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(m, q, -1))
-            hidden = hidden + layer.mlp(_norm(layer.post_attention_layernorm, hidden))
+        mask = (torch.arange(span) <= positions[:, :, None]).unsqueeze(1)  # [m, 1, q, span]
+        cos, sin = self._angles(span)
+        cos, sin = cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)  # [m, q, 1, head_dim]
+        hidden = F.embedding(ids, self.embed)
+        for layer, cache in zip(self.layers, self.cache.kv):
+            qkv = F.linear(_norm(hidden, layer.input_norm, self.eps), layer.qkv, layer.qkv_bias).view(m, q, -1, hd)
+            qk = qkv[:, :, : heads + kv_heads]  # the queries' and keys' heads, normed and rotated together
+            if layer.head_norms is not None:
+                qk = F.rms_norm(qk, (hd,), None, self.eps) * layer.head_norms
+            qk = qk * cos + torch.cat((-qk[..., hd // 2 :], qk[..., : hd // 2]), dim=-1) * sin
+            new = torch.cat((qk[:, :, heads:], qkv[:, :, heads + kv_heads :]), dim=2)  # keys, values [m, q, 2kv, hd]
+            cache[written] = new[:, 0] if q == 1 else new[rows, cols]
+            past = cache[slots, :span].transpose(1, 2)  # [m, 2 kv_heads, span, head_dim]
+            out = F.scaled_dot_product_attention(qk[:, :, :heads].transpose(1, 2), past[:, :kv_heads],
+                                                 past[:, kv_heads:], attn_mask=mask, scale=layer.scaling,
+                                                 enable_gqa=True)
+            hidden = hidden + F.linear(out.transpose(1, 2).reshape(m, q, -1), layer.o, layer.o_bias)
+            gate, up = F.linear(_norm(hidden, layer.post_norm, self.eps), layer.gate_up,
+                                layer.gate_up_bias).chunk(2, dim=-1)
+            hidden = hidden + F.linear(layer.act(gate) * up, layer.down, layer.down_bias)
         for state, chunk in zip(states, chunks):
             state.fed.extend(chunk)
-        last = _norm(inner.norm, hidden[torch.arange(m), lengths - 1])
-        return self.model.lm_head(last).float()
+        last = hidden[:, 0] if q == 1 else hidden[torch.arange(m), torch.tensor(lengths) - 1]
+        return F.linear(_norm(last, self.final_norm, self.eps), self.head, self.head_bias).float()
 
     def commit(self, request_id: str, committed: list[int]) -> None:
         pass  # the next proposal rolls the slot back to the longest prefix it shares with the history
@@ -185,6 +256,7 @@ class DraftLM(Drafter):
         """New weights in place (every tensor of the model, checkpoint names); the slot caches, computed by the old
         weights, are refilled from each request's history at its next proposal."""
         self.model.load_state_dict(dict(weights), strict=True)
+        self._pack()
         for state in self.states.values():
             state.fed.clear()
             state.verified = 0
@@ -196,6 +268,6 @@ class DraftLM(Drafter):
             self.cache.give_back(state.slot)
 
 
-def _norm(module, x: torch.Tensor) -> torch.Tensor:
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The model's RMSNorm as one fused op (the module's eager form is seven small ones per call)."""
-    return F.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)

@@ -136,14 +136,15 @@ def coupled_sample(
 
 
 def coupled_draft(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor,
-                  top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
+                  noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A drafter's coupled samples [rows] (the tokens `coupled_sample` draws from the same arguments) and each one's
     margin [rows]: how far its noisy score `z[v] + G` is ahead of the runner-up's. The target's sample is the same
     token unless its log-probabilities differ from these by about that much, so the margin is how sure the draft is
-    (a margin of 0.6 was accepted about half the time on the built-in pair, one over 5 nearly always)."""
+    (a margin of 0.6 was accepted about half the time on the built-in pair, one over 5 nearly always). `noise`:
+    `gumbel(seeds, positions, vocab)` made beforehand (a drafter makes a whole proposal's at once), else made here."""
     masked = processed_logits(logits, temperature, top_k, top_p)
-    return _noisy_top(masked, seeds, positions, temperature, margins=True)
+    return _noisy_top(masked, seeds, positions, temperature, margins=True, noise=noise)
 
 
 def _noisy_argmax(masked: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -176,7 +177,7 @@ _fused_noisy_argmax = _Fused()
 
 
 def _noisy_top(masked: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor,
-               margins: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+               margins: bool, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """argmax of `masked + G` per row (of `masked` on greedy rows) and, with `margins`, its lead over the second.
     On a GPU noise is made for every row, greedy ones too: finding the sampled rows would be a host
     synchronisation. On the CPU, where it costs nothing, only the sampled rows get noise."""
@@ -195,7 +196,8 @@ def _noisy_top(masked: torch.Tensor, seeds: torch.Tensor, positions: torch.Tenso
         chunks = [sampled[start : start + chunk] for start in range(0, sampled.numel(), chunk)]
     for rows in chunks:
         if margins and masked.shape[-1] >= 2:
-            noisy = masked[rows].double() + gumbel(seeds[rows], positions[rows], masked.shape[-1])
+            noisy = masked[rows].double() + (gumbel(seeds[rows], positions[rows], masked.shape[-1]) if noise is None
+                                             else noise[rows])
             top = noisy.topk(2, dim=-1).values
             tokens[rows] = torch.where(greedy[rows], tokens[rows], noisy.argmax(dim=-1))
             lead[rows] = torch.where(greedy[rows], lead[rows], top[:, 0] - top[:, 1])

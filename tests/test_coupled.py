@@ -147,6 +147,24 @@ def test_a_drafts_margin_is_how_far_the_target_may_differ_before_its_coupled_sam
     assert (coupled_sample(far, seeds, positions, temperature)[0] != tokens).all()
 
 
+def test_a_draft_with_its_noise_made_beforehand_is_the_same_draft():
+    """A drafter may make a whole proposal's noise in one call (drafters/draft_lm.py): rows of it, taken in any
+    order, give the tokens and margins `coupled_draft` makes on its own, greedy and top-k/top-p rows included."""
+    rows = 64
+    logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(5)) * 2
+    seeds, positions = torch.arange(rows) * 3, torch.arange(rows) % 5
+    temperature = torch.where(torch.arange(rows) % 4 == 0, 0.0, 0.8)
+    top_k, top_p = torch.where(torch.arange(rows) % 3 == 0, 3, 0), torch.where(torch.arange(rows) % 2 == 0, 0.9, 1.0)
+    order = torch.randperm(rows, generator=torch.Generator().manual_seed(6))
+    made = gumbel(seeds[order], positions[order], VOCAB)[order.argsort()]
+    expected = coupled_draft(logits, seeds, positions, temperature, top_k, top_p)
+    given = coupled_draft(logits, seeds, positions, temperature, top_k, top_p, noise=made)
+    assert torch.equal(given[0], expected[0]) and torch.equal(given[1], expected[1])
+    other = gumbel(seeds + 1, positions, VOCAB)
+    wrong = coupled_draft(logits, seeds, positions, temperature, top_k, top_p, noise=other)
+    assert not torch.equal(wrong[0], expected[0])  # the noise given is the noise used
+
+
 def test_a_fused_noise_kernel_that_fails_to_compile_leaves_the_same_tokens_unfused(monkeypatch, caplog):
     """On a node where torch.compile cannot build the kernel (no Triton or C compiler), sampling goes on unfused,
     with one warning and no second attempt."""

@@ -25,7 +25,7 @@ def reference_logits(drafter: DraftLM, history: list[int]) -> torch.Tensor:
 
 
 def test_batched_forward_matches_the_model_over_chunks_and_rollbacks(draft_lm):
-    assert draft_lm.cache.keys[0].shape[1] == 256  # positions are reserved as histories grow, not up front
+    assert draft_lm.cache.kv[0].shape[1] == 256  # positions are reserved as histories grow, not up front
     rng = random.Random(1)
     vocab = draft_lm.model.config.vocab_size
     histories = [[rng.randrange(vocab) for _ in range(rng.randrange(2, 400))] for _ in range(6)]  # cache grows
@@ -34,7 +34,7 @@ def test_batched_forward_matches_the_model_over_chunks_and_rollbacks(draft_lm):
         cut = [rng.randrange(1, len(h)) for h in histories]  # ragged chunks in one batch
         draft_lm._forward(states, [h[:c] for h, c in zip(histories, cut)])
         logits = draft_lm._forward(states, [h[c:] for h, c in zip(histories, cut)])
-    assert draft_lm.cache.keys[0].shape[1] >= max(len(h) for h in histories)
+    assert draft_lm.cache.kv[0].shape[1] >= max(len(h) for h in histories)
     for row, history in zip(logits, histories):
         torch.testing.assert_close(row, reference_logits(draft_lm, history), atol=2e-5, rtol=1e-4)
     for state in states:
@@ -61,6 +61,29 @@ def test_proposals_follow_rejections_and_honour_per_request_budgets(draft_lm):
     assert len(draft_lm.cache.free) == slots + 1  # the slot goes back; a second remove is a no-op
     draft_lm.remove("a")
     assert len(draft_lm.cache.free) == slots + 1
+
+
+def test_swapped_weights_are_what_the_next_proposal_drafts_with(draft_lm):
+    """The forward reads weights packed from the model's (q/k/v and gate/up stacked): a swap repacks them, so the
+    next proposal is the new weights' (here a copy with a changed final norm and MLP; checked against the model's
+    own logits)."""
+    vocab = draft_lm.model.config.vocab_size
+    history = [random.Random(3).randrange(vocab) for _ in range(12)]
+    original = {name: t.clone() for name, t in draft_lm.model.state_dict().items()}
+    swapped = dict(original)
+    swapped["model.norm.weight"] = torch.randn_like(original["model.norm.weight"])
+    swapped["model.layers.0.mlp.up_proj.weight"] = original["model.layers.0.mlp.up_proj.weight"] * 3
+    greedy = DraftRequest("w", seed=1, position=0, token_ids=history, temperature=0.0)
+    try:
+        drafted = []
+        for weights in (swapped, original):
+            assert draft_lm.swap_weights(list(weights.items()))
+            drafted += draft_lm.propose([greedy], 1)[0]
+            assert drafted[-1] == int(reference_logits(draft_lm, history).argmax())
+        assert drafted[0] != drafted[1]  # the swap changed the draft (stale packed weights would not)
+    finally:
+        draft_lm.swap_weights(list(original.items()))
+        draft_lm.remove("w")
 
 
 def scan(history: list[int], k: int, min_n: int = 2, max_n: int = 4) -> list[int]:
