@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from drafters.base import Drafter, DraftRequest
-from sampling.coupled import NOISE_ELEMENTS, coupled_draft, gumbel
+from sampling.coupled import GREEDY_BELOW, NOISE_ELEMENTS, coupled_draft, gumbel
 
 REQUIRED_MODULES = ("model.embed_tokens", "model.norm", "model.rotary_emb", "lm_head",
                     *(f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")),
@@ -166,7 +166,7 @@ class DraftLM(Drafter):
         top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32) if any(r.top_p < 1 for r in rows) else None
         vocab = self.head.shape[0]
         noise = None  # the coupled noise of every position the proposal may reach, in one go where it is small
-        if len(rows) * passes * vocab <= NOISE_ELEMENTS:
+        if len(rows) * passes * vocab <= NOISE_ELEMENTS and any(r.temperature >= GREEDY_BELOW for r in rows):
             offsets = torch.arange(passes)
             noise = gumbel(seeds.repeat_interleave(passes), (positions[:, None] + offsets).flatten(), vocab)
             noise = noise.view(len(rows), passes, vocab)
