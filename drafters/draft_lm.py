@@ -109,6 +109,8 @@ class DraftLM(Drafter):
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.cache = SlotCache(config.num_hidden_layers, self.kv_heads, self.head_dim,
                                config.max_position_embeddings, self.model.dtype)
+        # rotary angles per position, grown as needed (from the rotary module's buffers: no weight swap changes them)
+        self.cos = self.sin = torch.zeros(0, self.head_dim)
         self._pack()
         self.states: dict[str, _State] = {}
         self.sureness: list[list[float]] = []  # the last proposal's confidences
@@ -136,7 +138,6 @@ class DraftLM(Drafter):
                 cat(*(p.bias for p in qkv)), norms, attn.o_proj.weight, attn.o_proj.bias,
                 cat(mlp.gate_proj.weight, mlp.up_proj.weight), cat(mlp.gate_proj.bias, mlp.up_proj.bias),
                 mlp.down_proj.weight, mlp.down_proj.bias, mlp.act_fn, attn.scaling))
-        self.cos = self.sin = torch.zeros(0, self.head_dim)  # rotary angles per position, grown as needed
 
     def _angles(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary embedding's cos and sin for positions [0, length) at least, computed by the model's module."""
