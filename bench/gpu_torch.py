@@ -2,6 +2,7 @@
 machine without vLLM can check (the coupled sampler, verification against plain decoding, the distiller).
 
     python -m bench.gpu_torch --out runs/bench/gpu_torch.json [--quick] [--prompts N --task-seed S --max-tokens T]
+                              [--sections noise sampler verify group distiller] [--attention sdpa|eager]
 
 1. `noise`: the coupled sampler's noise and samples are the same on the GPU as on the CPU (its contract says they
    are: integer hashing only), over every token of a 152k vocabulary, at T = 1 and under top-k / top-p.
@@ -10,11 +11,14 @@ machine without vLLM can check (the coupled sampler, verification against plain 
    whether its fused noise kernel's samples equal the contract's definition computed unfused.
 3. `verify_vs_decode`: speculative decoding (oracle drafts: plain decoding's own tokens, k = 4, so every verify step
    runs k + 1 query tokens) against plain decoding (one token per forward), same seeds, with Hugging Face
-   transformers (sdpa attention, batch 1) on the GPU preset's cost-padded target (bench/padded_target.py), in bf16
+   transformers (sdpa attention unless --attention eager, batch 1) on the GPU preset's cost-padded target (bench/padded_target.py), in bf16
    and fp32: the fraction of identical sequences, and of positions whose logits are bit-identical. A verify forward
    and a decode forward take different matmul and attention kernels; this measures what that does to the tokens.
    vLLM's kernels are not these (vLLM is not installed on the GPU machines lent here).
-4. `distiller`: one step of `learner/distill.py` (128 trajectories of grpo_tiny-like lengths) on the GPU
+4. `group_vs_alone`: plain decoding of a GRPO group (one prompt, G seeds) as one batch against each of its
+   sequences decoded alone (batch 1), in bf16: how often batching alone changes a token. It is the scale against
+   which `verify_vs_decode`'s flips are read: a rollout engine batches requests whether or not it speculates.
+5. `distiller`: one step of `learner/distill.py` (128 trajectories of grpo_tiny-like lengths) on the GPU
    (`speculation.distill.num_gpus` > 0) against one CPU thread (the default, idle-scheduled actor).
 """
 
@@ -35,6 +39,7 @@ import torch
 from sampling.coupled import coupled_sample, gumbel, noise_bits, processed_logits, verify
 
 VOCAB = 151_936  # Qwen's
+SECTIONS = ("noise", "sampler", "verify", "group", "distiller")
 
 
 def timed(fn, repeats: int) -> list[float]:
@@ -164,6 +169,54 @@ def verify_vs_decode(model, prompts: list[list[int]], eos: int, max_tokens: int,
             "max_abs_logit_diff": worst}
 
 
+@torch.no_grad()
+def decode_group(model, prompt: list[int], seeds: list[int], temperature: float, max_tokens: int,
+                 eos: int) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+    """Plain decoding of one prompt under several seeds as one batch (one row per seed, one token per forward;
+    a finished row keeps decoding its eos, unrecorded). Each row's tokens and each token's logits row."""
+    from transformers import DynamicCache
+
+    cache, device, n = DynamicCache(), next(model.parameters()).device, len(seeds)
+    seed_rows, temperatures = torch.tensor(seeds, device=device), torch.full((n,), temperature, device=device)
+    ids = torch.tensor([prompt] * n, device=device)
+    tokens: list[list[int]] = [[] for _ in seeds]
+    rows: list[list[torch.Tensor]] = [[] for _ in seeds]
+    for position in range(max_tokens):
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        samples = coupled_sample(logits.float(), seed_rows, torch.full((n,), position, device=device),
+                                 temperatures)[0]
+        live = [i for i, t in enumerate(tokens) if not t or t[-1] != eos]
+        if not live:
+            break
+        for i in live:
+            tokens[i].append(int(samples[i]))
+            rows[i].append(logits[i].float().cpu())
+        ids = torch.tensor([[t[-1]] for t in tokens], device=device)
+    return tokens, rows
+
+
+def group_vs_alone(model, prompts: list[list[int]], eos: int, max_tokens: int, temperature: float,
+                   group: int) -> dict:
+    identical = positions = bit_identical = 0
+    worst = 0.0
+    for i, prompt in enumerate(prompts):
+        seeds = [1000 + group * i + j for j in range(group)]
+        batched, batched_rows = decode_group(model, prompt, seeds, temperature, max_tokens, eos)
+        for seed, together, together_rows in zip(seeds, batched, batched_rows):
+            alone, alone_rows = decode(model, prompt, seed, temperature, max_tokens, eos, None, 4)
+            identical += together == alone
+            for j, (a, b) in enumerate(zip(alone_rows, together_rows)):
+                if alone[:j] != together[:j]:
+                    break
+                positions += 1
+                bit_identical += torch.equal(a, b)
+                worst = max(worst, float((a - b).abs().max()))
+    sequences = len(prompts) * group
+    return {"groups": len(prompts), "group_size": group, "identical_sequences": identical / sequences,
+            "positions_compared": positions, "bit_identical_logits": bit_identical / max(positions, 1),
+            "max_abs_logit_diff": worst}
+
+
 def distiller_step(device: str, steps: int) -> dict:
     from configs.load import load_config
     from learner.distill import DraftDistiller, observed
@@ -206,6 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=24, help="verify_vs_decode: sequences per setting")
     parser.add_argument("--task-seed", type=int, default=7, help="verify_vs_decode: the arithmetic task's seed")
     parser.add_argument("--max-tokens", type=int, default=48, help="verify_vs_decode: tokens per sequence at most")
+    parser.add_argument("--groups", type=int, default=8, help="group_vs_alone: GRPO groups (prompts) decoded")
+    parser.add_argument("--group-size", type=int, default=8, help="group_vs_alone: sequences per group")
+    parser.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
+                        help="verify/group: the transformers attention implementation")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="which measurements to run (default: all)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.gpu_torch needs a CUDA GPU; this machine has none (torch.cuda.is_available() is False)",
@@ -217,41 +276,53 @@ def main(argv: list[str] | None = None) -> int:
     from models.zoo import resolve
     from tasks.arithmetic import ArithmeticTask
 
-    quick = args.quick
-    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    quick, sections = args.quick, set(args.sections)
+    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "sections": args.sections,
+                    "attention": args.attention,
                     "verify_workload": {"prompts": args.prompts, "task_seed": args.task_seed,
-                                        "max_tokens": args.max_tokens}}
-    result["noise"] = noise(64 if quick else 256)
-    print("noise", result["noise"], flush=True)
-    result["sampler"] = [sampler(rows, top_p) for rows in ([64] if quick else [256, 1024, 4096])
-                         for top_p in (False, True)]
-    for row in result["sampler"]:
-        print("sampler", row, flush=True)
+                                        "max_tokens": args.max_tokens, "groups": args.groups,
+                                        "group_size": args.group_size}}
+    if "noise" in sections:
+        result["noise"] = noise(64 if quick else 256)
+        print("noise", result["noise"], flush=True)
+    if "sampler" in sections:
+        result["sampler"] = [sampler(rows, top_p) for rows in ([64] if quick else [256, 1024, 4096])
+                             for top_p in (False, True)]
+        for row in result["sampler"]:
+            print("sampler", row, flush=True)
 
-    policy = resolve("builtin:dense")
-    tokenizer = AutoTokenizer.from_pretrained(str(policy))
-    task = ArithmeticTask(seed=args.task_seed)
-    prompts = [tokenizer(task[i].prompt)["input_ids"] for i in range(8 if quick else args.prompts)]
-    eos = tokenizer.eos_token_id
-    with tempfile.TemporaryDirectory() as tmp:
-        shape = dict(zero_layers=2, num_heads=8, intermediate_size=1024) if quick else \
-            dict(zero_layers=28, num_heads=64, intermediate_size=81920)  # bench.rollout's gpu preset
-        config = build_padded_target(policy, Path(tmp), **shape)
-        result["target"] = {**shape, "parameters": parameter_count(config)}
-        result["verify_vs_decode"] = {}
-        for dtype, temperatures in ((torch.bfloat16, (1.0, 0.0)), (torch.float32, (1.0,))):
-            model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, attn_implementation="sdpa").cuda().eval()
-            for temperature in temperatures:
-                name = f"{str(dtype).removeprefix('torch.')},T={temperature:g}"
-                start = time.perf_counter()
-                result["verify_vs_decode"][name] = verify_vs_decode(model, prompts, eos, args.max_tokens, temperature)
-                print("verify_vs_decode", name, result["verify_vs_decode"][name],
-                      f"{time.perf_counter() - start:.0f} s", flush=True)
-            del model
-            torch.cuda.empty_cache()
-    result["distiller"] = [distiller_step(device, 3 if quick else 5) for device in ("cuda", "cpu")]
-    for row in result["distiller"]:
-        print("distiller", row, flush=True)
+    if sections & {"verify", "group"}:
+        policy = resolve("builtin:dense")
+        tokenizer = AutoTokenizer.from_pretrained(str(policy))
+        task = ArithmeticTask(seed=args.task_seed)
+        prompts = [tokenizer(task[i].prompt)["input_ids"] for i in range(8 if quick else args.prompts)]
+        eos = tokenizer.eos_token_id
+        with tempfile.TemporaryDirectory() as tmp:
+            shape = dict(zero_layers=2, num_heads=8, intermediate_size=1024) if quick else \
+                dict(zero_layers=28, num_heads=64, intermediate_size=81920)  # bench.rollout's gpu preset
+            config = build_padded_target(policy, Path(tmp), **shape)
+            result["target"] = {**shape, "parameters": parameter_count(config)}
+            for dtype, temperatures in ((torch.bfloat16, (1.0, 0.0)), (torch.float32, (1.0,))):
+                model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, attn_implementation=args.attention)
+                model = model.cuda().eval()
+                for temperature in temperatures:
+                    name = f"{str(dtype).removeprefix('torch.')},T={temperature:g}"
+                    runs = {"verify": ("verify_vs_decode", lambda: verify_vs_decode(
+                                model, prompts, eos, args.max_tokens, temperature)),
+                            "group": ("group_vs_alone", lambda: group_vs_alone(
+                                model, prompts[: args.groups], eos, args.max_tokens, temperature, args.group_size))}
+                    for section, (key, run) in runs.items():
+                        if section not in sections or (section == "group" and temperature == 0):
+                            continue  # greedy rows of one prompt are all one sequence
+                        begin = time.perf_counter()
+                        result.setdefault(key, {})[name] = run()
+                        print(key, name, result[key][name], f"{time.perf_counter() - begin:.0f} s", flush=True)
+                del model
+                torch.cuda.empty_cache()
+    if "distiller" in sections:
+        result["distiller"] = [distiller_step(device, 3 if quick else 5) for device in ("cuda", "cpu")]
+        for row in result["distiller"]:
+            print("distiller", row, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print("wrote", args.out)
