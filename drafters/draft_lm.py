@@ -226,7 +226,10 @@ class DraftLM(Drafter):
         self.cache.reserve(span)
         mask = (torch.arange(span) <= positions[:, :, None]).unsqueeze(1)  # [m, 1, q, span]
         cos, sin = self._angles(span)
-        cos, sin = cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)  # [m, q, 1, head_dim]
+        # a short chunk's padding runs past its row's last position, and can run past `span` (a long history fed one
+        # token beside a new request's prompt): its outputs are never read, so it takes the last angle there is
+        inside = positions.clamp(max=span - 1)
+        cos, sin = cos[inside].unsqueeze(2), sin[inside].unsqueeze(2)  # [m, q, 1, head_dim]
         hidden = F.embedding(ids, self.embed)
         for layer, cache in zip(self.layers, self.cache.kv):
             qkv = F.linear(_norm(hidden, layer.input_norm, self.eps), layer.qkv, layer.qkv_bias).view(m, q, -1, hd)

@@ -41,6 +41,21 @@ def test_batched_forward_matches_the_model_over_chunks_and_rollbacks(draft_lm):
         draft_lm.cache.give_back(state.slot)
 
 
+def test_a_long_history_fed_one_token_beside_a_new_prompt():
+    """The ragged batch whose padding runs past every real position (and once past the rotary table: IndexError in
+    a long-tail rollout): a request 251 tokens in, fed its next token, beside a new request's 10-token prompt."""
+    drafter = DraftLM()  # a fresh one: its rotary table is exactly as long as the first pass needed (256)
+    rng = random.Random(4)
+    vocab = drafter.model.config.vocab_size
+    long, prompt = [rng.randrange(vocab) for _ in range(252)], [rng.randrange(vocab) for _ in range(10)]
+    states = [_State(drafter.cache.take()), _State(drafter.cache.take())]
+    with torch.inference_mode():
+        drafter._forward(states[:1], [long[:251]])
+        logits = drafter._forward(states, [long[251:], prompt])
+    torch.testing.assert_close(logits[0], reference_logits(drafter, long), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(logits[1], reference_logits(drafter, prompt), atol=2e-5, rtol=1e-4)
+
+
 def test_proposals_follow_rejections_and_honour_per_request_budgets(draft_lm):
     rng = random.Random(2)
     vocab = draft_lm.model.config.vocab_size
