@@ -1,6 +1,7 @@
 """End-to-end benchmark: whole GRPO runs of the launcher, side by side, one fresh process per run.
 
     python -m bench.e2e --preset smoke|full --out PATH      (smoke ~7 min here, full ~20; full for the README)
+                        [--systems sync fastest_of_n ...] [--repeats N]
 
 Systems, fixed before the run, in this order, each `launch.py --config grpo_tiny` with the same seed:
 - `sync`: rollout, then train, then the next rollout (`algorithm.max_staleness: 0`: an actor starts a step's groups
@@ -127,9 +128,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS),
+                        help="a subset (sync always runs: every speed-up is over it, paired per repeat)")
+    parser.add_argument("--repeats", type=int, help="override the preset's number of interleaved repeats")
     args = parser.parse_args(argv)
-    preset = PRESETS[args.preset]
-    names = list(SYSTEMS)
+    preset = {**PRESETS[args.preset], **({"repeats": args.repeats} if args.repeats else {})}
+    names = [name for name in SYSTEMS if name == "sync" or name in args.systems]
     runs: dict[str, list[dict]] = {name: [] for name in names}
     log = args.out.with_suffix(".log")
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -162,7 +166,8 @@ def main(argv: list[str] | None = None) -> dict:
             "runs": runs[name],
         }
     result = {"systems": systems,
-              "config": {"preset": args.preset, **preset, "config": "grpo_tiny", "systems": SYSTEMS,
+              "config": {"preset": args.preset, **preset, "config": "grpo_tiny",
+                         "systems": {name: SYSTEMS[name] for name in names},
                          "host_cpus": os.cpu_count()}}
     args.out.write_text(json.dumps(result, indent=2))
     plot(result, args.out.with_suffix(".png"))
