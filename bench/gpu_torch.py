@@ -151,22 +151,30 @@ def decode(model, prompt: list[int], seed: int, temperature: float, max_tokens: 
     return tokens, rows
 
 
-def verify_vs_decode(model, prompts: list[list[int]], eos: int, max_tokens: int, temperature: float) -> dict:
+def compared(pairs: list[tuple[list[int], list[torch.Tensor], list[int], list[torch.Tensor]]]) -> dict:
+    """Two decodings of each sequence (tokens and logits rows each): the fraction identical, and over the positions
+    both reached with the same tokens before them, the fraction of bit-identical logits rows and the largest
+    difference."""
     identical = positions = bit_identical = 0
     worst = 0.0
-    for i, prompt in enumerate(prompts):
-        plain, plain_rows = decode(model, prompt, 1000 + i, temperature, max_tokens, eos, None, 4)
-        spec, spec_rows = decode(model, prompt, 1000 + i, temperature, max_tokens, eos, plain, 4)
-        identical += spec == plain
-        for j, (a, b) in enumerate(zip(plain_rows, spec_rows)):
-            if plain[:j] != spec[:j]:
+    for tokens, rows, other_tokens, other_rows in pairs:
+        identical += tokens == other_tokens
+        for j, (a, b) in enumerate(zip(rows, other_rows)):
+            if tokens[:j] != other_tokens[:j]:
                 break
             positions += 1
             bit_identical += torch.equal(a, b)
             worst = max(worst, float((a - b).abs().max()))
-    return {"sequences": len(prompts), "identical_sequences": identical / len(prompts),
-            "positions_compared": positions, "bit_identical_logits": bit_identical / max(positions, 1),
-            "max_abs_logit_diff": worst}
+    return {"identical_sequences": identical / len(pairs), "positions_compared": positions,
+            "bit_identical_logits": bit_identical / max(positions, 1), "max_abs_logit_diff": worst}
+
+
+def verify_vs_decode(model, prompts: list[list[int]], eos: int, max_tokens: int, temperature: float) -> dict:
+    pairs = []
+    for i, prompt in enumerate(prompts):
+        plain, plain_rows = decode(model, prompt, 1000 + i, temperature, max_tokens, eos, None, 4)
+        pairs.append((plain, plain_rows, *decode(model, prompt, 1000 + i, temperature, max_tokens, eos, plain, 4)))
+    return {"sequences": len(prompts), **compared(pairs)}
 
 
 @torch.no_grad()
@@ -197,24 +205,13 @@ def decode_group(model, prompt: list[int], seeds: list[int], temperature: float,
 
 def group_vs_alone(model, prompts: list[list[int]], eos: int, max_tokens: int, temperature: float,
                    group: int) -> dict:
-    identical = positions = bit_identical = 0
-    worst = 0.0
+    pairs = []
     for i, prompt in enumerate(prompts):
         seeds = [1000 + group * i + j for j in range(group)]
         batched, batched_rows = decode_group(model, prompt, seeds, temperature, max_tokens, eos)
         for seed, together, together_rows in zip(seeds, batched, batched_rows):
-            alone, alone_rows = decode(model, prompt, seed, temperature, max_tokens, eos, None, 4)
-            identical += together == alone
-            for j, (a, b) in enumerate(zip(alone_rows, together_rows)):
-                if alone[:j] != together[:j]:
-                    break
-                positions += 1
-                bit_identical += torch.equal(a, b)
-                worst = max(worst, float((a - b).abs().max()))
-    sequences = len(prompts) * group
-    return {"groups": len(prompts), "group_size": group, "identical_sequences": identical / sequences,
-            "positions_compared": positions, "bit_identical_logits": bit_identical / max(positions, 1),
-            "max_abs_logit_diff": worst}
+            pairs.append((*decode(model, prompt, seed, temperature, max_tokens, eos, None, 4), together, together_rows))
+    return {"groups": len(prompts), "group_size": group, **compared(pairs)}
 
 
 def distiller_step(device: str, steps: int) -> dict:
