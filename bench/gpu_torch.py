@@ -11,13 +11,14 @@ machine without vLLM can check (the coupled sampler, verification against plain 
    whether its fused noise kernel's samples equal the contract's definition computed unfused.
 3. `verify_vs_decode`: speculative decoding (oracle drafts: plain decoding's own tokens, k = 4, so every verify step
    runs k + 1 query tokens) against plain decoding (one token per forward), same seeds, with Hugging Face
-   transformers (sdpa attention unless --attention eager, batch 1) on the GPU preset's cost-padded target (bench/padded_target.py), in bf16
-   and fp32: the fraction of identical sequences, and of positions whose logits are bit-identical. A verify forward
-   and a decode forward take different matmul and attention kernels; this measures what that does to the tokens.
-   vLLM's kernels are not these (vLLM is not installed on the GPU machines lent here).
+   transformers (sdpa attention unless --attention eager, batch 1) on the GPU preset's cost-padded target
+   (bench/padded_target.py), in bf16 and fp32: the fraction of identical sequences, and of positions whose logits
+   are bit-identical. A verify forward and a decode forward may take different matmul and attention kernels; this
+   measures what that does to the tokens. vLLM's kernels are not these (vLLM is not installed on the GPU machines
+   lent here).
 4. `group_vs_alone`: plain decoding of a GRPO group (one prompt, G seeds) as one batch against each of its
-   sequences decoded alone (batch 1), in bf16: how often batching alone changes a token. It is the scale against
-   which `verify_vs_decode`'s flips are read: a rollout engine batches requests whether or not it speculates.
+   sequences decoded alone (batch 1), in bf16 and fp32: how often batching alone changes a token, the scale against
+   which `verify_vs_decode`'s flips are read (a rollout engine batches requests whether or not it speculates).
 5. `distiller`: one step of `learner/distill.py` (128 trajectories of grpo_tiny-like lengths) on the GPU
    (`speculation.distill.num_gpus` > 0) against one CPU thread (the default, idle-scheduled actor).
 """
@@ -190,12 +191,12 @@ def decode_group(model, prompt: list[int], seeds: list[int], temperature: float,
     tokens: list[list[int]] = [[] for _ in seeds]
     rows: list[list[torch.Tensor]] = [[] for _ in seeds]
     for position in range(max_tokens):
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
-        samples = coupled_sample(logits.float(), seed_rows, torch.full((n,), position, device=device),
-                                 temperatures)[0]
         live = [i for i, t in enumerate(tokens) if not t or t[-1] != eos]
         if not live:
             break
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        samples = coupled_sample(logits.float(), seed_rows, torch.full((n,), position, device=device),
+                                 temperatures)[0]
         for i in live:
             tokens[i].append(int(samples[i]))
             rows[i].append(logits[i].float().cpu())
