@@ -125,6 +125,7 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
         ("speculation.distill.top_k", cfg.speculation.distill.top_k >= 1, "must be >= 1"),
         ("speculation.distill.micro_batch_size", cfg.speculation.distill.micro_batch_size >= 1, "must be >= 1"),
         ("speculation.distill.wrong_weight", cfg.speculation.distill.wrong_weight >= 0, "must be >= 0"),
+        ("speculation.distill.max_restarts", cfg.speculation.distill.max_restarts >= 0, "must be >= 0"),
         ("speculation.distill.num_gpus", 0 <= cfg.speculation.distill.num_gpus < 1
          and (cfg.speculation.distill.num_gpus == 0 or cfg.cluster.device.value == "cuda"),
          f"must be in [0, 1) (a share of rank 0's GPU), and 0 unless cluster.device is cuda (it is "

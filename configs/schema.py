@@ -88,6 +88,7 @@ class DistillConfig:
     micro_batch_size: int = 16  # trajectories per optimizer step (the policy's step re-cut by length)
     wrong_weight: float = 1.0  # extra loss weight where the draft would have proposed another token than committed
     num_gpus: float = 0.0  # share of rank 0's GPU the distiller runs on (rank 0 keeps the rest; 0: CPU; cuda only)
+    max_restarts: int = 3  # a distiller that dies is replaced (from the newest draft version) this often per run
 
 
 @dataclass

@@ -17,8 +17,10 @@ It runs in a Ray actor of its own on rank 0's node (`RemoteDistiller`), reservin
 (Linux SCHED_IDLE: it runs on a CPU nothing else wants), beside the learner's next steps; a process of its own, so
 it shares no GIL with the learner's loop. A step that ends while it is still busy is skipped
 (`draft/skipped_steps`): distillation never holds the learner back, and on a host with no CPU to spare it learns
-from fewer steps. Its scalars come a step or more late. With `num_gpus` > 0 (GPU clusters) it takes that share of
-rank 0's GPU (rank 0 asks for the rest of it) and distils there; the CPU then only launches its kernels.
+from fewer steps. Its scalars come a step or more late. One that dies is replaced, from the newest draft version it
+handed out (its optimizer's moments start afresh), up to `max_restarts` times; then the run goes on without it. With
+`num_gpus` > 0 (GPU clusters) it takes that share of rank 0's GPU (rank 0 asks for the rest of it) and distils
+there; the CPU then only launches its kernels.
 
 When it publishes: at most every `every_versions` policy versions the trained candidate and the drafter the actors
 run are both replayed on the step's trajectories, before the candidate learns from them; the candidate goes out as
@@ -218,10 +220,18 @@ class DraftDistiller:
         from safetensors.torch import load_file
 
         state = load_file(str(directory / "model.safetensors"))
+        self.adopt(json.loads((directory / "version.json").read_text())["version"], list(state.items()))
+        self.outgoing = list(state.items()) if self.version > 0 else None
+
+    def adopt(self, version: int, weights: list[tuple[str, torch.Tensor]]) -> tuple[dict[str, float], None]:
+        """Starts from draft version `version` (its weights, checkpoint names) as the drafter the actors run and as
+        the candidate: a resumed run's, or a replacement distiller's (its AdamW moments start afresh). Returns what
+        `distil` returns when nothing was learnt, so `RemoteDistiller` waits on either call alike."""
+        state = dict(weights)
         self.running.load_state_dict(state)
         self.model.load_state_dict(state)
-        self.version = json.loads((directory / "version.json").read_text())["version"]
-        self.outgoing = list(state.items()) if self.version > 0 else None
+        self.version = version
+        return {}, None
 
     def take_outgoing(self) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
         """The newest draft version and its weights (checkpoint names) when one is due to be published, once."""
@@ -253,14 +263,17 @@ class RemoteDistiller:
         here = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0) if group is not None else \
             NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.cfg = cfg
-        self.worker = ray.remote(num_cpus=0, num_gpus=cfg.speculation.distill.num_gpus,
-                                 scheduling_strategy=here)(DraftDistiller).remote(cfg)
+        self.spawn = lambda: ray.remote(num_cpus=0, num_gpus=cfg.speculation.distill.num_gpus,
+                                        scheduling_strategy=here)(DraftDistiller).remote(cfg)
+        self.worker = self.spawn()
         self.tensors = ray.get(self.worker.tensors.remote())
         self.batches: list[Batch] = []
-        self.running = None  # the ObjectRef of the distillation under way
+        self.running = None  # the ObjectRef of the distillation (or a replacement's `adopt`) under way
         self.outgoing: tuple | None = None
+        self.newest: tuple | None = None  # the newest draft version handed out: where a replacement starts
         self.skipped = 0  # steps whose trajectories came while the actor was busy
-        self.failed = False  # the actor died or raised: distillation is off for the rest of the run
+        self.restarts = 0
+        self.failed = False  # died or raised more than max_restarts times: distillation is off for the rest of the run
 
     def observe(self, trajectories: list[Trajectory], teacher: torch.Tensor) -> None:
         self.batches.append(observed(self.cfg, trajectories, teacher))
@@ -281,38 +294,60 @@ class RemoteDistiller:
             try:
                 metrics, outgoing = ray.get(self.running)
             except ray.exceptions.RayError as e:
-                return self.fail(e)
+                return self.replace(e)
             self.outgoing = outgoing or self.outgoing
+            self.newest = outgoing or self.newest
         batches, self.batches = self.batches, []
         self.running = self.worker.distil.remote(policy_version, batches)
-        return {**metrics, "draft/skipped_steps": float(self.skipped)} if metrics else {}
+        if not metrics:
+            return {}
+        return {**metrics, "draft/skipped_steps": float(self.skipped), "draft/restarts": float(self.restarts)}
 
     def take_outgoing(self) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
         outgoing, self.outgoing = self.outgoing, None
         return outgoing
 
-    def fail(self, error: BaseException) -> dict[str, float]:
-        """The actor died or raised: the run goes on without distillation. The actors keep the draft version they
-        run, and no trajectory depends on it (the coupled sampler), so nothing is lost but the drafter's updates."""
-        log.error("draft LM distillation failed and is off for the rest of this run; the actors keep the draft "
-                  "version they run: %s", error)
-        self.failed, self.running, self.batches = True, None, []
-        return {"draft/alarm": 1.0}
-
-    def save(self, directory: Path) -> None:  # after the distillation under way (the actor runs one call at a time)
+    def replace(self, error: Exception) -> dict[str, float]:
+        """The actor died or raised: a new one starts from the newest draft version handed out (the one the actors
+        run or are about to), while `speculation.distill.max_restarts` allows; the step it was learning from is
+        lost to it. After that the run goes on without distillation. Either way no trajectory depends on it (the
+        coupled sampler): nothing is lost but the drafter's updates."""
         import ray
 
-        if not self.failed:  # else the checkpoint has no draft LM, and a run resumed from it starts from the base one
+        self.running, self.batches = None, []
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0]}"  # Ray's own text runs to a dozen lines
+        with contextlib.suppress(Exception):  # it may be gone already
+            ray.kill(self.worker)
+        if self.restarts >= self.cfg.speculation.distill.max_restarts:
+            log.error("draft LM distillation failed after %d restarts (speculation.distill.max_restarts) and is off "
+                      "for the rest of this run; the actors keep the draft version they run: %s", self.restarts, reason)
+            self.failed = True
+            return {"draft/alarm": 1.0, "draft/restarts": float(self.restarts)}
+        self.restarts += 1
+        self.worker = self.spawn()
+        if self.newest is not None:  # its first call: the next `start` waits for it like for a distillation
+            self.running = self.worker.adopt.remote(*self.newest)
+        log.warning("draft LM distiller failed (%s); replacement %d of %d starts from draft version %d", reason,
+                    self.restarts, self.cfg.speculation.distill.max_restarts, self.newest[0] if self.newest else 0)
+        return {"draft/restarts": float(self.restarts)}
+
+    def save(self, directory: Path) -> None:  # after the distillation under way (the actor runs one call at a time)
+        """The running draft LM into a checkpoint; a distiller that died is replaced first. If distillation is off,
+        the checkpoint has no draft LM, and a run resumed from it starts from the base one."""
+        import ray
+
+        while not self.failed:
             try:
                 ray.get(self.worker.save.remote(directory))
+                return
             except ray.exceptions.RayError as e:
-                self.fail(e)
+                self.replace(e)
 
     def load(self, directory: Path) -> None:
         import ray
 
         ray.get(self.worker.load.remote(directory))
-        self.outgoing = ray.get(self.worker.take_outgoing.remote())
+        self.outgoing = self.newest = ray.get(self.worker.take_outgoing.remote())
 
 
 def observed(cfg: DictConfig, trajectories: list[Trajectory], teacher: torch.Tensor) -> Batch:

@@ -158,13 +158,13 @@ def test_a_worse_candidate_is_kept_out_and_a_broken_drafter_raises_the_alarm(pol
 
 def test_distillation_never_holds_the_learner_back(policy_batches, tmp_path):
     """The distiller runs in a Ray actor of its own, scheduled as idle; a step that ends while it is still
-    busy is skipped and counted, not waited for; what it learns comes back to the learner's handle; if it dies, the
-    learner goes on without it."""
+    busy is skipped and counted, not waited for; what it learns comes back to the learner's handle; if it dies, it
+    is replaced from the newest draft version handed out, and past `max_restarts` the learner goes on without it."""
     import ray
 
     ray.init(num_cpus=1, include_dashboard=False)
     try:
-        distiller = RemoteDistiller(config(lr=3e-4))
+        distiller = RemoteDistiller(config(lr=3e-4, max_restarts=1))
         assert distiller.tensors == len(DraftDistiller(config()).running.state_dict())
 
         def step(version: int) -> dict[str, float]:
@@ -184,9 +184,27 @@ def test_distillation_never_holds_the_learner_back(policy_batches, tmp_path):
         distiller.save(tmp_path / "draft")  # after step 4's distillation, under way
         assert json.loads((tmp_path / "draft" / "version.json").read_text())["version"] >= 1
         step(5)
-        ray.kill(distiller.worker)  # a distiller that dies mid-run: the run goes on without it, alarmed
-        ray.wait([distiller.running], timeout=30)  # step 5's call fails once Ray has seen the death
-        assert step(6) == {"draft/alarm": 1.0} and step(7) == {} and distiller.batches == []
+        ray.get(distiller.running)
+        ray.kill(distiller.worker)  # a distiller that dies mid-run is replaced, from the draft version handed out
+        assert step(6)["draft/restarts"] == 0.0  # step 5's metrics; step 6 goes to the dead actor
+        version, published = distiller.newest
+        ray.wait([distiller.running], timeout=30)  # step 6's call fails once Ray has seen the death
+        assert step(7) == {"draft/restarts": 1.0} and distiller.batches == []  # step 7 is lost to it
+        ray.get(distiller.running, timeout=120)  # the replacement's first call: adopting that version
+        adopted, running = ray.get(distiller.worker.__ray_call__.remote(
+            lambda worker: (worker.version, worker.running.state_dict())))
+        assert adopted == version >= 1 and len(running) == len(published)
+        assert all(torch.equal(running[n], t) for n, t in published)
+        assert step(8) == {} and distiller.running is not None  # handed over to the replacement
+        distiller.save(tmp_path / "replaced")  # after step 8's distillation: the replacement's running draft LM
+        assert json.loads((tmp_path / "replaced" / "version.json").read_text())["version"] == version
+        metrics = step(9)  # step 8's metrics, learnt by the replacement
+        assert metrics["draft/version"] == version and metrics["draft/loss"] > 0 and metrics["draft/restarts"] == 1.0
+        ray.get(distiller.running)
+        ray.kill(distiller.worker)  # dies again: past speculation.distill.max_restarts the run goes on without it
+        step(10)
+        ray.wait([distiller.running], timeout=30)
+        assert step(11) == {"draft/alarm": 1.0, "draft/restarts": 1.0} and step(12) == {} and distiller.batches == []
         distiller.save(tmp_path / "after")
         assert not (tmp_path / "after").exists()
     finally:
