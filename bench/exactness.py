@@ -1,6 +1,6 @@
 """How often a speculative rollout equals the plain one, at scale: for each built-in drafter and each sampling
 setting, the fraction of sequences whose tokens equal non-speculative decoding with the same seeds, and the
-largest logprob difference on equal sequences.
+largest logprob difference on equal sequences. Prompts come in groups of `GROUP` samples, as GRPO draws them.
 
     python -m bench.exactness [--sequences 1000] [--out runs/bench/exactness.json]
 """
@@ -15,30 +15,38 @@ from actor.engine import set_env_defaults
 from bench.engine_process import in_fresh_process
 
 SETTINGS = {"T=0": (0.0, 1.0), "T=0.7,top_p=0.9": (0.7, 0.9), "T=1": (1.0, 1.0)}
-DRAFTERS = ["ngram", "draft_lm"]
+DRAFTERS = {"ngram": [], "draft_lm": [], "suffix": [],  # every built-in, with its overrides of grpo_tiny
+            "fastest_of_n": ["speculation.drafters=[suffix,draft_lm,ngram]"]}
+GROUP = 8  # samples per prompt, as GRPO draws them (the history drafter drafts from a prompt's other samples)
 
 
 def rollouts(method: str, sequences: int, max_tokens: int, seed: int) -> dict:
     from vllm import SamplingParams
 
     from actor.engine import close_engine, make_engine
+    from actor.vllm_hooks import take_spec_counts
     from sampling.coupled import group_seed
     from configs.load import load_config
     from models.zoo import resolve
     from tasks.arithmetic import ArithmeticTask
 
-    cfg = load_config("grpo_tiny", [f"speculation.method={method}", "rollout.kv_cache_mib=1024"])
+    cfg = load_config("grpo_tiny", [f"speculation.method={method}", "rollout.kv_cache_mib=1024",
+                                    *(["speculation.planner=false"] if method != "none" else []),  # always k drafts
+                                    *DRAFTERS.get(method, [])])
     llm = make_engine(cfg, resolve(cfg.model.path))
     task = ArithmeticTask(seed=seed)
     results = {}
     try:
         for name, (temperature, top_p) in SETTINGS.items():
-            params = [SamplingParams(seed=group_seed(seed, i, 1), temperature=temperature, top_p=top_p,
-                                     max_tokens=max_tokens, logprobs=0) for i in range(sequences)]
-            outputs = llm.generate([task[i].prompt for i in range(sequences)], params, use_tqdm=False)
-            results[name] = [(list(o.outputs[0].token_ids),
-                              [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-                             for o in outputs]
+            params = [SamplingParams(seed=group_seed(seed, i // GROUP, GROUP) + i % GROUP, temperature=temperature,
+                                     top_p=top_p, max_tokens=max_tokens, logprobs=0) for i in range(sequences)]
+            outputs = llm.generate([task[i // GROUP].prompt for i in range(sequences)], params, use_tqdm=False)
+            rows = [(list(o.outputs[0].token_ids),
+                     [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]) for o in outputs]
+            counts = llm.collective_rpc(take_spec_counts, args=([o.request_id for o in outputs],))[0].values() \
+                if method != "none" else []  # drafts verified: an exactness check that drafted nothing proves nothing
+            results[name] = {"rows": rows, "draft_tokens": sum(c.draft_tokens for c in counts),
+                             "accepted_tokens": sum(c.accepted_tokens for c in counts)}
     finally:
         close_engine(llm)
     return results
@@ -59,16 +67,19 @@ def main(argv: list[str] | None = None) -> dict:
     report = {}
     for method in DRAFTERS:
         for name in SETTINGS:
-            plain, spec = runs["none"][name], runs[method][name]
+            plain, spec = runs["none"][name]["rows"], runs[method][name]["rows"]
             same = [a[0] == b[0] for a, b in zip(plain, spec)]
             diff = max((abs(p - q) for a, b, s in zip(plain, spec, same) if s for p, q in zip(a[1], b[1])), default=0.0)
+            drafted, accepted = runs[method][name]["draft_tokens"], runs[method][name]["accepted_tokens"]
             report[f"{method} {name}"] = {"identical_fraction": sum(same) / len(same), "sequences": len(same),
                                           "mismatched": same.count(False), "max_logprob_diff": diff,
-                                          "tokens": sum(len(a[0]) for a in plain)}
-            print(f"{method:9s} {name:16s} identical {sum(same)}/{len(same)}  max |dlogprob| {diff:.2e}", flush=True)
+                                          "tokens": sum(len(a[0]) for a in plain), "draft_tokens": drafted,
+                                          "accepted_tokens": accepted}
+            print(f"{method:12s} {name:16s} identical {sum(same)}/{len(same)}  max |dlogprob| {diff:.2e}  "
+                  f"drafts accepted {accepted}/{drafted}", flush=True)
     result = {"results": report, "config": {"model": "builtin:dense (fp32)", "sequences": args.sequences,
                                             "max_tokens": args.max_tokens, "seed": args.seed,
-                                            "num_speculative_tokens": 4}}
+                                            "group_size": GROUP, "num_speculative_tokens": 4}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -188,9 +188,12 @@ class Run:
         learner = summary["learner"]
         dropped = {k.removeprefix("dropped_"): v for k, v in learner.items()
                    if k.startswith("dropped_") and isinstance(v, int) and v}
+        draft = learner.get("draft")
+        draft = "" if draft is None else (f", draft v{draft['version']}, distiller restarts {draft['distiller_restarts']}"
+                                          + (" (distillation off)" if draft["distillation_off"] else ""))
         print(f"done: step {learner['version']}{self.rewards}; trained {learner['trained']} trajectories, dropped "
               f"{dropped or 'none'}, lost {learner['lost']}, skipped steps {learner['skipped_steps']}, actor restarts "
-              f"{summary['actor_restarts']}\n"
+              f"{summary['actor_restarts']}{draft}\n"
               f"summary: {self.dir / 'summary.json'}, engine log: {self.dir / 'run.log'}\n"
               f"TensorBoard: tensorboard --logdir {self.dir}")
         if self.interrupted:

@@ -390,5 +390,9 @@ class Learner:
 
     def summary(self) -> dict:
         with self.lock:  # collect() may still be taking messages (Ctrl-C, an error elsewhere)
-            return {**self.intake.summary(), "version": self.version, "skipped_steps": self.skipped_steps,
-                    "dropped_messages": dict(self.inbox.dropped)}
+            summary = {**self.intake.summary(), "version": self.version, "skipped_steps": self.skipped_steps,
+                       "dropped_messages": dict(self.inbox.dropped)}
+        if self.distiller is not None:  # the draft version the actors were last sent, and the distiller's fate
+            summary["draft"] = {"version": self.draft_version, "distiller_restarts": self.distiller.restarts,
+                                "distillation_off": self.distiller.failed}
+        return summary

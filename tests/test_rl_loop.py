@@ -168,8 +168,10 @@ def test_speculative_run_logs_acceptance_planner_and_choices(tmp_path):
     versions = [e.value for e in events.Scalars("draft/version")]
     assert versions == sorted(versions) and len(events.Scalars("draft/candidate_acceptance")) == 1
     assert all(1 <= e.value <= 5 for e in events.Scalars("draft/replayed_acceptance"))
-    actor = json.loads((logdir / "summary.json").read_text())["actors"][0]
-    assert actor["draft_version"] <= versions[-1] and actor["draft_swaps"] <= actor["draft_version"]
+    summary = json.loads((logdir / "summary.json").read_text())
+    actor, draft = summary["actors"][0], summary["learner"]["draft"]
+    assert actor["draft_version"] <= draft["version"] <= versions[-1] and actor["draft_swaps"] <= actor["draft_version"]
+    assert draft["distiller_restarts"] == 0 and not draft["distillation_off"]
     # drafts were accepted (not necessarily every step: the planner may decide not to draft in one)
     assert any(e.value > 1 for e in events.Scalars("spec/acceptance_length"))
     assert any(e.value > 0 for e in events.Scalars("spec/draft_tokens"))
