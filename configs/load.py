@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import math
 import socket
 import tempfile
 from pathlib import Path
@@ -51,14 +52,14 @@ def load_config(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
     cfg = OmegaConf.structured(Config)
     try:
         cfg = OmegaConf.merge(cfg, from_file)
-    except OmegaConfBaseException as e:
+    except (OmegaConfBaseException, TypeError) as e:  # TypeError: a mapping where the schema has a list
         raise ConfigError(f"{path}: {_explain(e)}") from None
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"command-line override {item!r} is not of the form key=value")
         try:
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
-        except OmegaConfBaseException as e:
+        except (OmegaConfBaseException, TypeError) as e:
             raise ConfigError(f"command-line override {item!r} (on {path}): {_explain(e)}") from None
     try:  # interpolations (${...}) resolved here, so a bad one is a config error naming its key, not a traceback
         OmegaConf.resolve(cfg)
@@ -75,6 +76,9 @@ def load_config(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
 
 def _check_values(cfg: DictConfig, path: Path) -> None:
     """Range checks the types alone cannot express."""
+    for key, value in _numbers(cfg):
+        if not math.isfinite(value):
+            raise ConfigError(f"{path}: key '{key}' = {value!r} must be a finite number")
     rules = [
         ("trainer.steps", cfg.trainer.steps >= 1, "must be >= 1"),
         ("trainer.checkpoint_every", cfg.trainer.checkpoint_every >= 0, "must be >= 0"),
@@ -95,6 +99,8 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
         ("learner.num_ranks", cfg.learner.num_ranks >= 1, "must be >= 1"),
         ("learner.zero_stage", cfg.learner.zero_stage in (0, 1, 2, 3), "must be 0, 1, 2 or 3"),
         ("learner.lr", cfg.learner.lr > 0, "must be > 0"),
+        ("learner.weight_decay", cfg.learner.weight_decay >= 0, "must be >= 0"),
+        ("learner.grad_clip", cfg.learner.grad_clip >= 0, "must be >= 0 (0: no clipping)"),
         ("learner.micro_batch_size", cfg.learner.micro_batch_size >= 1, "must be >= 1"),
         ("algorithm.max_staleness", cfg.algorithm.max_staleness >= 0, "must be >= 0"),
         ("algorithm.max_staleness", cfg.algorithm.max_staleness == 0 or not cfg.trainer.deterministic,
@@ -132,7 +138,8 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
          f"{cfg.cluster.device.value!r})"),
     ]
     batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-    rules.append(("learner.micro_batch_size", batch % (cfg.learner.micro_batch_size * cfg.learner.num_ranks) == 0,
+    per_step = cfg.learner.micro_batch_size * cfg.learner.num_ranks  # each >= 1 by the rules above, checked first
+    rules.append(("learner.micro_batch_size", per_step < 1 or batch % per_step == 0,
                   f"times learner.num_ranks must divide the step's {batch} trajectories "
                   "(rollout.prompts_per_step x rollout.group_size)"))
     for key, ok, why in rules:
@@ -169,6 +176,15 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
             load_jsonl(source)
         except DataFormatError as e:
             raise ConfigError(f"{path}: key '{key}' = {source!r}: {e}") from None
+
+
+def _numbers(node: DictConfig, prefix: str = ""):
+    """(key, value) for every float in the config, sections walked."""
+    for key, value in node.items():
+        if isinstance(value, DictConfig):
+            yield from _numbers(value, f"{prefix}{key}.")
+        elif isinstance(value, float):
+            yield f"{prefix}{key}", value
 
 
 def _check_places(path: Path, cfg: DictConfig) -> None:

@@ -61,6 +61,15 @@ def test_path_to_yaml_works(tmp_path):
     ("transport.weight_bucket_mib=0", ["transport.weight_bucket_mib"]),
     ("speculation.distill.num_gpus=0.5", ["speculation.distill.num_gpus", "cluster.device", "'cpu'"]),  # no GPU
     ("speculation.distill.num_gpus=1 cluster.device=cuda", ["speculation.distill.num_gpus", "[0, 1)", "rank 0"]),
+    # found by fuzzing every key with bad values: each raised something other than a ConfigError, or was taken
+    ("learner.num_ranks=0", ["learner.num_ranks", ">= 1"]),  # was a ZeroDivisionError
+    ("learner.micro_batch_size=0", ["learner.micro_batch_size", ">= 1"]),  # was a ZeroDivisionError
+    ("speculation.drafters={}", ["speculation.drafters", "incompatible"]),  # was a TypeError
+    ("learner.lr=inf", ["learner.lr", "finite"]),
+    ("rollout.temperature=inf", ["rollout.temperature", "finite"]),
+    ("learner.grad_clip=nan", ["learner.grad_clip", "finite"]),
+    ("learner.grad_clip=-1", ["learner.grad_clip", ">= 0"]),
+    ("learner.weight_decay=-0.1", ["learner.weight_decay", ">= 0"]),
 ])
 def test_bad_override_names_the_key(override, needles):
     with pytest.raises(ConfigError) as e:
@@ -158,3 +167,20 @@ def test_a_deterministic_run_needs_the_synchronous_schedule():
     with pytest.raises(ConfigError, match="key 'algorithm.max_staleness' = 1 must be 0 when trainer.deterministic"):
         load_config("grpo_tiny", ["trainer.deterministic=true"])
     assert load_config("grpo_tiny", ["trainer.deterministic=true", "algorithm.max_staleness=0"]).trainer.deterministic
+
+
+def test_every_key_fuzzed_loads_or_names_itself():
+    """Every key of the schema with values of the wrong kind or range: the loader either accepts the value or raises
+    a ConfigError that names the key (found this way: ZeroDivisionError, TypeError, and non-finite numbers taken)."""
+    from omegaconf import DictConfig
+
+    def keys(node, prefix=""):
+        for key, value in node.items():
+            yield from keys(value, f"{prefix}{key}.") if isinstance(value, DictConfig) else [f"{prefix}{key}"]
+
+    for key in keys(load_config("grpo_tiny")):
+        for value in ["-1", "0", "abc", "[]", "{}", "null", "nan", "inf"]:
+            try:
+                load_config("grpo_tiny", [f"{key}={value}"])
+            except ConfigError as e:
+                assert key in str(e), (key, value, str(e))
