@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import ipaddress
 import math
 import socket
@@ -235,12 +236,17 @@ def _check_drafter(path: Path, spec: DictConfig) -> None:
     for name, options in members.items():
         key = "speculation.method" if name == spec.method else "speculation.drafters"
         try:
-            drafter_class(name)
+            cls = drafter_class(name)
         except DrafterLoadError as e:
             raise ConfigError(f"{path}: key '{key}': {e}") from None
+        where = "speculation.options" if name == spec.method else f"speculation.options.{name}"
+        try:  # names only: the values are the drafter's to check, in the actor (constructing one may load a model)
+            inspect.signature(cls).bind(**options)
+        except TypeError as e:
+            raise ConfigError(f"{path}: key '{where}' = {dict(options)}: {cls.__name__}{inspect.signature(cls)} "
+                              f"does not take them: {e}") from None
         if name == "draft_lm":
-            prefix = "speculation.options" if name == spec.method else "speculation.options.draft_lm"
-            _check_model(path, f"{prefix}.model", options.get("model", "builtin:draft"))
+            _check_model(path, f"{where}.model", options.get("model", "builtin:draft"))
 
 
 def _check_model(path: Path, key: str, spec: str) -> None:

@@ -70,6 +70,10 @@ def test_path_to_yaml_works(tmp_path):
     ("learner.grad_clip=nan", ["learner.grad_clip", "finite"]),
     ("learner.grad_clip=-1", ["learner.grad_clip", ">= 0"]),
     ("learner.weight_decay=-0.1", ["learner.weight_decay", ">= 0"]),
+    # a drafter's options are its constructor's keywords: a name it does not take fails here, not in the actor
+    ("speculation.method=ngram speculation.options.min_k=5", ["speculation.options", "min_k", "NgramDrafter"]),
+    ("speculation.method=fastest_of_n speculation.drafters=[suffix,draft_lm] speculation.options.suffix.bogus=1",
+     ["speculation.options.suffix", "bogus", "SuffixDrafter"]),
 ])
 def test_bad_override_names_the_key(override, needles):
     with pytest.raises(ConfigError) as e:
