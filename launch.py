@@ -45,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from driver.run import Run
 
-    run = Run(cfg)  # Ray, learner ranks (rank 0: trajectory inbox + weight publisher), rollout actors generating
+    try:
+        run = Run(cfg)  # Ray, learner ranks (rank 0: trajectory inbox + weight publisher), rollout actors generating
+    except ConfigError as e:  # what only the model can tell: a data file's prompt that it cannot hold
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     try:
         steps = cfg.trainer.steps
         for step in (bar := trange(run.first_step, steps, initial=run.first_step, total=steps, desc="GRPO")):

@@ -25,9 +25,20 @@ class Run:
     step, then `save_final`, and `close` however the loop ended (it writes `summary.json`)."""
 
     def __init__(self, cfg: DictConfig):
-        from actor.engine import set_env_defaults
-        from driver.logs import LOG_FILE, route, unroute, worker_env
+        from transformers import AutoTokenizer
 
+        from actor.engine import set_env_defaults
+        from configs.load import ConfigError
+        from driver.logs import LOG_FILE, route, unroute, worker_env
+        from models.zoo import resolve
+        from tasks.dataset import check_prompt_lengths
+        from tasks.jsonl import DataFormatError
+
+        reference_dir = policy_dir = str(resolve(cfg.model.path))  # builds the built-in models on first use
+        try:  # with the model's tokenizer: before anything starts or is written
+            check_prompt_lengths(cfg.data, AutoTokenizer.from_pretrained(policy_dir), cfg.model.max_model_len)
+        except DataFormatError as e:
+            raise ConfigError(str(e)) from None
         self.cfg, self.dir = cfg, Path(cfg.logging.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         log_file, level = str((self.dir / LOG_FILE).resolve()), cfg.logging.engine_level.value
@@ -43,12 +54,10 @@ class Run:
         from driver.placement import nodes_of
         from driver.rollouts import RolloutPool
         from learner.base import RUN_FILE, checkpoint_state, run_of
-        from models.zoo import resolve
         from tasks.schedule import CursorPlan
         from transport.auth import keypair
 
         OmegaConf.save(cfg, self.dir / "config.yaml", resolve=True)  # the resolved config, beside the event files
-        reference_dir = policy_dir = str(resolve(cfg.model.path))  # builds the built-in models on first use
         checkpoint, state = None, {"version": 0, "data_cursor": 0}
         if cfg.trainer.resume_from:  # continue: same step counter, same data cursor, optimizer state restored
             checkpoint, state = checkpoint_state(cfg.trainer.resume_from)

@@ -6,7 +6,7 @@ from omegaconf import DictConfig
 
 from tasks.arithmetic import ArithmeticTask
 from tasks.base import Dataset, Problem
-from tasks.jsonl import JsonlDataset, load_jsonl
+from tasks.jsonl import DataFormatError, JsonlDataset, load_jsonl
 
 EVAL_SEED_OFFSET = 7_919  # the built-in eval set's problems come from seed + this (and never equal a training one)
 
@@ -16,6 +16,25 @@ def open_dataset(data: DictConfig, seed: int) -> Dataset:
         return ArithmeticTask(seed=seed, max_ops=data.max_ops, max_operand=data.max_operand,
                               tail_exponent=data.tail_exponent, size=data.size)
     return JsonlDataset(data.source, seed=seed)
+
+
+def check_prompt_lengths(data: DictConfig, tokenizer, max_model_len: int) -> None:
+    """Every prompt of a JSONL `data.source` / `data.eval_source` leaves the model room for a token of answer (vLLM
+    refuses a longer one inside the actor, which would end the run); raises `DataFormatError` naming the file and
+    the line of the first that does not. The built-in task's prompts are short by construction."""
+
+    def fits(prompt: str) -> str | None:
+        n = len(tokenizer(prompt, add_special_tokens=False).input_ids)
+        return None if n < max_model_len else (f"the prompt is {n} tokens, and model.max_model_len = {max_model_len} "
+                                               "leaves no room to answer it")
+
+    for key in ("data.source", "data.eval_source"):
+        source = data[key.removeprefix("data.")]
+        if source != "arithmetic":
+            try:
+                load_jsonl(source, fits=fits)
+            except DataFormatError as e:
+                raise DataFormatError(f"key '{key}' = {source!r}: {e}") from None
 
 
 def eval_set(data: DictConfig, seed: int) -> list[Problem]:

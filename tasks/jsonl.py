@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,17 +15,24 @@ class DataFormatError(ValueError):
     """A data file is malformed; the message names the file and the line."""
 
 
-def load_jsonl(path: str | Path) -> list[Problem]:
+def load_jsonl(path: str | Path, fits: Callable[[str], str | None] | None = None) -> list[Problem]:
     """Every record of `path`, in order. Whitespace-only lines hold no record and are passed over; any
-    other line that is not a valid record raises `DataFormatError` naming the file and line number."""
+    other line that is not a valid record raises `DataFormatError` naming the file and line number. `fits`, if
+    given, says what is wrong with a record's prompt (None: nothing), e.g. that the model cannot hold it."""
     path = Path(path)
     if not path.is_file():
         raise DataFormatError(f"{path}: no such data file")
     problems = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataFormatError(f"{path}:{lineno}: not UTF-8 ({e.reason} at byte {e.start})") from None
             if line.strip():
                 problems.append(_parse(line, f"{path}:{lineno}", f"{path.stem}-{lineno}"))
+                if fits is not None and (wrong := fits(problems[-1].prompt)):
+                    raise DataFormatError(f"{path}:{lineno}: {wrong}")
     if not problems:
         raise DataFormatError(f"{path}: holds no records")
     return problems

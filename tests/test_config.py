@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 import time
@@ -129,6 +130,22 @@ def test_launcher_fails_fast_and_names_the_key(override):
     assert proc.returncode == 2, proc.stderr
     assert override.split("=")[0] in proc.stderr and "grpo_tiny.yaml" in proc.stderr
     assert time.time() - start < 30  # no cluster, engine or model build was started
+
+
+@pytest.mark.parametrize("key", ["data.source", "data.eval_source"])
+def test_a_data_prompt_the_model_cannot_hold_fails_before_anything_starts(tmp_path, key):
+    """vLLM refuses a prompt longer than model.max_model_len inside the actor, which ended the run after ~70 s of
+    restarts; the launcher now refuses it first, naming the key, the file and the line, and writes nothing."""
+    data = tmp_path / "data.jsonl"
+    records = [{"question": "What is 2 + 3?", "answer": "#### 5"}] * 5
+    records[3] = {"question": "What is " + " + ".join(["1"] * 400) + "?", "answer": "#### 400"}
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    proc = subprocess.run([sys.executable, "launch.py", "--config", "grpo_tiny", f"{key}={data}",
+                           "data.eval_size=4", f"logging.dir={tmp_path / 'run'}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert f"key '{key}'" in proc.stderr and f"{data}:4:" in proc.stderr and "max_model_len = 1024" in proc.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_resume_from_must_name_a_checkpoint_that_is_behind_trainer_steps(tmp_path):

@@ -105,6 +105,7 @@ def test_jsonl_loads_gsm8k_records(tmp_path):
     (json.dumps({"question": "q", "answer": 3}), "'answer' must be a non-empty string"),
     (json.dumps({"question": "q", "answer": "three"}), "has no '####"),
     (json.dumps({"question": "q", "answer": "#### three"}), "is not a number"),
+    (json.dumps({"question": "q", "answer": "#### nan"}), "is not a number"),
 ])
 def test_jsonl_malformed_line_names_file_and_line(tmp_path, bad, needle):
     good = json.dumps({"question": "q", "answer": "#### 1"})
@@ -112,6 +113,13 @@ def test_jsonl_malformed_line_names_file_and_line(tmp_path, bad, needle):
     with pytest.raises(DataFormatError) as e:
         load_jsonl(path)
     assert f"{path}:3:" in str(e.value) and needle in str(e.value)
+
+
+def test_jsonl_line_not_utf8_names_file_and_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"question": "q", "answer": "#### 1"}\n{"question": "caf\xe9", "answer": "#### 1"}\n')
+    with pytest.raises(DataFormatError, match=f"{path}:2: not UTF-8"):  # was a UnicodeDecodeError
+        load_jsonl(path)
 
 
 def test_jsonl_missing_or_empty_file(tmp_path):
