@@ -188,12 +188,28 @@ class Run:
             try:
                 summary["actors"] = self.rollouts.stop(timeout_s=120)
             finally:
-                summary["learner"] = ray.get(self.learners.rank0.summary.remote(), timeout=60)
+                try:
+                    summary["learner"] = ray.get(self.learners.rank0.summary.remote(), timeout=60)
+                except ray.exceptions.RayError as e:  # rank 0 died (the error that ended the loop follows)
+                    summary["learner_error"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
         finally:
             self.writer.close()
             ray.shutdown()
             (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
             unroute(self.log_handlers)
+        if "learner_error" in summary:  # what can be said without it: where to go on from
+            from learner.base import checkpoint_state
+
+            try:
+                newest, state = checkpoint_state(str(self.dir))
+                resume = (f"the newest checkpoint is {newest} (step {state['version']}): go on with "
+                          f"trainer.resume_from={self.dir}")
+            except (FileNotFoundError, KeyError, ValueError):
+                resume = "no checkpoint was written (trainer.checkpoint_every)"
+            print(f"stopped: learner rank 0 is gone ({summary['learner_error']}); every process is shut down; "
+                  f"{resume}\nsummary: {self.dir / 'summary.json'}, engine log: {self.dir / 'run.log'}",
+                  file=sys.stderr)
+            return summary
         learner = summary["learner"]
         dropped = {k.removeprefix("dropped_"): v for k, v in learner.items()
                    if k.startswith("dropped_") and isinstance(v, int) and v}

@@ -125,3 +125,26 @@ def test_the_summary_is_written_even_when_stopping_the_actors_fails(tmp_path):
         run.close()
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["learner"] == counters and "actors" not in summary and shut == [True]
+
+
+def test_a_dead_learner_leaves_a_summary_and_says_where_to_go_on_from(tmp_path, capsys):
+    """`Run.close` when learner rank 0 is gone: no second traceback over the first, summary.json names the error,
+    and the console says there is no checkpoint to resume from (the live case is a slow test in test_rl_loop)."""
+    import ray
+
+    from driver.run import Run
+
+    def dead(ref, timeout):
+        raise ray.exceptions.ActorDiedError()
+
+    run = Run.__new__(Run)
+    run.dir, run.interrupted, run.placement, run.log_handlers, run.last = tmp_path, False, {}, [], {}
+    run.rollouts = SimpleNamespace(restarts=0, stop=lambda timeout_s: [{"groups": 3}])
+    run.learners = SimpleNamespace(rank0=SimpleNamespace(summary=SimpleNamespace(remote=lambda: "ref")))
+    run.writer = SimpleNamespace(close=lambda: None)
+    run.ray = SimpleNamespace(get=dead, shutdown=lambda: None, exceptions=ray.exceptions)
+    summary = run.close()
+    assert summary["learner_error"].startswith("ActorDiedError") and summary["actors"] == [{"groups": 3}]
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    err = capsys.readouterr().err
+    assert "learner rank 0 is gone (ActorDiedError" in err and "no checkpoint was written" in err

@@ -117,6 +117,36 @@ def test_a_dead_rollout_actor_is_replaced_and_its_work_reissued(tmp_path):
     assert replacement["start_version"] >= 2  # it generated nothing before catching up with the learner's weights
 
 
+def test_a_dead_learner_ends_the_run_saying_where_to_resume(tmp_path, capsys):
+    """Learner rank 0 killed after step 2's checkpoint: the run stops with that error, every process shut down,
+    summary.json written with the actors' counters, and the console names the checkpoint to resume from."""
+    import threading
+    import time
+
+    import ray
+
+    logdir = tmp_path / "run"
+
+    def kill_after_step_two():
+        deadline = time.time() + 300
+        while not (logdir / "checkpoints" / "step_2" / "state.json").is_file() and time.time() < deadline:
+            time.sleep(0.2)
+        ray.kill(ray.get_actor("learner-0"))
+
+    killer = threading.Thread(target=kill_after_step_two, daemon=True)
+    killer.start()
+    with pytest.raises(ray.exceptions.RayError):
+        launch.main(["--config", "grpo_tiny", "trainer.steps=50", "trainer.checkpoint_every=1",
+                     f"logging.dir={logdir}", *SMALL])
+    killer.join()
+    summary = json.loads((logdir / "summary.json").read_text())
+    assert "learner_error" in summary and summary["actors"][0]["groups"] > 0
+    err = capsys.readouterr().err
+    assert "learner rank 0 is gone" in err and f"trainer.resume_from={logdir}" in err
+    assert re.search(r"newest checkpoint is \S+step_(\d+) \(step \1\)", err)
+    assert not ray.is_initialized()
+
+
 
 @pytest.mark.parametrize("which", [(3,), (8,)], ids=["mid_group", "last_of_a_step"])
 def test_lost_trajectories_are_regenerated_even_without_staleness(tmp_path, which, inject_into_actor):
