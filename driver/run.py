@@ -197,32 +197,35 @@ class Run:
             ray.shutdown()
             (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
             unroute(self.log_handlers)
-        if "learner_error" in summary:  # what can be said without it: where to go on from
+        ending = sys.exc_info()[1]  # the error that ends the run, if one does (the launcher calls this in `finally`)
+        learner = summary.get("learner")
+        if learner is not None:
+            dropped = {k.removeprefix("dropped_"): v for k, v in learner.items()
+                       if k.startswith("dropped_") and isinstance(v, int) and v}
+            draft = learner.get("draft")
+            draft = "" if draft is None else (f", draft v{draft['version']}, distiller restarts "
+                                              f"{draft['distiller_restarts']}"
+                                              + (" (distillation off)" if draft["distillation_off"] else ""))
+            print(f"done: step {learner['version']}{self.rewards}; trained {learner['trained']} trajectories, "
+                  f"dropped {dropped or 'none'}, lost {learner['lost']}, skipped steps {learner['skipped_steps']}, "
+                  f"actor restarts {summary['actor_restarts']}{draft}")
+        print(f"summary: {self.dir / 'summary.json'}, engine log: {self.dir / 'run.log'}\n"
+              f"TensorBoard: tensorboard --logdir {self.dir}")
+        if self.interrupted:
+            print(f"interrupted at step {learner['version'] if learner else '?'}; every process is shut down",
+                  file=sys.stderr)
+        elif learner is None or ending is not None:  # the error follows; say where the run can go on from
             from learner.base import checkpoint_state
 
+            reason = (f"learner rank 0 is gone ({summary['learner_error']})" if learner is None else
+                      f"{type(ending).__name__}: {(str(ending).splitlines() or [''])[0]}")
             try:
                 newest, state = checkpoint_state(str(self.dir))
                 resume = (f"the newest checkpoint is {newest} (step {state['version']}): go on with "
                           f"trainer.resume_from={self.dir}")
             except (FileNotFoundError, KeyError, ValueError):
                 resume = "no checkpoint was written (trainer.checkpoint_every)"
-            print(f"stopped: learner rank 0 is gone ({summary['learner_error']}); every process is shut down; "
-                  f"{resume}\nsummary: {self.dir / 'summary.json'}, engine log: {self.dir / 'run.log'}",
-                  file=sys.stderr)
-            return summary
-        learner = summary["learner"]
-        dropped = {k.removeprefix("dropped_"): v for k, v in learner.items()
-                   if k.startswith("dropped_") and isinstance(v, int) and v}
-        draft = learner.get("draft")
-        draft = "" if draft is None else (f", draft v{draft['version']}, distiller restarts {draft['distiller_restarts']}"
-                                          + (" (distillation off)" if draft["distillation_off"] else ""))
-        print(f"done: step {learner['version']}{self.rewards}; trained {learner['trained']} trajectories, dropped "
-              f"{dropped or 'none'}, lost {learner['lost']}, skipped steps {learner['skipped_steps']}, actor restarts "
-              f"{summary['actor_restarts']}{draft}\n"
-              f"summary: {self.dir / 'summary.json'}, engine log: {self.dir / 'run.log'}\n"
-              f"TensorBoard: tensorboard --logdir {self.dir}")
-        if self.interrupted:
-            print(f"interrupted at step {learner['version']}; every process is shut down", file=sys.stderr)
+            print(f"stopped: {reason}; every process is shut down; {resume}", file=sys.stderr)
         return summary
 
 
