@@ -42,7 +42,7 @@ class Sample:
 
 
 INCARNATION_SHIFT = 32  # a replacement actor numbers its messages from incarnation << 32 (learner/intake.py)
-HEARTBEAT_S = 2.0  # while it has nothing in flight, an actor says how far it got this often
+HEARTBEAT_S = 2.0  # an actor says how far it got this often (rank 0 also learns it is alive)
 
 
 class RolloutActor:
@@ -109,11 +109,11 @@ class RolloutActor:
                 k += 1
                 cursor = self.plan.cursor(self.actor_id, k)
                 fresh = self.plan.admits(cursor, self.version, self.cfg.algorithm.max_staleness, self.lead)
+            if time.time() - beat > HEARTBEAT_S:  # how far it got, so a lost last trajectory shows; and that it lives
+                beat = time.time()
+                self._send(Heartbeat(SCHEMA_VERSION, self.actor_id, self.seq))
             if not self.engine.has_unfinished_requests():
                 self.poll_weights(100)  # ahead of the learner: wait for new weights
-                if time.time() - beat > HEARTBEAT_S:  # how far it got, so a lost last trajectory shows
-                    beat = time.time()
-                    self._send(Heartbeat(SCHEMA_VERSION, self.actor_id, self.seq))
                 continue
             start = time.time()
             outputs = self.engine.step()

@@ -1,6 +1,7 @@
 """The rollout actors of a run as Ray actors, each generating until stopped; one that dies is replaced and its
 unfinished groups are re-issued (learner rank 0 forgets their partial trajectories and names where the
-replacement starts; the replacement catches up to the newest weights before it admits a prompt)."""
+replacement starts; the replacement catches up to the newest weights before it admits a prompt). One that rank 0
+has not heard from for `rollout.stall_timeout_s` while it waits for groups is taken for hung and killed first."""
 
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ class RolloutPool:
                     print(f"rollout actor {i} lost trajectories; it generates again from data cursor "
                           f"{self.plan.cursor(i, first_k)}", file=sys.stderr)
                     self.actors[i].rewind.remote(first_k)
+                self.stop_silent()
                 continue
             ready = ready[0]
             if ready in pending:
@@ -61,6 +63,18 @@ class RolloutPool:
             else:
                 self.replace(self.runs.index(ready))
         return ray.get(refs)
+
+    def stop_silent(self) -> None:
+        """Kills every actor rank 0 has heard nothing from for `rollout.stall_timeout_s` while it waits for groups
+        (a hung engine, a stopped process): it then stops like a dead one, and `wait` replaces it."""
+        limit = self.cfg.rollout.stall_timeout_s
+        if limit <= 0:
+            return
+        for i, silent in ray.get(self.learners.rank0.silences.remote()).items():
+            if silent > limit:
+                print(f"rollout actor {i} sent nothing for {silent:.0f} s (rollout.stall_timeout_s = {limit:g}): "
+                      "taken for hung and stopped", file=sys.stderr)
+                ray.kill(self.actors[i])
 
     def replace(self, i: int) -> None:
         """Replaces actor `i`, which stopped: a replacement that dies or does not catch up within `CATCH_UP_S` is
@@ -76,7 +90,7 @@ class RolloutPool:
                                    "(rollout.max_restarts)")
             self.restarts += 1
             ray.kill(self.actors[i])
-            first_k = ray.get(self.learners.rank0.reissue.remote(i))
+            first_k = ray.get(self.learners.rank0.reissue.remote(i, self.restarts))
             self.actors[i] = actor = self.spawn(i, first_k)
             try:
                 target = self.catch_up(actor)

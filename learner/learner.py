@@ -21,7 +21,7 @@ from configs.schema import Dtype, LossAggregation
 from learner.base import checkpoint_state, partial, seal_checkpoint, staleness
 from learner.distill import RemoteDistiller
 from learner.grpo import Packed, group_advantages, policy_loss
-from learner.intake import Intake
+from learner.intake import INCARNATION_SHIFT, Intake
 from learner.metrics import rollout_metrics
 from models.zoo import copy_tokenizer
 from sampling.coupled import processed_logprobs
@@ -88,6 +88,9 @@ class Learner:
         self.version = 0
         self.skipped_steps = 0  # optimizer steps not taken: their gradient was not finite
         self.groups: list[list[Trajectory]] = []  # rank 0: what `collect` gathered for the next `train`
+        self.heard: dict[int, float] = {}  # rank 0, during `collect`: when each actor was last heard from
+        self.spoken: set[int] = set()  # rank 0: actors heard from since they (or their replacement) started
+        self.watched: dict[int, int] = {}  # rank 0: the incarnation of each replaced actor that is watched
         self.reference = None  # the frozen reference policy when algorithm.kl_coef > 0
         self.lock = threading.Lock()  # collect() and a replacement actor's reissue()/republish() run concurrently
 
@@ -151,13 +154,22 @@ class Learner:
         """Rank 0: pulls the next `prompts_per_step` whole, fresh-enough groups for `train`."""
         groups: list[list[Trajectory]] = []
         start = time.time()
+        with self.lock:  # the inbox is read only here, so silence is measured from here on (`silences`)
+            self.heard = dict.fromkeys(range(self.cfg.rollout.num_actors), time.monotonic())
         while len(groups) < self.cfg.rollout.prompts_per_step:
             message = self.inbox.recv(1000)
             if message is not None:
                 with self.lock:
                     group = self.intake.take(message, self.version)
+                    actor = getattr(message, "actor_id", None)
+                    incarnation = getattr(message, "seq", -1) >> INCARNATION_SHIFT  # -1: a weight acknowledgement
+                    if actor in self.heard and incarnation >= self.watched.get(actor, 0):  # not a dead one's, late
+                        self.heard[actor] = time.monotonic()
+                        self.spoken.add(actor)
                 if group is not None:
                     groups.append(group)
+        with self.lock:
+            self.heard = {}
         self.groups = sorted(groups, key=lambda g: g[0].group_id)  # in cursor order, however they arrived
         return {"rl/wait_seconds": time.time() - start}
 
@@ -378,10 +390,21 @@ class Learner:
         if self.distiller is not None and (path / "draft").is_dir():
             self.distiller.load(path / "draft")
 
-    def reissue(self, actor: int) -> int:
-        """Rank 0: a rollout actor died; the k its replacement starts from (see `Intake.reissue`)."""
+    def reissue(self, actor: int, incarnation: int) -> int:
+        """Rank 0: a rollout actor died; the k its replacement (numbered `incarnation`) starts from (see
+        `Intake.reissue`). The replacement is not watched for silence before it first speaks."""
         with self.lock:
+            self.watched[actor] = incarnation
+            self.spoken.discard(actor)
             return self.intake.reissue(actor)
+
+    def silences(self) -> dict[int, float]:
+        """Rank 0, while `collect` waits: seconds since each actor's last message (any kind) reached it, or since
+        the collect began, for every actor that has spoken since it started (an engine still starting or a
+        replacement still catching up is not silent); {} between collects, when the inbox is not read."""
+        with self.lock:
+            now = time.monotonic()
+            return {actor: now - heard for actor, heard in self.heard.items() if actor in self.spoken}
 
     def take_gaps(self) -> dict[int, int]:
         """Rank 0: actors that lost messages, each with the k to regenerate from (see `Intake.take_gaps`)."""

@@ -24,12 +24,18 @@ class Rank0:
     def __init__(self):
         self.reissued = 0
 
-    def reissue(self, actor: int) -> int:
+    def reissue(self, actor: int, incarnation: int) -> int:
         self.reissued += 1
         return 0
 
     def republish(self) -> int:
         return NEWEST
+
+    def take_gaps(self) -> dict[int, int]:
+        return {}
+
+    def silences(self) -> dict[int, float]:  # actor 0 silent for long, once; its replacement speaks
+        return {0: 1000.0} if self.reissued == 0 else {0: 0.1}
 
     def count(self) -> int:
         return self.reissued
@@ -68,8 +74,8 @@ def local_ray():
     ray.shutdown()
 
 
-def pool(behaviour: dict[int, str], max_restarts: int) -> RolloutPool:
-    cfg = load_config("grpo_tiny", [f"rollout.max_restarts={max_restarts}"])
+def pool(behaviour: dict[int, str], max_restarts: int, *overrides: str) -> RolloutPool:
+    cfg = load_config("grpo_tiny", [f"rollout.max_restarts={max_restarts}", *overrides])
     p = object.__new__(RolloutPool)  # the pool without a run: its learners and actors are stand-ins
     p.cfg, p.model_dir, p.version, p.plan, p.restarts = cfg, "", 0, CursorPlan(0, 1, 1), 0
     p.learners = SimpleNamespace(rank0=ray.remote(Rank0).remote(), server_public=None, trajectory_endpoint="",
@@ -99,6 +105,20 @@ def test_a_replacement_that_never_catches_up_is_replaced_until_the_limit(local_r
         p.replace(0)
     assert "replacement 2 catching up: GetTimeoutError" in str(e.value)
     assert ray.get(p.learners.rank0.count.remote()) == 2
+    ray.kill(p.actors[0])
+
+
+@pytest.mark.parametrize("timeout_s,restarts", [(60, 1), (0, 0)], ids=["watched", "never"])
+def test_an_actor_silent_past_the_stall_timeout_is_stopped_and_replaced(local_ray, monkeypatch, timeout_s, restarts):
+    """While the learner waits, an actor rank 0 has not heard from for `rollout.stall_timeout_s` (a hung engine, a
+    stopped process: alive to Ray, so nothing else would notice) is killed, then replaced like a dead one."""
+    monkeypatch.setattr(driver.rollouts, "GAP_CHECK_S", 0.2)
+    p = pool({}, 3, f"rollout.stall_timeout_s={timeout_s}")
+    hung = p.actors[0]
+    waiting = ray.remote(num_cpus=0)(lambda: time.sleep(3) or "collected").remote()  # the learner's collect
+    assert p.wait([waiting]) == ["collected"]
+    assert p.restarts == restarts and ray.get(p.learners.rank0.count.remote()) == restarts
+    assert (p.actors[0] is hung) == (restarts == 0)
     ray.kill(p.actors[0])
 
 

@@ -117,6 +117,35 @@ def test_a_dead_rollout_actor_is_replaced_and_its_work_reissued(tmp_path):
     assert replacement["start_version"] >= 2  # it generated nothing before catching up with the learner's weights
 
 
+def test_a_hung_rollout_actor_is_taken_for_dead_and_replaced(tmp_path, capsys):
+    """A rollout actor stopped with SIGSTOP is alive to Ray, so only its silence tells: past
+    `rollout.stall_timeout_s` it is killed and replaced, and the run ends with every step trained."""
+    import signal
+    import threading
+    import time
+
+    import ray
+
+    logdir = tmp_path / "run"
+
+    def stop_after_step_two():
+        deadline = time.time() + 300
+        while not (logdir / "checkpoints" / "step_2" / "state.json").is_file() and time.time() < deadline:
+            time.sleep(0.2)
+        pid = ray.get(ray.get_actor("rollout-0").__ray_call__.remote(lambda actor: os.getpid()))
+        os.kill(pid, signal.SIGSTOP)
+
+    stopper = threading.Thread(target=stop_after_step_two, daemon=True)
+    stopper.start()
+    assert launch.main(["--config", "grpo_tiny", "trainer.steps=6", "trainer.checkpoint_every=1",
+                        "rollout.stall_timeout_s=15", f"logging.dir={logdir}", *SMALL]) == 0
+    stopper.join()
+    summary = json.loads((logdir / "summary.json").read_text())
+    assert summary["actor_restarts"] == 1 and summary["learner"]["version"] == 6
+    assert summary["learner"]["trained"] == 6 * 2 * 4
+    assert "rollout actor 0 sent nothing for" in capsys.readouterr().err
+
+
 def test_a_dead_learner_ends_the_run_saying_where_to_resume(tmp_path, capsys):
     """Learner rank 0 killed after step 2's checkpoint: the run stops with that error, every process shut down,
     summary.json written with the actors' counters, and the console names the checkpoint to resume from."""
