@@ -331,6 +331,10 @@ class RemoteDistiller:
                     self.restarts, self.cfg.speculation.distill.max_restarts, self.newest[0] if self.newest else 0)
         return {"draft/restarts": float(self.restarts)}
 
+    def fate(self) -> dict:
+        """For the run's summary."""
+        return {"distiller_restarts": self.restarts, "distillation_off": self.failed}
+
     def save(self, directory: Path) -> None:  # after the distillation under way (the actor runs one call at a time)
         """The running draft LM into a checkpoint; a distiller that died is replaced first. If distillation is off,
         the checkpoint has no draft LM, and a run resumed from it starts from the base one."""

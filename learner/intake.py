@@ -13,6 +13,7 @@ regenerated. A replacement actor numbers its messages from `incarnation << 32`.
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 from itertools import chain
@@ -55,9 +56,16 @@ class Intake:
         self.gapped: set[int] = set()  # actors with lost messages whose groups are not re-issued yet
         # (model, actor) -> the actor's slowest acknowledged apply of `model`'s weights since the last take
         self.apply_seconds: dict[tuple[str, int], float] = {}
+        self.heard: dict[int, float] = {}  # while the learner listens: when each actor was last heard from
+        self.spoken: set[int] = set()  # actors heard from since they (or their replacement) started
+        self.watched: dict[int, int] = {}  # actor -> the incarnation followed (its newest replacement's)
 
     def take(self, message: Trajectory | WeightAck | Heartbeat, version: int) -> list[Trajectory] | None:
         """A whole, fresh-enough group (sorted by sample index) when `message` completes one; else None."""
+        incarnation = getattr(message, "seq", -1) >> INCARNATION_SHIFT  # -1: a weight acknowledgement
+        if message.actor_id in self.heard and incarnation >= self.watched.get(message.actor_id, 0):  # not a dead one's
+            self.heard[message.actor_id] = time.monotonic()
+            self.spoken.add(message.actor_id)
         if isinstance(message, WeightAck):
             key = (message.model, message.actor_id)
             if 0 <= message.actor_id < self.plan.num_actors and math.isfinite(message.apply_seconds) \
@@ -167,6 +175,24 @@ class Intake:
             self.counts.dropped_reissued += len(self.pending.pop(group_id))
         k = self.plan.first_undelivered(actor, self.delivered)
         return self.plan.first_of_step(actor, k) if self.whole_steps else k
+
+    def replaced(self, actor: int, incarnation: int) -> int:
+        """Actor `actor` died and its replacement is numbered `incarnation`: `reissue`, and follow the replacement's
+        silence from its first message on (a replacement still catching up is not silent)."""
+        self.watched[actor] = incarnation
+        self.spoken.discard(actor)
+        return self.reissue(actor)
+
+    def listen(self, on: bool) -> None:
+        """The learner reads its inbox from now on (silence is measured from now), or no longer."""
+        self.heard = dict.fromkeys(range(self.plan.num_actors), time.monotonic()) if on else {}
+
+    def silences(self) -> dict[int, float]:
+        """While the learner listens: seconds since each actor's last message of its followed incarnation (any kind
+        but a weight acknowledgement) or since listening began, for every actor that has spoken since it started
+        (an engine still starting is not silent); {} otherwise."""
+        now = time.monotonic()
+        return {actor: now - heard for actor, heard in self.heard.items() if actor in self.spoken}
 
     def pending_trajectories(self) -> int:
         return sum(len(g) for g in self.pending.values())

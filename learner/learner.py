@@ -21,9 +21,9 @@ from configs.schema import Dtype, LossAggregation
 from learner.base import checkpoint_state, partial, seal_checkpoint, staleness
 from learner.distill import RemoteDistiller
 from learner.grpo import Packed, group_advantages, policy_loss
-from learner.intake import INCARNATION_SHIFT, Intake
+from learner.intake import Intake
 from learner.metrics import rollout_metrics
-from models.zoo import copy_tokenizer
+from models.zoo import copy_tokenizer, tensor_count
 from sampling.coupled import processed_logprobs
 from tasks.schedule import CursorPlan
 from transport.auth import Gate, KeyPair
@@ -35,13 +35,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def tensor_count(model_dir: str) -> int:
-    """How many tensors the Hugging Face checkpoint in `model_dir` holds (safetensors headers only)."""
-    from safetensors import safe_open
-
-    return sum(len(safe_open(str(f), "pt").keys()) for f in Path(model_dir).glob("*.safetensors"))
 
 
 class FiniteAdamW(torch.optim.AdamW):
@@ -88,9 +81,6 @@ class Learner:
         self.version = 0
         self.skipped_steps = 0  # optimizer steps not taken: their gradient was not finite
         self.groups: list[list[Trajectory]] = []  # rank 0: what `collect` gathered for the next `train`
-        self.heard: dict[int, float] = {}  # rank 0, during `collect`: when each actor was last heard from
-        self.spoken: set[int] = set()  # rank 0: actors heard from since they (or their replacement) started
-        self.watched: dict[int, int] = {}  # rank 0: the incarnation of each replaced actor that is watched
         self.reference = None  # the frozen reference policy when algorithm.kl_coef > 0
         self.lock = threading.Lock()  # collect() and a replacement actor's reissue()/republish() run concurrently
 
@@ -154,22 +144,17 @@ class Learner:
         """Rank 0: pulls the next `prompts_per_step` whole, fresh-enough groups for `train`."""
         groups: list[list[Trajectory]] = []
         start = time.time()
-        with self.lock:  # the inbox is read only here, so silence is measured from here on (`silences`)
-            self.heard = dict.fromkeys(range(self.cfg.rollout.num_actors), time.monotonic())
+        with self.lock:  # the inbox is read only here: actors' silence is measured from now on (`silences`)
+            self.intake.listen(True)
         while len(groups) < self.cfg.rollout.prompts_per_step:
             message = self.inbox.recv(1000)
             if message is not None:
                 with self.lock:
                     group = self.intake.take(message, self.version)
-                    actor = getattr(message, "actor_id", None)
-                    incarnation = getattr(message, "seq", -1) >> INCARNATION_SHIFT  # -1: a weight acknowledgement
-                    if actor in self.heard and incarnation >= self.watched.get(actor, 0):  # not a dead one's, late
-                        self.heard[actor] = time.monotonic()
-                        self.spoken.add(actor)
                 if group is not None:
                     groups.append(group)
         with self.lock:
-            self.heard = {}
+            self.intake.listen(False)
         self.groups = sorted(groups, key=lambda g: g[0].group_id)  # in cursor order, however they arrived
         return {"rl/wait_seconds": time.time() - start}
 
@@ -391,20 +376,14 @@ class Learner:
             self.distiller.load(path / "draft")
 
     def reissue(self, actor: int, incarnation: int) -> int:
-        """Rank 0: a rollout actor died; the k its replacement (numbered `incarnation`) starts from (see
-        `Intake.reissue`). The replacement is not watched for silence before it first speaks."""
+        """Rank 0: a rollout actor died; the k its replacement, numbered `incarnation`, starts from (`Intake.replaced`)."""
         with self.lock:
-            self.watched[actor] = incarnation
-            self.spoken.discard(actor)
-            return self.intake.reissue(actor)
+            return self.intake.replaced(actor, incarnation)
 
     def silences(self) -> dict[int, float]:
-        """Rank 0, while `collect` waits: seconds since each actor's last message (any kind) reached it, or since
-        the collect began, for every actor that has spoken since it started (an engine still starting or a
-        replacement still catching up is not silent); {} between collects, when the inbox is not read."""
+        """Rank 0: seconds each actor has been silent while `collect` waits (`Intake.silences`)."""
         with self.lock:
-            now = time.monotonic()
-            return {actor: now - heard for actor, heard in self.heard.items() if actor in self.spoken}
+            return self.intake.silences()
 
     def take_gaps(self) -> dict[int, int]:
         """Rank 0: actors that lost messages, each with the k to regenerate from (see `Intake.take_gaps`)."""
@@ -416,6 +395,5 @@ class Learner:
             summary = {**self.intake.summary(), "version": self.version, "skipped_steps": self.skipped_steps,
                        "dropped_messages": dict(self.inbox.dropped)}
         if self.distiller is not None:  # the draft version the actors were last sent, and the distiller's fate
-            summary["draft"] = {"version": self.draft_version, "distiller_restarts": self.distiller.restarts,
-                                "distillation_off": self.distiller.failed}
+            summary["draft"] = {"version": self.draft_version, **self.distiller.fate()}
         return summary

@@ -33,6 +33,13 @@ def copy_tokenizer(src: str | Path, dst: str | Path) -> None:
             shutil.copy(Path(src) / name, Path(dst) / name)
 
 
+def tensor_count(model_dir: str | Path) -> int:
+    """How many tensors the Hugging Face checkpoint in `model_dir` holds (safetensors headers only)."""
+    from safetensors import safe_open
+
+    return sum(len(safe_open(str(f), "pt").keys()) for f in Path(model_dir).glob("*.safetensors"))
+
+
 class ModelNotFoundError(FileNotFoundError):
     pass
 

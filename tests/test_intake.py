@@ -208,3 +208,31 @@ def test_counters_survive_a_resume_with_trajectories_pending():
     c = after.counts
     assert (c.received, c.trained, c.dropped_at_resume, after.pending_trajectories()) == (7, 4, 3, 0)
     assert c.received == c.trained + c.dropped_at_resume + after.pending_trajectories()
+
+
+def test_silence_is_measured_while_listening_from_the_followed_incarnation_once_it_spoke(monkeypatch):
+    """Rank 0 takes an actor for hung by its silence (driver/rollouts.py): only while it listens, only for actors
+    that have spoken (an engine still starting is not silent), and a dead incarnation's late messages do not count
+    for its replacement, which is not followed before it speaks; a weight acknowledgement carries no incarnation."""
+    import learner.intake
+
+    clock = [100.0]
+    monkeypatch.setattr(learner.intake.time, "monotonic", lambda: clock[0])
+    intake = Intake(group_size=4, max_staleness=1, plan=CursorPlan(0, 2, 8))
+    assert intake.silences() == {}  # not listening
+    intake.listen(True)
+    clock[0] = 130.0
+    assert intake.silences() == {}  # nobody has spoken yet
+    intake.take(Heartbeat(SCHEMA_VERSION, actor_id=0, seq=0), version=0)
+    intake.take(trajectory(1, 0, seq=0, actor=1), version=0)
+    clock[0] = 140.0
+    assert intake.silences() == {0: 10.0, 1: 10.0}
+    intake.replaced(0, incarnation=2)  # actor 0 died; its replacement numbers from 2 << INCARNATION_SHIFT
+    intake.take(Heartbeat(SCHEMA_VERSION, actor_id=0, seq=1), version=0)  # the dead one's, late
+    intake.take(WeightAck(SCHEMA_VERSION, actor_id=0, version=1, apply_seconds=0.1), version=0)
+    assert intake.silences() == {1: 10.0}
+    clock[0] = 150.0
+    intake.take(Heartbeat(SCHEMA_VERSION, actor_id=0, seq=2 << INCARNATION_SHIFT), version=0)  # the replacement
+    assert intake.silences() == {0: 0.0, 1: 20.0}
+    intake.listen(False)
+    assert intake.silences() == {}

@@ -18,6 +18,23 @@ SMALL = ["rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_toke
          "learner.micro_batch_size=4", "learner.lr=1e-3", "algorithm.max_staleness=1"]
 
 
+def at_checkpoint(logdir, step: int, act):
+    """Starts a thread that calls `act()` once the run in `logdir` has sealed checkpoint `step` (a failure injected
+    mid-run, at a known point); join it after the run."""
+    import threading
+    import time
+
+    def wait_then_act():
+        deadline = time.time() + 300
+        while not (logdir / "checkpoints" / f"step_{step}" / "state.json").is_file() and time.time() < deadline:
+            time.sleep(0.2)
+        act()
+
+    thread = threading.Thread(target=wait_then_act, daemon=True)
+    thread.start()
+    return thread
+
+
 @pytest.mark.parametrize("ranks", [["learner.num_ranks=1"], ["learner.num_ranks=2", "learner.zero_stage=3"]],
                          ids=["one_rank", "two_ranks_zero3"])
 def test_launch_runs_logs_and_loses_nothing(tmp_path, ranks):
@@ -90,21 +107,10 @@ def test_a_resumed_run_continues_step_counter_data_cursor_and_logs(tmp_path):
 
 
 def test_a_dead_rollout_actor_is_replaced_and_its_work_reissued(tmp_path):
-    import threading
-    import time
-
     import ray
 
     logdir = tmp_path / "run"
-
-    def kill_after_step_two():
-        deadline = time.time() + 300
-        while not (logdir / "checkpoints" / "step_2" / "state.json").is_file() and time.time() < deadline:
-            time.sleep(0.2)
-        ray.kill(ray.get_actor("rollout-0"))
-
-    killer = threading.Thread(target=kill_after_step_two, daemon=True)
-    killer.start()
+    killer = at_checkpoint(logdir, 2, lambda: ray.kill(ray.get_actor("rollout-0")))
     assert launch.main(["--config", "grpo_tiny", "trainer.steps=5", "trainer.checkpoint_every=1",
                         f"logging.dir={logdir}", *SMALL]) == 0
     killer.join()
@@ -121,22 +127,16 @@ def test_a_hung_rollout_actor_is_taken_for_dead_and_replaced(tmp_path, capsys):
     """A rollout actor stopped with SIGSTOP is alive to Ray, so only its silence tells: past
     `rollout.stall_timeout_s` it is killed and replaced, and the run ends with every step trained."""
     import signal
-    import threading
-    import time
 
     import ray
 
     logdir = tmp_path / "run"
 
-    def stop_after_step_two():
-        deadline = time.time() + 300
-        while not (logdir / "checkpoints" / "step_2" / "state.json").is_file() and time.time() < deadline:
-            time.sleep(0.2)
+    def stop():
         pid = ray.get(ray.get_actor("rollout-0").__ray_call__.remote(lambda actor: os.getpid()))
         os.kill(pid, signal.SIGSTOP)
 
-    stopper = threading.Thread(target=stop_after_step_two, daemon=True)
-    stopper.start()
+    stopper = at_checkpoint(logdir, 2, stop)
     assert launch.main(["--config", "grpo_tiny", "trainer.steps=6", "trainer.checkpoint_every=1",
                         "rollout.stall_timeout_s=15", f"logging.dir={logdir}", *SMALL]) == 0
     stopper.join()
@@ -149,21 +149,10 @@ def test_a_hung_rollout_actor_is_taken_for_dead_and_replaced(tmp_path, capsys):
 def test_a_dead_learner_ends_the_run_saying_where_to_resume(tmp_path, capsys):
     """Learner rank 0 killed after step 2's checkpoint: the run stops with that error, every process shut down,
     summary.json written with the actors' counters, and the console names the checkpoint to resume from."""
-    import threading
-    import time
-
     import ray
 
     logdir = tmp_path / "run"
-
-    def kill_after_step_two():
-        deadline = time.time() + 300
-        while not (logdir / "checkpoints" / "step_2" / "state.json").is_file() and time.time() < deadline:
-            time.sleep(0.2)
-        ray.kill(ray.get_actor("learner-0"))
-
-    killer = threading.Thread(target=kill_after_step_two, daemon=True)
-    killer.start()
+    killer = at_checkpoint(logdir, 2, lambda: ray.kill(ray.get_actor("learner-0")))
     with pytest.raises(ray.exceptions.RayError):
         launch.main(["--config", "grpo_tiny", "trainer.steps=50", "trainer.checkpoint_every=1",
                      f"logging.dir={logdir}", *SMALL])
