@@ -109,7 +109,7 @@ class RolloutActor:
                 k += 1
                 cursor = self.plan.cursor(self.actor_id, k)
                 fresh = self.plan.admits(cursor, self.version, self.cfg.algorithm.max_staleness, self.lead)
-            if time.time() - beat > HEARTBEAT_S:  # how far it got, so a lost last trajectory shows; and that it lives
+            if time.time() - beat > HEARTBEAT_S:  # how far it got (a lost last trajectory shows), and that it lives
                 beat = time.time()
                 self._send(Heartbeat(SCHEMA_VERSION, self.actor_id, self.seq))
             if not self.engine.has_unfinished_requests():

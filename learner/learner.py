@@ -376,7 +376,7 @@ class Learner:
             self.distiller.load(path / "draft")
 
     def reissue(self, actor: int, incarnation: int) -> int:
-        """Rank 0: a rollout actor died; the k its replacement, numbered `incarnation`, starts from (`Intake.replaced`)."""
+        """Rank 0: a rollout actor died; the k its replacement (`incarnation`) starts from (`Intake.replaced`)."""
         with self.lock:
             return self.intake.replaced(actor, incarnation)
 

@@ -68,8 +68,9 @@ class WeightAck(msgspec.Struct, tag="weight_ack", frozen=True):
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
-    """A rollout actor with nothing in flight says how far it got: `seq` is the sequence number its next
-    trajectory will carry, so the learner learns of a lost last trajectory, which no later one would reveal."""
+    """A rollout actor says how far it got, every 2 s: `seq` is the sequence number its next trajectory will carry,
+    so the learner learns of a lost last trajectory, which no later one would reveal; and that it is alive (an actor
+    silent past `rollout.stall_timeout_s` is taken for hung: driver/rollouts.py)."""
 
     schema: int
     actor_id: int
