@@ -16,6 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 from configs.schema import Config
 from drafters.base import DrafterLoadError, drafter_class
 from models.zoo import BUILTIN_NAMES, BUILTIN_PREFIX
+from tasks.dataset import jsonl_sources
 from tasks.jsonl import DataFormatError, load_jsonl
 
 CONFIG_DIR = Path(__file__).resolve().parent
@@ -170,10 +171,7 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
         raise ConfigError(f"{path}: key 'logging.dir' = {cfg.logging.dir!r} holds another run's checkpoints (newest "
                           f"{held.name}); pass trainer.resume_from={cfg.logging.dir} to continue that run, another "
                           "logging.dir, or logging.overwrite=true to delete its checkpoints and event files first")
-    for key in ("data.source", "data.eval_source"):
-        source = OmegaConf.select(cfg, key)
-        if source == "arithmetic":
-            continue
+    for key, source in jsonl_sources(cfg.data).items():
         try:  # parsed now, naming file and line, not inside an actor after Ray and DeepSpeed started
             load_jsonl(source)
         except DataFormatError as e:

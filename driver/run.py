@@ -25,20 +25,21 @@ class Run:
     step, then `save_final`, and `close` however the loop ended (it writes `summary.json`)."""
 
     def __init__(self, cfg: DictConfig):
-        from transformers import AutoTokenizer
-
         from actor.engine import set_env_defaults
         from configs.load import ConfigError
         from driver.logs import LOG_FILE, route, unroute, worker_env
         from models.zoo import resolve
-        from tasks.dataset import check_prompt_lengths
+        from tasks.dataset import check_prompt_lengths, jsonl_sources
         from tasks.jsonl import DataFormatError
 
         reference_dir = policy_dir = str(resolve(cfg.model.path))  # builds the built-in models on first use
-        try:  # with the model's tokenizer: before anything starts or is written
-            check_prompt_lengths(cfg.data, AutoTokenizer.from_pretrained(policy_dir), cfg.model.max_model_len)
-        except DataFormatError as e:
-            raise ConfigError(str(e)) from None
+        if jsonl_sources(cfg.data):  # their prompts, with the model's tokenizer: before anything starts or is written
+            from transformers import AutoTokenizer
+
+            try:
+                check_prompt_lengths(cfg.data, AutoTokenizer.from_pretrained(policy_dir), cfg.model.max_model_len)
+            except DataFormatError as e:
+                raise ConfigError(str(e)) from None
         self.cfg, self.dir = cfg, Path(cfg.logging.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         log_file, level = str((self.dir / LOG_FILE).resolve()), cfg.logging.engine_level.value

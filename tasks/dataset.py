@@ -18,23 +18,26 @@ def open_dataset(data: DictConfig, seed: int) -> Dataset:
     return JsonlDataset(data.source, seed=seed)
 
 
+def jsonl_sources(data: DictConfig) -> dict[str, str]:
+    """The `data` keys that name a JSONL file (`data.source`, `data.eval_source`), each with its path."""
+    return {f"data.{key}": data[key] for key in ("source", "eval_source") if data[key] != "arithmetic"}
+
+
 def check_prompt_lengths(data: DictConfig, tokenizer, max_model_len: int) -> None:
     """Every prompt of a JSONL `data.source` / `data.eval_source` leaves the model room for a token of answer (vLLM
-    refuses a longer one inside the actor, which would end the run); raises `DataFormatError` naming the file and
-    the line of the first that does not. The built-in task's prompts are short by construction."""
+    refuses a longer one inside the actor, which would end the run); raises `DataFormatError` naming the key, the
+    file and the line of the first that does not. The built-in task's prompts are short by construction."""
 
     def fits(prompt: str) -> str | None:
         n = len(tokenizer(prompt, add_special_tokens=False).input_ids)
         return None if n < max_model_len else (f"the prompt is {n} tokens, and model.max_model_len = {max_model_len} "
                                                "leaves no room to answer it")
 
-    for key in ("data.source", "data.eval_source"):
-        source = data[key.removeprefix("data.")]
-        if source != "arithmetic":
-            try:
-                load_jsonl(source, fits=fits)
-            except DataFormatError as e:
-                raise DataFormatError(f"key '{key}' = {source!r}: {e}") from None
+    for key, source in jsonl_sources(data).items():
+        try:
+            load_jsonl(source, fits=fits)
+        except DataFormatError as e:
+            raise DataFormatError(f"key '{key}' = {source!r}: {e}") from None
 
 
 def eval_set(data: DictConfig, seed: int) -> list[Problem]:
