@@ -66,6 +66,7 @@ class RolloutActor:
         self.rewinds: queue.Queue[int] = queue.Queue()  # asked by rewind(), done by run()
         self.eval_problems: dict | None = None  # the run's held-out set, built at the first evaluation
         self.stats = {"groups": 0, "trajectories": 0, "tokens": 0, "weight_updates": 0, "generate_seconds": 0.0,
+                      "idle_seconds": 0.0,  # nothing admissible to run: waiting for the learner's next weights
                       "sent_while_generating": 0,  # streamed while other requests were still in the engine
                       "draft_tokens": 0, "accepted_tokens": 0, "verify_steps": 0, "invalid_drafts": 0, "rewinds": 0,
                       "draft_version": 0, "draft_swaps": 0}  # of the draft LM (distilled online, if asked)
@@ -113,7 +114,9 @@ class RolloutActor:
                 beat = time.time()
                 self._send(Heartbeat(SCHEMA_VERSION, self.actor_id, self.seq))
             if not self.engine.has_unfinished_requests():
-                self.poll_weights(100)  # ahead of the learner: wait for new weights
+                idle = time.time()
+                self.poll_weights(100)  # ahead of the learner (max_staleness): nothing to run until new weights
+                self.stats["idle_seconds"] += time.time() - idle
                 continue
             start = time.time()
             outputs = self.engine.step()

@@ -43,14 +43,19 @@ PRESETS = {
                                                        "learner.lr=1e-3"]},
     "full": {"steps": 60, "repeats": 3, "overrides": ["data.eval_size=256", "learner.lr=1e-3"]},
 }
-SYSTEMS = {
+SYSTEMS = {  # the asynchronous ones also get algorithm.max_staleness (--staleness, 1 unless asked)
     "sync": ["algorithm.max_staleness=0", "speculation.method=none"],
-    "async": ["algorithm.max_staleness=1", "speculation.method=none"],
-    "frozen": ["algorithm.max_staleness=1", "speculation.method=draft_lm"],
-    "distilled": ["algorithm.max_staleness=1", "speculation.method=draft_lm", "speculation.distill.every_versions=4"],
-    "fastest_of_n": ["algorithm.max_staleness=1", "speculation.method=fastest_of_n",
-                     "speculation.drafters=[suffix,draft_lm,ngram]", "speculation.distill.every_versions=4"],
+    "async": ["speculation.method=none"],
+    "frozen": ["speculation.method=draft_lm"],
+    "distilled": ["speculation.method=draft_lm", "speculation.distill.every_versions=4"],
+    "fastest_of_n": ["speculation.method=fastest_of_n", "speculation.drafters=[suffix,draft_lm,ngram]",
+                     "speculation.distill.every_versions=4"],
 }
+
+
+def system_overrides(system: str, staleness: int) -> list[str]:
+    """What `system` adds to grpo_tiny: its own overrides, and the asynchronous systems' staleness bound."""
+    return SYSTEMS[system] if system == "sync" else [f"algorithm.max_staleness={staleness}", *SYSTEMS[system]]
 
 
 def run(system: str, steps: int, overrides: list[str], logdir: Path, log: Path) -> dict:
@@ -58,7 +63,7 @@ def run(system: str, steps: int, overrides: list[str], logdir: Path, log: Path) 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     command = [sys.executable, "launch.py", "--config", "grpo_tiny", f"trainer.steps={steps}",
-               f"trainer.eval_every={steps}", f"logging.dir={logdir}", *overrides, *SYSTEMS[system]]
+               f"trainer.eval_every={steps}", f"logging.dir={logdir}", *overrides]
     with log.open("a") as out:
         done = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     if done.returncode != 0:
@@ -66,9 +71,16 @@ def run(system: str, steps: int, overrides: list[str], logdir: Path, log: Path) 
     events = EventAccumulator(str(logdir)).Reload()
     times = [e.wall_time for e in events.Scalars("rl/reward_mean")]
     summary = json.loads((logdir / "summary.json").read_text())
+    def median(tag: str) -> float:  # per step, the first step excluded (it holds the engines' start)
+        return statistics.median(e.value for e in events.Scalars(tag)[1:])
+
     return {
         "step_s": statistics.median(b - a for a, b in zip(times[1:], times[2:])),
         "rollout_s": sum(a["generate_seconds"] for a in summary["actors"]) / steps,
+        # where a step's time goes: the learner's GRPO step, the learner waiting for the step's groups, and the
+        # actors waiting for weights with nothing admissible to run (the staleness bound), per actor and step
+        "profile": {"train_s": median("rl/train_seconds"), "learner_wait_s": median("rl/wait_seconds"),
+                    "actor_idle_s": sum(a["idle_seconds"] for a in summary["actors"]) / len(summary["actors"]) / steps},
         "acceptance_by_step": [] if "speculation.method=none" in SYSTEMS[system] else
         [round(e.value, 3) for e in events.Scalars("spec/acceptance_length")],
         "heldout_reward": events.Scalars("eval/reward_mean")[-1].value,
@@ -131,6 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS),
                         help="a subset (sync always runs: every speed-up is over it, paired per repeat)")
     parser.add_argument("--repeats", type=int, help="override the preset's number of interleaved repeats")
+    parser.add_argument("--staleness", type=int, default=1,
+                        help="algorithm.max_staleness of the asynchronous systems (sync always runs at 0)")
     args = parser.parse_args(argv)
     preset = {**PRESETS[args.preset], **({"repeats": args.repeats} if args.repeats else {})}
     names = [name for name in SYSTEMS if name == "sync" or name in args.systems]
@@ -141,8 +155,9 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(preset["repeats"]):
             for name in names[repeat % len(names):] + names[: repeat % len(names)]:
-                runs[name].append(run(name, preset["steps"], preset["overrides"], Path(tmp) / f"{name}-{repeat}",
-                                      log))
+                runs[name].append(run(name, preset["steps"], [*preset["overrides"],
+                                                              *system_overrides(name, args.staleness)],
+                                      Path(tmp) / f"{name}-{repeat}", log))
                 print(f"repeat {repeat + 1}: {name} {runs[name][-1]['step_s']:.2f} s/step, held-out reward "
                       f"{runs[name][-1]['heldout_reward']:.3f}, dropped stale {runs[name][-1]['dropped_stale']}",
                       flush=True)
@@ -152,6 +167,8 @@ def main(argv: list[str] | None = None) -> dict:
         systems[name] = {
             "step_s": statistics.median(r["step_s"] for r in runs[name]),
             "rollout_s": statistics.median(r["rollout_s"] for r in runs[name]),
+            "profile": {key: round(statistics.median(r["profile"][key] for r in runs[name]), 3)
+                        for key in first["profile"]},
             "acceptance_by_step": first["acceptance_by_step"],
             # acceptance over the run's last quarter / its first quarter (median over repeats; 1: no drift)
             "acceptance_trend": median_trend(runs[name], "acceptance_by_step"),
@@ -167,16 +184,20 @@ def main(argv: list[str] | None = None) -> dict:
         }
     result = {"systems": systems,
               "config": {"preset": args.preset, **preset, "config": "grpo_tiny",
-                         "systems": {name: SYSTEMS[name] for name in names},
+                         "staleness": args.staleness,
+                         "systems": {name: system_overrides(name, args.staleness) for name in names},
                          "host_cpus": os.cpu_count()}}
     args.out.write_text(json.dumps(result, indent=2))
     plot(result, args.out.with_suffix(".png"))
-    print("| system | s/step | rollout s/step | speed-up over sync | mean acceptance | held-out reward |")
-    print("|---|---|---|---|---|---|")
+    print("| system | s/step | rollout s/step | train s | learner wait s | actor idle s | speed-up over sync | "
+          "mean acceptance | held-out reward |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, s in systems.items():
         acceptance = statistics.fmean(s["acceptance_by_step"]) if s["acceptance_by_step"] else 1.0
-        print(f"| {name} | {s['step_s']:.2f} | {s['rollout_s']:.2f} | {s['speedup_over_sync']['speedup']:.2f} | "
-              f"{acceptance:.2f} | {s['heldout_reward']:.3f} |")
+        p = s["profile"]
+        print(f"| {name} | {s['step_s']:.2f} | {s['rollout_s']:.2f} | {p['train_s']:.2f} | {p['learner_wait_s']:.2f} "
+              f"| {p['actor_idle_s']:.2f} | {s['speedup_over_sync']['speedup']:.2f} | {acceptance:.2f} | "
+              f"{s['heldout_reward']:.3f} |")
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return result
 

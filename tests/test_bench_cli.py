@@ -2,6 +2,7 @@
 in one line naming what is missing (no traceback, no model built), as do bad arguments; a later epoch's workload;
 the weight-sync benchmark runs small."""
 
+import itertools
 import time
 
 import pytest
@@ -67,13 +68,13 @@ def test_weight_sync_benchmark_measures_every_channel_against_raw_zeromq(tmp_pat
 def test_every_end_to_end_system_is_a_valid_run_config():
     """bench.e2e launches each system as grpo_tiny plus overrides: every combination must pass the launcher's
     config checks (a misspelt key would only surface minutes into the benchmark)."""
-    from bench.e2e import PRESETS, SYSTEMS
+    from bench.e2e import PRESETS, SYSTEMS, system_overrides
     from configs.load import load_config
 
     assert list(SYSTEMS) == ["sync", "async", "frozen", "distilled", "fastest_of_n"]  # the issue's order
-    for preset in PRESETS.values():
-        for name, overrides in SYSTEMS.items():
-            cfg = load_config("grpo_tiny", [*preset["overrides"], *overrides])
-            assert (cfg.algorithm.max_staleness == 0) == (name == "sync")
+    for preset, staleness in itertools.product(PRESETS.values(), (1, 2)):
+        for name in SYSTEMS:
+            cfg = load_config("grpo_tiny", [*preset["overrides"], *system_overrides(name, staleness)])
+            assert cfg.algorithm.max_staleness == (0 if name == "sync" else staleness)
             assert (cfg.speculation.method == "none") == (name in ("sync", "async"))
             assert (cfg.speculation.distill.every_versions > 0) == (name in ("distilled", "fastest_of_n"))
