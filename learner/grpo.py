@@ -3,9 +3,14 @@ trajectories packed as the model reads them (`Packed`)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from omegaconf import DictConfig
+
 from configs.schema import LossAggregation
+from sampling.coupled import processed_logprobs
 from transport.messages import Trajectory
 
 
@@ -36,6 +41,18 @@ def group_advantages(rewards: torch.Tensor, normalize_std: bool, eps: float = 1e
     """`rewards` is [groups, group_size]; each reward minus its group's mean, over the group's std if asked."""
     centered = rewards - rewards.mean(dim=1, keepdim=True)
     return centered / (rewards.std(dim=1, keepdim=True) + eps) if normalize_std else centered
+
+
+def step_rows(lengths: list[int], live: list[int], rank: int, world: int, micro: int) -> list[list[int]]:
+    """Rank `rank`'s micro-batches (row indices) of a step whose trajectories have `lengths`, over its `live` rows
+    (those whose loss has a gradient): sorted by length and dealt round-robin to the `world` ranks, which balances
+    their tokens, then cut into batches of up to `micro` similar lengths, which pad little. Every rank gets as many
+    micro-batches as the busiest one, at least one, so their collectives stay in step; a rank with fewer rows gets
+    empty ones at the end (a pass with a zero loss)."""
+    ordered = sorted(live, key=lambda i: lengths[i])
+    mine = ordered[rank::world]
+    count = max(1, math.ceil(math.ceil(len(ordered) / world) / micro))
+    return [mine[j * micro : (j + 1) * micro] for j in range(count)]
 
 
 def policy_loss(
@@ -75,3 +92,33 @@ def policy_loss(
                  "ratio_max": ratio[on].max().item(), "ratio_min": ratio[on].min().item(),
                  "kl": ((kl * mask).sum() / tokens).item()}
     return loss, stats
+
+
+def response_logprobs(model, packed: Packed, rollout: DictConfig) -> torch.Tensor:
+    """[B, T, vocab]: `model`'s distribution at each response token of `packed`, processed as the actor sampled it
+    (`rollout`'s temperature, top-k and top-p)."""
+    logits = model(input_ids=packed.ids, attention_mask=packed.attention).logits
+    rows = logits.gather(1, packed.index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+    return processed_logprobs(rows, rollout.temperature, rollout.top_k, rollout.top_p)
+
+
+def micro_batch_loss(policy, reference, packed: Packed, advantages: torch.Tensor,
+                     cfg: DictConfig) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+    """One micro-batch's loss under `cfg` (`reference`: the frozen policy of the KL term, or None), its statistics,
+    and the policy's full distributions [B, T, vocab] (what the draft LM's distiller learns from)."""
+    full = response_logprobs(policy, packed, cfg.rollout)
+    logprobs = full.gather(-1, packed.targets.unsqueeze(-1)).squeeze(-1)
+    ref = None
+    if reference is not None:
+        with torch.no_grad():
+            ref = response_logprobs(reference, packed, cfg.rollout).gather(-1, packed.targets.unsqueeze(-1)).squeeze(-1)
+    algo = cfg.algorithm
+    # deterministic runs (max_staleness 0): the tokens were sampled under exactly these weights, so the policy's
+    # own logprobs are the behaviour logprobs, and the engine's (whose last bits depend on its batch) are unused
+    behaviour = logprobs.detach() if cfg.trainer.deterministic else packed.behaviour
+    loss, stats = policy_loss(logprobs, behaviour, advantages, packed.mask, algo.clip_low, algo.clip_high,
+                              algo.loss_aggregation, cfg.rollout.max_tokens, ref, algo.kl_coef)
+    with torch.no_grad():  # mean entropy of the sampled distribution over the trained tokens
+        entropy = torch.special.entr(full.detach().exp()).sum(-1)
+        stats["entropy"] = ((entropy * packed.mask).sum() / packed.mask.sum().clamp(min=1)).item()
+    return loss, stats, full

@@ -20,11 +20,11 @@ from omegaconf import DictConfig
 from configs.schema import Dtype, LossAggregation
 from learner.base import checkpoint_state, partial, seal_checkpoint, staleness
 from learner.distill import RemoteDistiller
-from learner.grpo import Packed, group_advantages, policy_loss
+from learner.grpo import Packed, group_advantages, micro_batch_loss, response_logprobs, step_rows
 from learner.intake import Intake
 from learner.metrics import rollout_metrics
+from learner.optim import FiniteAdamW
 from models.zoo import copy_tokenizer, tensor_count
-from sampling.coupled import processed_logprobs
 from tasks.schedule import CursorPlan
 from transport.auth import Gate, KeyPair
 from transport.messages import Heartbeat, Trajectory, WeightAck
@@ -35,19 +35,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class FiniteAdamW(torch.optim.AdamW):
-    """AdamW that leaves the weights and its state untouched when the gradient is not finite, and says so in
-    `overflow`, which DeepSpeed's engine reads to count the step as skipped. DeepSpeed's ZeRO and bf16 optimizers
-    skip such steps themselves; its plain fp32 path would write NaN into every weight."""
-
-    overflow = False
-
-    def step(self, closure=None):
-        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        self.overflow = bool(grads) and not torch.isfinite(torch.nn.utils.get_total_norm(grads)).item()
-        return None if self.overflow else super().step(closure)
 
 
 class Learner:
@@ -167,21 +154,42 @@ class Learner:
         trajectories = [t for g in groups for t in g]
         rewards = torch.tensor([[t.reward for t in g] for g in groups])
         advantages = group_advantages(rewards, algo.normalize_advantage_std).flatten()
-        share = len(trajectories) // self.world
-        # micro-batches of similar lengths, which pad little; the step's update does not depend on how they are cut
-        mine = sorted(range(self.rank * share, (self.rank + 1) * share),
-                      key=lambda i: len(trajectories[i].prompt_ids) + len(trajectories[i].response_ids))
-        micro_batches = [mine[i : i + self.micro] for i in range(0, share, self.micro)]
+        # a row whose advantage is exactly 0 (a group whose rewards are all equal) adds nothing to the gradient
+        # without a KL term: it gets no backward pass, and no forward unless the distiller learns from it
+        live = [i for i, a in enumerate(advantages.tolist()) if algo.kl_coef > 0 or a != 0.0]
+        lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
+        shortest = [trajectories[lengths.index(min(lengths))]]  # what a rank with no rows left forwards
+        micro_batches = step_rows(lengths, live, self.rank, self.world, self.micro)
+        rest = sorted(set(range(len(trajectories))) - set(live))
+        taught = step_rows(lengths, rest, self.rank, self.world, self.micro) \
+            if rest and self.cfg.speculation.distill.every_versions > 0 else []
         step_tokens = sum(len(t.response_ids) for t in trajectories)
+        # DeepSpeed divides each micro-batch's loss by its configured accumulation steps (gas) and the all-reduce
+        # averages the ranks: weights that make the sum the loss over the whole step, however it was cut
+        gas = self.engine.gradient_accumulation_steps()
         self.engine.train()
         lr = self.engine.get_lr()[0]  # this step's (the scheduler moves on with the optimizer step)
         start, sums, extremes = time.time(), torch.zeros(6), torch.tensor([float("-inf"), float("-inf")])
-        for rows in micro_batches:
+        for rows in taught:  # on every rank, in step (under ZeRO-3 a forward gathers the weights from all of them)
+            with torch.no_grad():
+                full = response_logprobs(self.engine, Packed([trajectories[i] for i in rows] or shortest),
+                                         self.cfg.rollout)
+            if self.distiller is not None and rows:  # rank 0: the policy's distributions teach the draft LM
+                self.distiller.observe([trajectories[i] for i in rows], full)
+        for j, rows in enumerate(micro_batches):
+            self.engine.set_gradient_accumulation_boundary(j == len(micro_batches) - 1)  # one optimizer step
             batch = [trajectories[i] for i in rows]
-            loss, stats = self.micro_batch_loss(batch, advantages[rows])
-            if algo.loss_aggregation == LossAggregation.token_mean:  # a mean over the step's tokens, not the
-                # micro-batch's: DeepSpeed averages the micro-batches and the ranks
-                loss = loss * (sum(len(t.response_ids) for t in batch) * len(micro_batches) * self.world / step_tokens)
+            if batch:
+                loss, stats, full = micro_batch_loss(self.engine, self.reference, Packed(batch), advantages[rows],
+                                                     self.cfg)
+                if self.distiller is not None:
+                    self.distiller.observe(batch, full)
+                share = (sum(len(t.response_ids) for t in batch) / step_tokens
+                         if algo.loss_aggregation == LossAggregation.token_mean else len(batch) / len(trajectories))
+                loss = loss * (share * gas * self.world)
+            else:  # this rank has no rows left: a zero loss keeps its passes in step with the other ranks'
+                row = Packed(shortest)
+                loss = self.engine(input_ids=row.ids, attention_mask=row.attention).logits.sum() * 0.0
             self.engine.backward(loss)
             boundary = self.engine.is_gradient_accumulation_boundary()  # once per step: the optimizer steps
             plain = not (self.engine.zero_optimization() or self.engine.bfloat16_enabled())
@@ -191,8 +199,9 @@ class Learner:
             self.engine.step()
             if boundary and not plain:  # ZeRO and bf16 optimizers record the norm they clipped by
                 grad_norm = float(self.engine.get_global_grad_norm())
-            sums += torch.tensor([loss.item(), stats["clip_fraction"], stats["entropy"], stats["kl"], 1.0, 0.0])
-            extremes = torch.maximum(extremes, torch.tensor([stats["ratio_max"], -stats["ratio_min"]]))
+            if batch:
+                sums += torch.tensor([loss.item(), stats["clip_fraction"], stats["entropy"], stats["kl"], 1.0, 0.0])
+                extremes = torch.maximum(extremes, torch.tensor([stats["ratio_max"], -stats["ratio_min"]]))
         sums[5] = grad_norm
         if not self.engine.was_step_applied():  # a non-finite gradient (all-reduced: the same on every rank)
             self.skipped_steps += 1  # the weights stay as they were; the next publish sends them unchanged
@@ -207,20 +216,19 @@ class Learner:
         loss, clip, entropy, kl, batches, grad_norm = sums.tolist()
         metrics = {
             "rl/reward_mean": rewards.mean().item(),
-            "rl/loss": loss / batches,
-            "rl/clip_fraction": clip / batches,
-            "rl/entropy": entropy / batches,
+            "rl/zero_advantage_fraction": (advantages == 0).float().mean().item(),  # groups that teach nothing
+            "rl/loss": loss / (gas * self.world),  # the step's objective
             "rl/grad_norm": grad_norm / self.world,  # every rank computed the same all-reduced norm
             "rl/skipped_steps": float(self.skipped_steps),  # steps whose gradient was not finite, so not taken
-            "rl/ratio_max": extremes[0].item(),
-            "rl/ratio_min": -extremes[1].item(),
             "rl/lr": lr,
             "rl/staleness_max": max(staleness(t.policy_versions, self.version - 1) for t in trajectories),
             "rl/train_seconds": time.time() - start,
             **rollout_metrics(trajectories, self.cfg.speculation.method),
         }
-        if algo.kl_coef > 0:
-            metrics["rl/kl"] = kl / batches
+        if batches:  # over the rows trained on (none when every group is uniform)
+            metrics.update({"rl/clip_fraction": clip / batches, "rl/entropy": entropy / batches,
+                            "rl/ratio_max": extremes[0].item(), "rl/ratio_min": -extremes[1].item(),
+                            **({"rl/kl": kl / batches} if algo.kl_coef > 0 else {})})
         if self.distiller is not None:  # beside the next collect; the last step's distillation's scalars
             metrics.update(self.distiller.start(self.version))
         with self.lock:
@@ -243,35 +251,6 @@ class Learner:
                                                                         device=device)
         torch.distributed.broadcast(payload, src=0)
         return msgspec.msgpack.decode(payload.cpu().numpy().tobytes(), type=list[list[Trajectory]])
-
-    def micro_batch_loss(self, batch: list[Trajectory], advantages: torch.Tensor):
-        packed = Packed(batch)
-        ids, attention, index, targets, mask = packed.ids, packed.attention, packed.index, packed.targets, packed.mask
-
-        def response_logprobs(model) -> torch.Tensor:  # [B, T, vocab], the distribution the actor sampled
-            logits = model(input_ids=ids, attention_mask=attention).logits
-            rows = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-            r = self.cfg.rollout
-            return processed_logprobs(rows, r.temperature, r.top_k, r.top_p)
-
-        full = response_logprobs(self.engine)
-        if self.distiller is not None:  # rank 0: the policy's distributions teach the draft LM
-            self.distiller.observe(batch, full)
-        logprobs = full.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        reference = None
-        if self.reference is not None:
-            with torch.no_grad():
-                reference = response_logprobs(self.reference).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        algo = self.cfg.algorithm
-        # deterministic runs (max_staleness 0): the tokens were sampled under exactly these weights, so the policy's
-        # own logprobs are the behaviour logprobs, and the engine's (whose last bits depend on its batch) are unused
-        behaviour = logprobs.detach() if self.cfg.trainer.deterministic else packed.behaviour
-        loss, stats = policy_loss(logprobs, behaviour, advantages, mask, algo.clip_low, algo.clip_high,
-                                  algo.loss_aggregation, self.cfg.rollout.max_tokens, reference, algo.kl_coef)
-        with torch.no_grad():  # mean entropy of the sampled distribution over the trained tokens
-            entropy = torch.special.entr(full.detach().exp()).sum(-1)
-            stats["entropy"] = ((entropy * mask).sum() / mask.sum().clamp(min=1)).item()
-        return loss, stats
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
         """Every rank: rank 0 gets the full parameters on the CPU in the training dtype, as the in-memory model

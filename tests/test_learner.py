@@ -93,6 +93,66 @@ def test_a_steps_gradient_does_not_depend_on_how_its_micro_batches_are_cut(aggre
     assert norms[0][1] == pytest.approx(norms[1][1], rel=1e-5, abs=1e-6)
 
 
+def test_step_rows_deal_every_live_row_once_and_keep_the_ranks_in_step():
+    from learner.grpo import step_rows
+
+    lengths = [5, 9, 3, 7, 7, 2, 8, 4, 6, 1]
+    for live, world, micro in [(range(10), 1, 4), ([0, 2, 3, 7, 9], 2, 2), ([4], 3, 2), ([], 2, 4)]:
+        cuts = [step_rows(lengths, list(live), r, world, micro) for r in range(world)]
+        rows = [i for rank in cuts for batch in rank for i in batch]
+        assert sorted(rows) == sorted(live)  # each live row once, nothing else
+        assert len({len(rank) for rank in cuts}) == 1 and len(cuts[0]) >= 1  # as many passes on every rank
+        assert all(len(batch) <= micro for rank in cuts for batch in rank)
+        for rank in cuts:  # similar lengths together: each rank's rows in length order
+            flat = [lengths[i] for batch in rank for i in batch]
+            assert flat == sorted(flat)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_rows_with_zero_advantage_are_not_forwarded_and_the_step_is_unchanged(aggregation):
+    """A group whose rewards are all equal has advantage 0 in every row: with no KL term its rows add nothing to
+    the gradient, so the learner does not forward them. The step's loss and gradient are still those of the whole
+    step (its normalisers count those rows), computed here directly over all rows; a step where every group is
+    uniform still takes its optimizer step (AdamW's momentum moves the weights)."""
+    from learner.grpo import Packed, group_advantages, policy_loss
+    from learner.learner import Learner
+
+    model_dir = str(resolve("builtin:dense"))
+    texts = [*GROUPS, ("Question: 5+1=?\nAnswer:", [" 5+1=7\n#### 7", " 8", " 5+1=4\n#### 4", " 2"])]
+    cfg = load_config("grpo_tiny", ["rollout.prompts_per_step=3", "rollout.group_size=4", "learner.micro_batch_size=2",
+                                    f"algorithm.loss_aggregation={aggregation}", "learner.grad_clip=1e9"])
+    learner = Learner(cfg, model_dir, model_dir, CursorPlan(0, 1, 3))
+    learner.start()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    groups = make_groups(reference, transformers.AutoTokenizer.from_pretrained(model_dir), texts)
+    groups[2] = [Trajectory(**{**{f: getattr(t, f) for f in t.__struct_fields__}, "reward": 0.0}) for t in groups[2]]
+    rows = [t for g in groups for t in g]
+    advantages = group_advantages(torch.tensor([[t.reward for t in g] for g in groups]), True).flatten()
+    packed = Packed(rows)  # the whole step at once, every row, the uniform group's included
+    logits = reference(input_ids=packed.ids, attention_mask=packed.attention).logits
+    logprobs = processed_logprobs(logits.gather(1, packed.index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])), 1.0)
+    algo = cfg.algorithm
+    loss, _ = policy_loss(logprobs.gather(-1, packed.targets.unsqueeze(-1)).squeeze(-1), packed.behaviour, advantages,
+                          packed.mask, algo.clip_low, algo.clip_high, algo.loss_aggregation, cfg.rollout.max_tokens)
+    loss.backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]).item()
+    forwarded = []
+    learner.engine.module.register_forward_hook(lambda m, args, kwargs, out: forwarded.append(len(kwargs["input_ids"])),
+                                                with_kwargs=True)
+    learner.groups = groups
+    metrics = learner.train()
+    assert sum(forwarded) == 8  # the two mixed groups' rows; none of the uniform group's
+    assert metrics["rl/zero_advantage_fraction"] == pytest.approx(1 / 3)
+    assert metrics["rl/grad_norm"] == pytest.approx(norm, rel=1e-4) and norm > 0
+    assert metrics["rl/loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-7)
+    before = {n: p.detach().clone() for n, p in learner.engine.module.named_parameters()}
+    learner.groups = [groups[2], groups[2], groups[2]]  # nothing to learn from
+    metrics = learner.train()
+    assert metrics["rl/zero_advantage_fraction"] == 1.0 and metrics["rl/grad_norm"] == 0.0
+    assert "rl/entropy" not in metrics and learner.engine.global_steps == 2  # no token trained, the step taken
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in learner.engine.module.named_parameters())
+
+
 @pytest.mark.parametrize("zero_stage", [0, 1])  # the plain optimizer (the learner skips) and ZeRO's (DeepSpeed does)
 def test_a_step_whose_gradient_is_not_finite_is_skipped_and_counted(zero_stage):
     """A behaviour logprob that is finite but absurd (-1e30, as a buggy or hostile actor could send) makes the
@@ -173,7 +233,9 @@ LR = 1e-3
 @pytest.mark.parametrize("ranks,zero_stage", [(2, 0), (2, 3)])
 def test_ranks_share_a_step_and_take_the_same_step_as_one_rank(tmp_path, ranks, zero_stage):
     """Data parallelism is exact: two ranks (each training half the groups, gradients all-reduced; ZeRO-3 with
-    sharded weights) end a step with the weights one rank gets from the same groups sent over the inbox."""
+    sharded weights) end a step with the weights one rank gets from the same groups sent over the inbox. The step
+    has rows with zero advantage (a uniform group, two ties with their group's mean), which no rank forwards, so the
+    ranks get 4 and 3 rows, one micro-batch apart: the rank with fewer passes a zero loss to stay in step."""
     import os
 
     import ray
@@ -184,17 +246,21 @@ def test_ranks_share_a_step_and_take_the_same_step_as_one_rank(tmp_path, ranks, 
 
     model_dir = str(resolve("builtin:dense"))
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    trajectories = [t for g in make_groups(model, transformers.AutoTokenizer.from_pretrained(model_dir)) for t in g]
+    texts = [*GROUPS, ("Question: 5+1=?\nAnswer:", [" 5+1=7\n#### 7", " 8", " 5+1=4\n#### 4", " 2"])]
+    rewards = [[1.0, 0.0, 0.0, 0.0], [1.0, 0.5, 0.25, 0.25], [0.0] * 4]  # 4 + 3 + 0 rows with a gradient
+    trajectories = [Trajectory(**{**{f: getattr(t, f) for f in t.__struct_fields__}, "reward": r})
+                    for g, rs in zip(make_groups(model, transformers.AutoTokenizer.from_pretrained(model_dir), texts),
+                                     rewards) for t, r in zip(g, rs)]
     env = {k: os.environ[k] for k in ("DS_ACCELERATOR", "OMP_NUM_THREADS")}
     weights = {}
     for world, stage in [(1, 0), (ranks, zero_stage)]:
-        cfg = load_config("grpo_tiny", ["rollout.prompts_per_step=2", "rollout.group_size=4", f"learner.lr={LR}",
+        cfg = load_config("grpo_tiny", ["rollout.prompts_per_step=3", "rollout.group_size=4", f"learner.lr={LR}",
                                         "learner.warmup_steps=0", "transport.weight_bucket_mib=1",  # 4 gathers
-                                        "learner.micro_batch_size=2", f"learner.num_ranks={world}",
+                                        "learner.micro_batch_size=3", f"learner.num_ranks={world}",
                                         f"learner.zero_stage={stage}"])
         ray.init(num_cpus=world, include_dashboard=False, runtime_env={"env_vars": env})
         try:
-            learner = LearnerGroup(cfg, model_dir, model_dir, CursorPlan(0, 1, 2), resume=None, num_gpus=0)
+            learner = LearnerGroup(cfg, model_dir, model_dir, CursorPlan(0, 1, 3), resume=None, num_gpus=0)
             outbox = Outbox(learner.trajectory_endpoint, "test", hwm=64)
             for t in trajectories:
                 outbox.send(t)
@@ -205,7 +271,8 @@ def test_ranks_share_a_step_and_take_the_same_step_as_one_rank(tmp_path, ranks, 
             outbox.close()
         finally:
             ray.shutdown()
-        assert metrics[0]["rollout/trajectories"] == 8 and all(m == {} for m in metrics[1:])
+        assert metrics[0]["rollout/trajectories"] == 12 and all(m == {} for m in metrics[1:])
+        assert metrics[0]["rl/zero_advantage_fraction"] == pytest.approx(5 / 12)
         weights[world] = load_file(tmp_path / f"{world}-{stage}" / "model.safetensors")
     base = load_file(os.path.join(model_dir, "model.safetensors"))
     assert all(not torch.equal(w, base[name]) for name, w in weights[1].items())  # the step moved every tensor
