@@ -80,6 +80,7 @@ def run(system: str, steps: int, overrides: list[str], logdir: Path, log: Path) 
         # where a step's time goes: the learner's GRPO step, the learner waiting for the step's groups, and the
         # actors waiting for weights with nothing admissible to run (the staleness bound), per actor and step
         "profile": {"train_s": median("rl/train_seconds"), "learner_wait_s": median("rl/wait_seconds"),
+                    "zero_advantage_fraction": median("rl/zero_advantage_fraction"),  # rows with no backward pass
                     "actor_idle_s": sum(a["idle_seconds"] for a in summary["actors"]) / len(summary["actors"]) / steps},
         "acceptance_by_step": [] if "speculation.method=none" in SYSTEMS[system] else
         [round(e.value, 3) for e in events.Scalars("spec/acceptance_length")],
