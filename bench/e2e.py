@@ -1,7 +1,7 @@
 """End-to-end benchmark: whole GRPO runs of the launcher, side by side, one fresh process per run.
 
     python -m bench.e2e --preset smoke|full --out PATH      (smoke ~7 min here, full ~20; full for the README)
-                        [--systems sync fastest_of_n ...] [--repeats N]
+                        [--systems sync fastest_of_n ...] [--repeats N] [--staleness S]
 
 Systems, fixed before the run, in this order, each `launch.py --config grpo_tiny` with the same seed:
 - `sync`: rollout, then train, then the next rollout (`algorithm.max_staleness: 0`: an actor starts a step's groups
@@ -12,9 +12,12 @@ Systems, fixed before the run, in this order, each `launch.py --config grpo_tiny
   every 4 policy versions and swapped in by the actors when it replays at least as well;
 - `fastest_of_n`: the async loop with fastest-of-N over the suffix (history) drafter, the distilled draft LM and
   n-gram.
-Each repeat runs every system (rotating order). Per system: seconds per step (the median gap
-between consecutive steps' TensorBoard events, the first step excluded: it holds the engines' start), the actors'
-engine seconds per step (`rollout_s`), acceptance length per step (live; and for the distilled draft LM, replayed
+The asynchronous systems run at `algorithm.max_staleness` S (`--staleness`, 1 unless asked). Each repeat runs every
+system (rotating order). Per system: seconds per step (the median gap between consecutive steps' TensorBoard
+events, the first step excluded: it holds the engines' start), the actors' engine seconds per step (`rollout_s`),
+a profile of where a step's time goes (the learner's GRPO step and its wait for the step's groups, per step; the
+actors' idle seconds, nothing admissible to run until new weights, per step; the share of rows with zero
+advantage, which get no backward pass), acceptance length per step (live; and for the distilled draft LM, replayed
 on each step's trajectories beside the run's starting draft LM), and the final held-out reward (T = 1), which must
 agree across the asynchronous systems within the noise between repeats of one system: the coupled sampler makes
 the trajectories independent of the drafter, but asynchrony makes them depend on when weights arrive. JSON, with a
