@@ -55,14 +55,17 @@ def test_launch_runs_logs_and_loses_nothing(tmp_path, ranks):
     assert (logdir / "config.yaml").is_file() and load_config(str(logdir / "config.yaml")).trainer.steps == 3
     events = EventAccumulator(str(logdir)).Reload()
     tags = set(events.Tags()["scalars"])
-    for tag in ["rl/reward_mean", "rl/loss", "rl/staleness_max", "rl/entropy", "rl/grad_norm", "rl/ratio_max",
-                "rl/ratio_min", "rollout/tokens_per_s", "rollout/trajectories", "rollout/truncated_fraction",
-                "rollout/response_length_max", "sync/weight_seconds", "sync/weight_bytes",
-                "transport/lost_trajectories"]:
+    for tag in ["rl/reward_mean", "rl/loss", "rl/staleness_max", "rl/grad_norm", "rollout/tokens_per_s",
+                "rollout/trajectories", "rollout/truncated_fraction", "rollout/response_length_max",
+                "sync/weight_seconds", "sync/weight_bytes", "transport/lost_trajectories"]:
         assert tag in tags
     assert max(e.value for e in events.Scalars("rl/staleness_max")) <= 1
-    for tag in ["rl/entropy", "rl/grad_norm", "rollout/truncated_fraction"]:  # every step
+    for tag in ["rl/grad_norm", "rl/zero_advantage_fraction", "rollout/truncated_fraction"]:  # every step
         assert [e.step for e in events.Scalars(tag)] == [0, 1, 2]
+    # per-token statistics of the rows trained on: at every step where some group's rewards differ
+    trained = [e.step for e in events.Scalars("rl/zero_advantage_fraction") if e.value < 1]
+    for tag in ["rl/entropy", "rl/ratio_max", "rl/ratio_min", "rl/clip_fraction"]:
+        assert [e.step for e in events.Scalars(tag)] == trained if trained else tag not in tags
     # held-out evaluations at steps 0 and 2 and of the final weights (3); they add no trajectory to training
     assert [e.step for e in events.Scalars("eval/reward_mean")] == [0, 2, 3]
     assert all(0 <= e.value <= 1 for e in events.Scalars("eval/reward_greedy"))
