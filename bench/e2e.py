@@ -150,6 +150,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--staleness", type=int, default=1,
                         help="algorithm.max_staleness of the asynchronous systems (sync always runs at 0)")
     args = parser.parse_args(argv)
+    if args.staleness < 1:  # 0 is `sync`'s schedule: the asynchronous systems would not be asynchronous
+        parser.error(f"--staleness must be 1 or more, got {args.staleness}")
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats must be 1 or more, got {args.repeats}")
     preset = {**PRESETS[args.preset], **({"repeats": args.repeats} if args.repeats else {})}
     names = [name for name in SYSTEMS if name == "sync" or name in args.systems]
     runs: dict[str, list[dict]] = {name: [] for name in names}

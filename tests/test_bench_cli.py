@@ -65,6 +65,15 @@ def test_weight_sync_benchmark_measures_every_channel_against_raw_zeromq(tmp_pat
     assert result["systems"]["raw"]["of_raw"]["speedup"] == 1.0 and result["curve_cost"]["speedup"] > 0
 
 
+@pytest.mark.parametrize("flag,value", [("--staleness", "0"), ("--repeats", "0")])
+def test_end_to_end_benchmark_refuses_bad_arguments_by_name_before_any_run(flag, value, capsys):
+    from bench.e2e import main as e2e
+
+    with pytest.raises(SystemExit) as e:
+        e2e(["--preset", "smoke", "--out", "/nonexistent/never-written.json", flag, value])
+    assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
 def test_every_end_to_end_system_is_a_valid_run_config():
     """bench.e2e launches each system as grpo_tiny plus overrides: every combination must pass the launcher's
     config checks (a misspelt key would only surface minutes into the benchmark)."""
