@@ -161,8 +161,10 @@ class Learner:
         shortest = [trajectories[lengths.index(min(lengths))]]  # what a rank with no rows left forwards
         micro_batches = step_rows(lengths, live, self.rank, self.world, self.micro)
         rest = sorted(set(range(len(trajectories))) - set(live))
-        taught = step_rows(lengths, rest, self.rank, self.world, self.micro) \
-            if rest and self.cfg.speculation.distill.every_versions > 0 else []
+        # the distiller (rank 0) learns from those rows too; under ZeRO-3 a forward gathers the weights from every
+        # rank, so there the other ranks forward their share with it, in step
+        teach = self.cfg.speculation.distill.every_versions > 0 and (self.rank == 0 or self.cfg.learner.zero_stage == 3)
+        taught = step_rows(lengths, rest, self.rank, self.world, self.micro) if rest and teach else []
         step_tokens = sum(len(t.response_ids) for t in trajectories)
         # DeepSpeed divides each micro-batch's loss by its configured accumulation steps (gas) and the all-reduce
         # averages the ranks: weights that make the sum the loss over the whole step, however it was cut
@@ -170,12 +172,12 @@ class Learner:
         self.engine.train()
         lr = self.engine.get_lr()[0]  # this step's (the scheduler moves on with the optimizer step)
         start, sums, extremes = time.time(), torch.zeros(6), torch.tensor([float("-inf"), float("-inf")])
-        for rows in taught:  # on every rank, in step (under ZeRO-3 a forward gathers the weights from all of them)
+        for rows in taught:  # a forward only: the policy's distributions teach the draft LM
+            batch = [trajectories[i] for i in rows]
             with torch.no_grad():
-                full = response_logprobs(self.engine, Packed([trajectories[i] for i in rows] or shortest),
-                                         self.cfg.rollout)
-            if self.distiller is not None and rows:  # rank 0: the policy's distributions teach the draft LM
-                self.distiller.observe([trajectories[i] for i in rows], full)
+                full = response_logprobs(self.engine, Packed(batch or shortest), self.cfg.rollout)
+            if self.distiller is not None and batch:
+                self.distiller.observe(batch, full)
         for j, rows in enumerate(micro_batches):
             self.engine.set_gradient_accumulation_boundary(j == len(micro_batches) - 1)  # one optimizer step
             batch = [trajectories[i] for i in rows]
@@ -216,7 +218,7 @@ class Learner:
         loss, clip, entropy, kl, batches, grad_norm = sums.tolist()
         metrics = {
             "rl/reward_mean": rewards.mean().item(),
-            "rl/zero_advantage_fraction": (advantages == 0).float().mean().item(),  # groups that teach nothing
+            "rl/zero_advantage_fraction": (advantages == 0).float().mean().item(),  # rows that teach nothing
             "rl/loss": loss / (gas * self.world),  # the step's objective
             "rl/grad_norm": grad_norm / self.world,  # every rank computed the same all-reduced norm
             "rl/skipped_steps": float(self.skipped_steps),  # steps whose gradient was not finite, so not taken

@@ -153,6 +153,39 @@ def test_rows_with_zero_advantage_are_not_forwarded_and_the_step_is_unchanged(ag
     assert any(not torch.equal(p.detach(), before[n]) for n, p in learner.engine.module.named_parameters())
 
 
+def test_the_distiller_still_learns_from_rows_with_zero_advantage():
+    """With distillation on, the rows the GRPO step skips still get a forward (no backward): the draft LM's
+    teacher sees every row of the step once, with the policy's distributions at the rollout temperature."""
+    from learner.learner import Learner
+
+    class Distiller:  # stands in for the Ray-hosted RemoteDistiller: what rank 0 hands it
+        def __init__(self):
+            self.seen = []
+
+        def observe(self, batch, full):  # full: [B, T, vocab]; a skipped row's forward carries no graph
+            assert full.shape[:2] == (len(batch), max(len(t.response_ids) for t in batch))
+            self.seen += [(t.group_id, t.sample_index, full.requires_grad) for t in batch]
+
+        def start(self, version):
+            return {}
+
+    model_dir = str(resolve("builtin:dense"))
+    texts = [*GROUPS, ("Question: 5+1=?\nAnswer:", [" 5+1=7\n#### 7", " 8", " 5+1=4\n#### 4", " 2"])]
+    overrides = ["rollout.prompts_per_step=3", "rollout.group_size=4", "learner.micro_batch_size=2"]
+    learner = Learner(load_config("grpo_tiny", overrides), model_dir, model_dir, CursorPlan(0, 1, 3))
+    learner.start()
+    learner.cfg = load_config("grpo_tiny", [*overrides, "speculation.method=draft_lm",
+                                            "speculation.distill.every_versions=1"])
+    learner.distiller = Distiller()
+    groups = make_groups(learner.engine.module, transformers.AutoTokenizer.from_pretrained(model_dir), texts)
+    groups[2] = [Trajectory(**{**{f: getattr(t, f) for f in t.__struct_fields__}, "reward": 0.0}) for t in groups[2]]
+    learner.groups = groups
+    metrics = learner.train()
+    assert sorted((g, i) for g, i, _ in learner.distiller.seen) == [(g, i) for g in range(3) for i in range(4)]
+    assert {(g, grad) for g, _, grad in learner.distiller.seen} == {(0, True), (1, True), (2, False)}
+    assert metrics["rl/zero_advantage_fraction"] == pytest.approx(1 / 3) and metrics["rl/grad_norm"] > 0
+
+
 @pytest.mark.parametrize("zero_stage", [0, 1])  # the plain optimizer (the learner skips) and ZeRO's (DeepSpeed does)
 def test_a_step_whose_gradient_is_not_finite_is_skipped_and_counted(zero_stage):
     """A behaviour logprob that is finite but absurd (-1e30, as a buggy or hostile actor could send) makes the
