@@ -74,6 +74,7 @@ def run(system: str, steps: int, overrides: list[str], logdir: Path, log: Path) 
     events = EventAccumulator(str(logdir)).Reload()
     times = [e.wall_time for e in events.Scalars("rl/reward_mean")]
     summary = json.loads((logdir / "summary.json").read_text())
+
     def median(tag: str) -> float:  # per step, the first step excluded (it holds the engines' start)
         return statistics.median(e.value for e in events.Scalars(tag)[1:])
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import torch
-
 from omegaconf import DictConfig
 
 from configs.schema import LossAggregation
