@@ -239,11 +239,11 @@ def _check_drafter(path: Path, spec: DictConfig) -> None:
         except DrafterLoadError as e:
             raise ConfigError(f"{path}: key '{key}': {e}") from None
         where = "speculation.options" if name == spec.method else f"speculation.options.{name}"
-        try:  # names only: the values are the drafter's to check, in the actor (constructing one may load a model)
-            inspect.signature(cls).bind(**options)
-        except TypeError as e:
+        try:  # the drafter's own judgement, without building it (constructing one may load a model)
+            cls.check_options(dict(options))
+        except (TypeError, ValueError) as e:
             raise ConfigError(f"{path}: key '{where}' = {dict(options)}: {cls.__name__}{inspect.signature(cls)} "
-                              f"does not take them: {e}") from None
+                              f"refuses them: {e}") from None
         if name == "draft_lm":
             _check_model(path, f"{where}.model", options.get("model", "builtin:draft"))
 

@@ -17,6 +17,8 @@ example under `examples/`; run it on yours.
 from __future__ import annotations
 
 import importlib
+import inspect
+import typing
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -69,10 +71,32 @@ class Drafter(ABC):
         pays. None: the planner uses each request's acceptance so far, and asks for no more tokens than it keeps."""
         return None
 
+    @classmethod
+    def check_options(cls, options: dict) -> dict:
+        """Judges `options` (`speculation.options`) at config load, before any actor starts: raises TypeError or
+        ValueError naming the option that is wrong, and returns the constructor's arguments with its defaults. It
+        must be cheap (no model loading). This one checks that the constructor takes these keywords and that each
+        value has the type its annotation names (int, float, str or bool); a drafter with more rules (ranges)
+        extends it and its constructor calls it, so a drafter built in code is judged the same."""
+        bound = inspect.signature(cls).bind(**options)  # TypeError naming the keyword it does not take
+        bound.apply_defaults()
+        hints = typing.get_type_hints(cls.__init__)
+        for name, value in bound.arguments.items():
+            want = hints.get(name)
+            if want in (int, float, str, bool) and not _is(value, want):
+                raise TypeError(f"option {name}={value!r} is not of type {want.__name__}")
+        return dict(bound.arguments)
+
     def sources(self) -> list[str] | None:
         """Optional: for the last `propose` call, the name of what drafted each request (a composite drafter's
         member), reported as choice shares (`spec/choice/<name>`). None: this drafter itself."""
         return None
+
+
+def _is(value: Any, kind: type) -> bool:
+    if isinstance(value, bool) or kind is bool:  # a YAML `true` is no count, and a count no switch
+        return isinstance(value, bool) and kind is bool
+    return isinstance(value, (int, float) if kind is float else kind)
 
 
 class DrafterLoadError(ValueError):

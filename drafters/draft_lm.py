@@ -93,6 +93,7 @@ class DraftLM(Drafter):
 
         from models.zoo import resolve
 
+        self.check_options(dict(model=model, dtype=dtype))
         self.model = AutoModelForCausalLM.from_pretrained(str(resolve(model)), dtype=getattr(torch, dtype)).eval()
         config = self.model.config
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
@@ -114,6 +115,14 @@ class DraftLM(Drafter):
         self._pack()
         self.states: dict[str, _State] = {}
         self.sureness: list[list[float]] = []  # the last proposal's confidences
+
+    @classmethod
+    def check_options(cls, options: dict) -> dict:
+        o = super().check_options(options)
+        dtype = getattr(torch, o["dtype"], None)
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"dtype={o['dtype']!r} is not a torch floating-point dtype (float32, bfloat16, float16)")
+        return o
 
     def _pack(self) -> None:
         """The model's weights as the forward reads them (again after every weight swap)."""

@@ -23,6 +23,7 @@ class FastestOfN(Drafter):
     def __init__(self, drafters: list[str], options: dict | None = None, prior: float = 2.0):
         """`drafters`: member names (built-in, dotted path or entry point); `options`: per member name, the keyword
         arguments of its constructor; `prior`: pseudo-labels of a member's overall rate in a new request's own."""
+        self.check_options(dict(drafters=drafters, options=options, prior=prior))
         if len(drafters) < 2 or len(set(drafters)) != len(drafters):
             raise ValueError(f"FastestOfN: needs two or more distinct drafters, got {drafters!r}")
         options = options or {}

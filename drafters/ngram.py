@@ -20,10 +20,16 @@ class _Index:
 
 class NgramDrafter(Drafter):
     def __init__(self, min_n: int = 2, max_n: int = 4):
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"NgramDrafter: need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.check_options(dict(min_n=min_n, max_n=max_n))
         self.min_n, self.max_n = min_n, max_n
         self.indexes: dict[str, _Index] = {}
+
+    @classmethod
+    def check_options(cls, options: dict) -> dict:
+        o = super().check_options(options)
+        if not 1 <= o["min_n"] <= o["max_n"]:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={o['min_n']}, max_n={o['max_n']}")
+        return o
 
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
         return [self.lookup(self._index(r), k if r.max_tokens is None else min(k, r.max_tokens)) for r in requests]

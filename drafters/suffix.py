@@ -37,15 +37,25 @@ class _Sequence:
 class SuffixDrafter(Drafter):
     def __init__(self, max_n: int = 8, min_n: int = 2, min_share: float = 0.3, max_sequences: int = 32,
                  max_prompts: int = 512):
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"SuffixDrafter: need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
-        if not 0 < min_share <= 1 or max_sequences < 0 or max_prompts < 1:
-            raise ValueError("SuffixDrafter: need 0 < min_share <= 1, max_sequences >= 0 and max_prompts >= 1")
+        self.check_options(dict(max_n=max_n, min_n=min_n, min_share=min_share, max_sequences=max_sequences,
+                                max_prompts=max_prompts))
         self.max_n, self.min_n, self.min_share = max_n, min_n, min_share
         self.max_sequences, self.max_prompts = max_sequences, max_prompts
         self.prompts: OrderedDict[tuple[int, ...], _Prompt] = OrderedDict()
         self.sequences: dict[str, _Sequence] = {}
         self.shares: list[list[float]] = []  # the last proposal's confidences
+
+    @classmethod
+    def check_options(cls, options: dict) -> dict:
+        o = super().check_options(options)
+        if not 1 <= o["min_n"] <= o["max_n"]:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={o['min_n']}, max_n={o['max_n']}")
+        if not 0 < o["min_share"] <= 1:
+            raise ValueError(f"need 0 < min_share <= 1, got min_share={o['min_share']}")
+        if o["max_sequences"] < 0 or o["max_prompts"] < 1:
+            raise ValueError(f"need max_sequences >= 0 and max_prompts >= 1, got max_sequences={o['max_sequences']}, "
+                             f"max_prompts={o['max_prompts']}")
+        return o
 
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
         sequences = [self._sync(r) for r in requests]  # every request first, so none sees a sibling half-synced

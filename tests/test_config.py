@@ -75,6 +75,13 @@ def test_path_to_yaml_works(tmp_path):
     ("speculation.method=ngram speculation.options.min_k=5", ["speculation.options", "min_k", "NgramDrafter"]),
     ("speculation.method=fastest_of_n speculation.drafters=[suffix,draft_lm] speculation.options.suffix.bogus=1",
      ["speculation.options.suffix", "bogus", "SuffixDrafter"]),
+    # and its values as far as the drafter can judge them without being built (they failed in the actor: rc 1)
+    ("speculation.method=ngram speculation.options.max_n=abc", ["speculation.options", "max_n='abc'", "int"]),
+    ("speculation.method=ngram speculation.options.max_n=true", ["speculation.options", "max_n=True", "int"]),
+    ("speculation.method=suffix speculation.options.min_share=7", ["speculation.options", "0 < min_share <= 1"]),
+    ("speculation.method=fastest_of_n speculation.drafters=[suffix,draft_lm] speculation.options.suffix.max_n=1",
+     ["speculation.options.suffix", "min_n <= max_n", "SuffixDrafter"]),
+    ("speculation.method=draft_lm speculation.options.dtype=int8", ["speculation.options", "dtype='int8'", "DraftLM"]),
 ])
 def test_bad_override_names_the_key(override, needles):
     with pytest.raises(ConfigError) as e:

@@ -1,8 +1,10 @@
 """The contract every drafter plugin must pass (drafters/base.py), run over each built-in drafter and the
 documented example. Add yours to DRAFTERS."""
 
+import inspect
 import json
 import random
+import typing
 
 import pytest
 
@@ -89,6 +91,19 @@ def test_state_follows_the_history_after_commits_rollbacks_and_removal(make):
     assert drafter.propose([request("a", other)], K) == make().propose([request("a", other)], K)
     drafter.commit("unknown", [1, 2])  # a commit for a request never proposed for is not an error
     assert len(first) <= K
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_options_are_judged_at_config_load_without_building_the_drafter(name):
+    cls = drafter_class(name)
+    args = cls.check_options(OPTIONS.get(name, {}))
+    assert set(args) == set(inspect.signature(cls).parameters)  # every argument, defaults filled in
+    with pytest.raises(TypeError, match="no_such_option"):
+        cls.check_options({**OPTIONS.get(name, {}), "no_such_option": 1})
+    hints = typing.get_type_hints(cls.__init__)
+    for option in (p for p in args if hints.get(p) in (int, float, str, bool)):  # a value of another type, named
+        with pytest.raises(TypeError, match=option):
+            cls.check_options({**OPTIONS.get(name, {}), option: [1]})
 
 
 def test_loading_by_name_and_clear_errors():
