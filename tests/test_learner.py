@@ -62,6 +62,8 @@ def test_grpo_steps_raise_rewarded_and_lower_unrewarded_responses(kl_coef):
     assert steps[0]["rl/ratio_max"] == pytest.approx(1.0, abs=1e-5)
     assert steps[-1]["rl/ratio_max"] > 1.0 > steps[-1]["rl/ratio_min"]
     assert steps[0]["rl/grad_norm"] > 0 and steps[0]["rl/entropy"] > 0
+    sampled = [lp for g in groups for t in g for lp in t.behaviour_logprobs]  # -log p of each sampled token
+    assert steps[0]["rollout/entropy_estimate"] == pytest.approx(-sum(sampled) / len(sampled)) and sum(sampled) < 0
     if kl_coef:  # the reference is the starting policy: no divergence at first, some after two updates
         assert steps[0]["rl/kl"] == pytest.approx(0.0, abs=1e-7) and steps[-1]["rl/kl"] > 1e-7
     else:
@@ -150,6 +152,7 @@ def test_rows_with_zero_advantage_are_not_forwarded_and_the_step_is_unchanged(ag
     metrics = learner.train()
     assert metrics["rl/zero_advantage_fraction"] == 1.0 and metrics["rl/grad_norm"] == 0.0
     assert "rl/entropy" not in metrics and learner.engine.global_steps == 2  # no token trained, the step taken
+    assert metrics["rollout/entropy_estimate"] > 0  # the rollout's estimate is there at every step
     assert any(not torch.equal(p.detach(), before[n]) for n, p in learner.engine.module.named_parameters())
 
 
