@@ -238,7 +238,7 @@ class Learner:
         metrics["rollout/dropped_stale"] = float(summary["dropped_stale"])
         if summary["dropped_stale"]:  # against rollout/response_length: what dropping them leaves out of training
             metrics["rollout/dropped_stale_response_length"] = \
-                summary["dropped_stale_tokens"] / summary["dropped_stale"]
+                summary["stale_response_tokens"] / summary["dropped_stale"]
         metrics["transport/lost_trajectories"] = float(summary["lost"])
         dropped = {**summary["dropped_invalid_by_reason"], **self.inbox.dropped}  # cumulative, by reason
         metrics.update({f"transport/dropped/{reason}": float(n) for reason, n in dropped.items()})

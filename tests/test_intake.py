@@ -45,7 +45,7 @@ def test_stale_groups_are_dropped_and_counted():
     assert intake.take(trajectory(0, 0, versions=(3, 4), group_size=2), version=5) is None
     assert intake.take(trajectory(0, 1, versions=(5,), group_size=2), version=5) is None  # one old token: stale
     assert intake.counts.dropped_stale == 2 and intake.data_cursor == 0 and balanced(intake)
-    assert intake.counts.dropped_stale_tokens == 3  # their response tokens: how long the groups left out were
+    assert intake.counts.stale_response_tokens == 3  # their response tokens: how long the groups left out were
 
 
 def test_inconsistent_trajectories_are_dropped_as_invalid():
