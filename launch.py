@@ -41,9 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         from driver.plan import plan
 
         return plan(cfg, args.cluster, args.gpu_gib)
-    from tqdm import trange
+    from tqdm import tqdm
 
-    from driver.run import Run
+    from driver.run import LearnerLost, Run
 
     try:
         run = Run(cfg)  # Ray, learner ranks (rank 0: trajectory inbox + weight publisher), rollout actors generating
@@ -52,13 +52,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         steps = cfg.trainer.steps
-        for step in (bar := trange(run.first_step, steps, initial=run.first_step, total=steps, desc="GRPO")):
-            run.evaluate_if_due(step)  # held-out set, answered by the actors beside training (trainer.eval_every)
-            metrics = run.collect()  # rank 0: the next prompts_per_step whole groups within max_staleness
-            metrics |= run.train()  # every rank: GRPO on its share, gradients all-reduced (weights v -> v+1)
-            metrics |= run.publish()  # weights v+1 to every actor in size-bounded buckets
-            bar.set_postfix(run.log(step, metrics))  # TensorBoard; the progress line
-            run.checkpoint_if_due(step)
+        bar = tqdm(initial=run.step, total=steps, desc="GRPO")
+        while (step := run.step) < steps:
+            try:
+                run.evaluate_if_due(step)  # held-out set, answered by the actors beside training (trainer.eval_every)
+                metrics = run.collect()  # rank 0: the next prompts_per_step whole groups within max_staleness
+                metrics |= run.train()  # every rank: GRPO on its share, gradients all-reduced (weights v -> v+1)
+                metrics |= run.publish()  # weights v+1 to every actor in size-bounded buckets
+                bar.set_postfix(run.log(step, metrics))  # TensorBoard; the progress line
+                run.checkpoint_if_due(step)
+                run.step += 1
+            except LearnerLost as e:  # a rank's process died: every process again from the newest checkpoint
+                run.restart(e)  # (trainer.max_learner_restarts times; then the error stands)
+            bar.n = run.step
+            bar.refresh()
+        bar.close()
         run.evaluate_if_due(steps)  # the final weights, once they are on the actors
         run.save_final()
     except KeyboardInterrupt:  # Ctrl-C: stop every actor and rank, keep the counters and the last checkpoint

@@ -96,6 +96,7 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
         ("rollout.top_k", cfg.rollout.top_k >= 0, "must be >= 0 (0: off)"),
         ("rollout.kv_cache_mib", cfg.rollout.kv_cache_mib >= 1, "must be >= 1"),
         ("rollout.max_restarts", cfg.rollout.max_restarts >= 0, "must be >= 0"),
+        ("trainer.max_learner_restarts", cfg.trainer.max_learner_restarts >= 0, "must be >= 0"),
         ("rollout.stall_timeout_s", cfg.rollout.stall_timeout_s >= 0, "must be >= 0 (0: never)"),
         ("speculation.num_speculative_tokens", cfg.speculation.num_speculative_tokens >= 1, "must be >= 1"),
         ("speculation.max_batch", cfg.speculation.max_batch >= 0, "must be >= 0 (0: no limit)"),

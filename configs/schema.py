@@ -140,6 +140,10 @@ class TrainerConfig:
     # temperature under their current weights, beside training; logged as eval/* at the step it started
     eval_every: int = 0
     resume_from: Optional[str] = None  # a checkpoint (checkpoints/step_N) or a run directory (its newest one)
+    # a learner rank whose process dies (killed, out of memory, its node lost) restarts every process of the run from
+    # its newest checkpoint (its start, if none was written yet: trainer.checkpoint_every), this often per run; 0:
+    # the run stops and says where to resume from. An error raised in training code always stops the run
+    max_learner_restarts: int = 2
     # true: bit-reproducible runs (needs algorithm.max_staleness 0): groups trained in data-cursor order, each step's
     # groups generated together with nothing else in the engine (held-out evaluation waits for a gap), a lost or dead
     # actor's step regenerated whole, and the learner's own logprobs as the behaviour logprobs (on-policy by

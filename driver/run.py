@@ -4,10 +4,13 @@
 config to `logging.dir/config.yaml`, starts Ray, places the learner ranks (`learners.LearnerGroup`) and rollout
 actors (`rollouts.RolloutPool`), and hands them what they share: endpoints, the data-cursor plan, the starting
 weight version. While it waits on any learner call it supervises the actors (one that dies is replaced and its
-work re-issued). `close()` stops every process and writes `summary.json` however the loop ended."""
+work re-issued). A learner rank whose process dies ends the step with `LearnerLost`; `restart()` then starts every
+process again from the run's newest checkpoint (`trainer.max_learner_restarts`). `close()` stops every process and
+writes `summary.json` however the loop ended."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -20,9 +23,15 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 
+class LearnerLost(RuntimeError):
+    """A learner rank's process died (killed, out of memory, its node gone): `Run.restart` can go on from a
+    checkpoint. An exception raised by training code is not this: it would only happen again."""
+
+
 class Run:
     """`launch.py` calls, in order: `evaluate_if_due`, `collect`, `train`, `publish`, `log`, `checkpoint_if_due` per
-    step, then `save_final`, and `close` however the loop ended (it writes `summary.json`)."""
+    step (`step`: the next one; after `LearnerLost`, `restart` sets it back to a checkpoint's), then `save_final`,
+    and `close` however the loop ended (it writes `summary.json`)."""
 
     def __init__(self, cfg: DictConfig):
         from actor.engine import set_env_defaults
@@ -51,18 +60,12 @@ class Run:
         import ray
         from torch.utils.tensorboard import SummaryWriter
 
-        from driver.learners import LearnerGroup
-        from driver.placement import nodes_of
-        from driver.rollouts import RolloutPool
         from learner.base import RUN_FILE, checkpoint_state, run_of
-        from tasks.schedule import CursorPlan
-        from transport.auth import keypair
 
         OmegaConf.save(cfg, self.dir / "config.yaml", resolve=True)  # the resolved config, beside the event files
         checkpoint, state = None, {"version": 0, "data_cursor": 0}
         if cfg.trainer.resume_from:  # continue: same step counter, same data cursor, optimizer state restored
             checkpoint, state = checkpoint_state(cfg.trainer.resume_from)
-            policy_dir = str(checkpoint / "hf")
             print(f"resuming from {checkpoint}: step {state['version']}, data cursor {state['data_cursor']}")
         # a run's checkpoints carry its id, and the directory names the run that writes it: resuming from it never
         # picks up checkpoints an earlier run left there (a resumed run keeps the id of the run it continues)
@@ -73,36 +76,19 @@ class Run:
                 old.unlink(missing_ok=True)
         (self.dir / RUN_FILE).write_text(json.dumps({"run_id": self.run_id}))
         self.first_step = state["version"]
-        plan = CursorPlan(state["data_cursor"], cfg.rollout.num_actors, cfg.rollout.prompts_per_step)
-        processes = cfg.learner.num_ranks + cfg.rollout.num_actors
-        embedded = cfg.cluster.address is None  # this machine is the cluster: it offers every role's resource
-        ray.init(address=cfg.cluster.address, include_dashboard=False, log_to_driver=True, configure_logging=False,
-                 num_cpus=max(cfg.cluster.num_cpus or os.cpu_count(), processes) if embedded else None,
-                 resources={name: 1 << 16 for name in (cfg.cluster.learner_resource, cfg.cluster.rollout_resource)
-                            if name} if embedded else None,
-                 runtime_env={"env_vars": {k: os.environ[k] for k in env}, "working_dir": None,
-                              "worker_process_setup_hook": "driver.logs.route_worker_logs"})
-        self.ray, self.interrupted = ray, False
+        self.origin = checkpoint, state  # where a restart goes back to while this run has written no checkpoint
+        self.env, self.reference_dir, self.ray, self.interrupted = env, reference_dir, ray, False
+        self.learner_restarts = self.earlier_actor_restarts = 0
         try:
-            gpus = 1 if cfg.cluster.device.value == "cuda" else 0
-            curve = cfg.transport.auth.value == "curve"  # keys made here, per run; actors get theirs as they start
-            self.learners = LearnerGroup(cfg, policy_dir, reference_dir, plan,
-                                         None if checkpoint is None else str(checkpoint), num_gpus=gpus,
-                                         keys=keypair() if curve else None)
-            self.rollouts = RolloutPool(cfg, policy_dir, self.learners, state["version"], plan,
-                                        num_gpus=gpus * cfg.rollout.tensor_parallel_size)
+            self._start(checkpoint, state)
         except BaseException:
-            ray.shutdown()
             unroute(self.log_handlers)
             raise
-        self.placement = {**nodes_of(self.learners.group, [f"learner-{r}" for r in range(cfg.learner.num_ranks)]),
-                          **nodes_of(self.rollouts.group, [f"rollout-{i}" for i in range(cfg.rollout.num_actors)])}
         self.writer = SummaryWriter(str(self.dir))
-        self.evaluations: dict[int, list] = {}  # step asked at -> one ref per actor, until logged
         self.step_started = time.time()
         self.rewards = RewardWindows(window=max(1, min(10, (cfg.trainer.steps - self.first_step) // 2)))
         r, lr, spec = cfg.rollout, cfg.learner, cfg.speculation
-        print(f"SpecActor: model {cfg.model.path} ({policy_dir}), data {cfg.data.source}\n"
+        print(f"SpecActor: model {cfg.model.path} ({self.policy_dir}), data {cfg.data.source}\n"
               f"  rollout: {r.num_actors} actor(s), {r.prompts_per_step} prompts x {r.group_size} samples per step, "
               f"T={r.temperature} top_p={r.top_p} top_k={r.top_k}, speculation {spec.method}\n"
               f"  learner: {lr.num_ranks} rank(s), ZeRO-{lr.zero_stage}, {lr.dtype.value}, lr {lr.lr}, "
@@ -111,6 +97,77 @@ class Run:
               f"{self.learners.weight_endpoint}, auth {cfg.transport.auth.value}\n"
               f"  placement: {placed(self.placement)}\n"
               f"  logs: {self.dir} (engine log: {log_file})", flush=True)
+
+    def _start(self, checkpoint: Path | None, state: dict) -> None:
+        """Ray, the learner ranks and the rollout actors, at `checkpoint`'s step and data cursor (None: the run's
+        first step, `state`)."""
+        from driver.learners import LearnerGroup
+        from driver.placement import nodes_of
+        from driver.rollouts import RolloutPool
+        from tasks.schedule import CursorPlan
+        from transport.auth import keypair
+
+        cfg, ray = self.cfg, self.ray
+        self.policy_dir = self.reference_dir if checkpoint is None else str(checkpoint / "hf")
+        self.step = state["version"]  # the next step to take
+        plan = CursorPlan(state["data_cursor"], cfg.rollout.num_actors, cfg.rollout.prompts_per_step)
+        processes = cfg.learner.num_ranks + cfg.rollout.num_actors
+        embedded = cfg.cluster.address is None  # this machine is the cluster: it offers every role's resource
+        ray.init(address=cfg.cluster.address, include_dashboard=False, log_to_driver=True, configure_logging=False,
+                 num_cpus=max(cfg.cluster.num_cpus or os.cpu_count(), processes) if embedded else None,
+                 resources={name: 1 << 16 for name in (cfg.cluster.learner_resource, cfg.cluster.rollout_resource)
+                            if name} if embedded else None,
+                 runtime_env={"env_vars": {k: os.environ[k] for k in self.env}, "working_dir": None,
+                              "worker_process_setup_hook": "driver.logs.route_worker_logs"})
+        try:
+            gpus = 1 if cfg.cluster.device.value == "cuda" else 0
+            curve = cfg.transport.auth.value == "curve"  # keys made here, per run; actors get theirs as they start
+            self.learners = LearnerGroup(cfg, self.policy_dir, self.reference_dir, plan,
+                                         None if checkpoint is None else str(checkpoint), num_gpus=gpus,
+                                         keys=keypair() if curve else None)
+            self.rollouts = RolloutPool(cfg, self.policy_dir, self.learners, state["version"], plan,
+                                        num_gpus=gpus * cfg.rollout.tensor_parallel_size)
+        except BaseException:
+            ray.shutdown()
+            raise
+        self.placement = {**nodes_of(self.learners.group, [f"learner-{r}" for r in range(cfg.learner.num_ranks)]),
+                          **nodes_of(self.rollouts.group, [f"rollout-{i}" for i in range(cfg.rollout.num_actors)])}
+        self.evaluations: dict[int, list] = {}  # step asked at -> one ref per actor, until logged
+
+    @contextlib.contextmanager
+    def learners_alive(self):
+        """Turns the death of a learner rank's process into `LearnerLost` (an error raised in training stands)."""
+        try:
+            yield
+        except self.ray.exceptions.RayActorError as e:
+            ranks = [r._actor_id.hex() for r in self.learners.ranks]
+            if e.actor_id is not None and e.actor_id not in ranks:
+                raise
+            who = f"learner rank {ranks.index(e.actor_id)}" if e.actor_id in ranks else "a learner rank"
+            raise LearnerLost(f"{who} is gone ({type(e).__name__})") from e
+
+    def restart(self, error: LearnerLost) -> None:
+        """After a learner rank's process died: every process of the run stops and starts again from the run's newest
+        checkpoint (its start, if it wrote none), while `trainer.max_learner_restarts` allows; else `error` stands.
+        What the dead processes had not checkpointed is generated and trained again."""
+        from learner.base import checkpoint_state
+
+        limit = self.cfg.trainer.max_learner_restarts
+        if self.learner_restarts >= limit:
+            raise error
+        self.learner_restarts += 1
+        try:
+            checkpoint, state = checkpoint_state(str(self.dir))
+        except (FileNotFoundError, KeyError, ValueError):
+            checkpoint, state = self.origin
+        print(f"{error} at step {self.step}; restart {self.learner_restarts} of {limit} (trainer.max_learner_restarts): "
+              f"every process starts again from {checkpoint or 'the start of the run'} (step {state['version']})",
+              file=sys.stderr, flush=True)
+        self.earlier_actor_restarts += self.rollouts.restarts
+        with contextlib.suppress(Exception):  # the actors stop their engines; whatever does not is shut down below
+            self.rollouts.stop(timeout_s=30)
+        self.ray.shutdown()
+        self._start(checkpoint, state)
 
     def evaluate_if_due(self, step: int) -> None:
         """Every `trainer.eval_every` steps (and after the last), the actors answer the held-out set beside
@@ -144,15 +201,18 @@ class Run:
     def collect(self) -> dict[str, float]:
         """Rank 0 pulls the step's whole, fresh-enough groups (a rollout actor that dies meanwhile is replaced)."""
         self.step_started = time.time()
-        return self.rollouts.wait([self.learners.rank0.collect.remote()])[0]
+        with self.learners_alive():
+            return self.rollouts.wait([self.learners.rank0.collect.remote()])[0]
 
     def train(self) -> dict[str, float]:
         """Every rank trains on its share; DeepSpeed all-reduces the gradients."""
-        return self.rollouts.wait(self.learners.all("train"))[0]
+        with self.learners_alive():
+            return self.rollouts.wait(self.learners.all("train"))[0]
 
     def publish(self) -> dict[str, float]:
         """The new weights go out in buckets; actors apply them between engine steps."""
-        return self.rollouts.wait(self.learners.all("publish"))[0]
+        with self.learners_alive():
+            return self.rollouts.wait(self.learners.all("publish"))[0]
 
     def log(self, step: int, metrics: dict[str, float]) -> dict[str, str]:
         """Writes the step's scalars; returns the progress line's fields."""
@@ -171,8 +231,9 @@ class Run:
         every = self.cfg.trainer.checkpoint_every
         if (every and (step + 1) % every == 0) or step + 1 == self.cfg.trainer.steps:
             root = str(self.dir / "checkpoints")
-            self.ray.get(self.learners.all("save_checkpoint", root))
-            self.ray.get(self.learners.rank0.seal_checkpoint.remote(root, self.run_id))
+            with self.learners_alive():
+                self.ray.get(self.learners.all("save_checkpoint", root))
+                self.ray.get(self.learners.rank0.seal_checkpoint.remote(root, self.run_id))
 
     def save_final(self) -> None:
         self.ray.get(self.learners.all("save_pretrained", str(self.dir / "final")))
@@ -183,8 +244,9 @@ class Run:
         from driver.logs import unroute
 
         ray = self.ray
-        summary: dict = {"interrupted": self.interrupted, "actor_restarts": self.rollouts.restarts,
-                         "placement": self.placement}
+        summary: dict = {"interrupted": self.interrupted, "placement": self.placement,
+                         "actor_restarts": self.earlier_actor_restarts + self.rollouts.restarts,
+                         "learner_restarts": self.learner_restarts}
         try:
             try:
                 summary["actors"] = self.rollouts.stop(timeout_s=120)

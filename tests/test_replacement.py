@@ -137,6 +137,7 @@ def test_the_summary_is_written_even_when_stopping_the_actors_fails(tmp_path):
     shut = []
     run = Run.__new__(Run)
     run.dir, run.interrupted, run.placement, run.log_handlers, run.last = tmp_path, False, {}, [], {}
+    run.earlier_actor_restarts = run.learner_restarts = 0
     run.rollouts = SimpleNamespace(restarts=0, stop=stop)
     run.learners = SimpleNamespace(rank0=SimpleNamespace(summary=SimpleNamespace(remote=lambda: "ref")))
     run.writer = SimpleNamespace(close=lambda: None)
@@ -159,6 +160,7 @@ def test_a_dead_learner_leaves_a_summary_and_says_where_to_go_on_from(tmp_path, 
 
     run = Run.__new__(Run)
     run.dir, run.interrupted, run.placement, run.log_handlers, run.last = tmp_path, False, {}, [], {}
+    run.earlier_actor_restarts = run.learner_restarts = 0
     run.rollouts = SimpleNamespace(restarts=0, stop=lambda timeout_s: [{"groups": 3}])
     run.learners = SimpleNamespace(rank0=SimpleNamespace(summary=SimpleNamespace(remote=lambda: "ref")))
     run.writer = SimpleNamespace(close=lambda: None)
@@ -168,3 +170,28 @@ def test_a_dead_learner_leaves_a_summary_and_says_where_to_go_on_from(tmp_path, 
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
     err = capsys.readouterr().err
     assert "learner rank 0 is gone (ActorDiedError" in err and "no checkpoint was written" in err
+
+
+def test_only_a_learner_ranks_death_is_taken_for_a_lost_learner():
+    """`Run.learners_alive`: a rank's process that died becomes `LearnerLost` (the launcher restarts the run from a
+    checkpoint); another actor's death, or an error raised by training code, stands as it is."""
+    import ray
+
+    from driver.run import LearnerLost, Run
+
+    rank = SimpleNamespace(_actor_id=SimpleNamespace(hex=lambda: "ab12"))
+    run = Run.__new__(Run)
+    run.ray, run.learners = SimpleNamespace(exceptions=ray.exceptions), SimpleNamespace(ranks=[rank])
+    with pytest.raises(LearnerLost, match="a learner rank is gone"):  # Ray did not say which actor
+        with run.learners_alive():
+            raise ray.exceptions.ActorDiedError()
+    with pytest.raises(LearnerLost, match="learner rank 0 is gone"):
+        with run.learners_alive():
+            raise ray.exceptions.RayActorError(actor_id="ab12")
+    with pytest.raises(ray.exceptions.RayActorError):
+        with run.learners_alive():
+            raise ray.exceptions.RayActorError(actor_id="cd34")  # not a learner rank
+    with pytest.raises(ValueError):
+        with run.learners_alive():
+            raise ValueError("a bug in training")
+

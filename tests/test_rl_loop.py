@@ -149,16 +149,39 @@ def test_a_hung_rollout_actor_is_taken_for_dead_and_replaced(tmp_path, capsys):
     assert "rollout actor 0 sent nothing for" in capsys.readouterr().err
 
 
-def test_a_dead_learner_ends_the_run_saying_where_to_resume(tmp_path, capsys):
-    """Learner rank 0 killed after step 2's checkpoint: the run stops with that error, every process shut down,
-    summary.json written with the actors' counters, and the console names the checkpoint to resume from."""
+def test_a_dead_learner_restarts_every_process_from_the_newest_checkpoint(tmp_path, capsys):
+    """Learner rank 0 killed after step 2's checkpoint: every process starts again from it, and the run ends at its
+    last step with every step trained once, in the counters and in TensorBoard."""
     import ray
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logdir = tmp_path / "run"
     killer = at_checkpoint(logdir, 2, lambda: ray.kill(ray.get_actor("learner-0")))
-    with pytest.raises(ray.exceptions.RayError):
+    assert launch.main(["--config", "grpo_tiny", "trainer.steps=5", "trainer.checkpoint_every=1",
+                        f"logging.dir={logdir}", *SMALL]) == 0
+    killer.join()
+    summary = json.loads((logdir / "summary.json").read_text())
+    learner = summary["learner"]
+    assert summary["learner_restarts"] == 1 and learner["version"] == 5
+    assert learner["trained"] == 5 * 2 * 4  # the checkpoint's counters, then the steps after it
+    assert re.search(r"learner rank 0 is gone \(\w+\) at step \d; restart 1 of 2 .*step_2 \(step 2\)",
+                     capsys.readouterr().err)
+    assert sorted({e.step for e in EventAccumulator(str(logdir)).Reload().Scalars("rl/reward_mean")}) == [0, 1, 2, 3, 4]
+
+
+def test_a_dead_learner_ends_the_run_saying_where_to_resume(tmp_path, capsys):
+    """Without restarts (trainer.max_learner_restarts 0), learner rank 0 killed after step 2's checkpoint: the run
+    stops with that error, every process shut down, summary.json written with the actors' counters, and the console
+    names the checkpoint to resume from."""
+    import ray
+
+    from driver.run import LearnerLost
+
+    logdir = tmp_path / "run"
+    killer = at_checkpoint(logdir, 2, lambda: ray.kill(ray.get_actor("learner-0")))
+    with pytest.raises(LearnerLost):
         launch.main(["--config", "grpo_tiny", "trainer.steps=50", "trainer.checkpoint_every=1",
-                     f"logging.dir={logdir}", *SMALL])
+                     "trainer.max_learner_restarts=0", f"logging.dir={logdir}", *SMALL])
     killer.join()
     summary = json.loads((logdir / "summary.json").read_text())
     assert "learner_error" in summary and summary["actors"][0]["groups"] > 0
