@@ -38,6 +38,12 @@ class TransportAuth(Enum):
     none = "none"  # plain TCP: allowed only when transport.host is a loopback address
 
 
+class StepOrder(Enum):
+    cursor = "cursor"  # a step trains its data cursors, waiting for their stragglers: no group dropped for being slow
+    arrival = "arrival"  # a step trains the first whole groups to arrive: faster; slow (long) groups overtaken by
+    # later ones can come too late for the staleness bound and are dropped, so training sees fewer long answers
+
+
 class LossAggregation(Enum):
     token_mean = "token_mean"  # DAPO: mean over all tokens of the batch
     seq_mean_token_mean = "seq_mean_token_mean"  # GRPO: mean over tokens, then over sequences
@@ -125,6 +131,7 @@ class LearnerConfig:
 @dataclass
 class AlgorithmConfig:
     max_staleness: int = 1  # never train on a trajectory more than this many policy versions old
+    step_order: StepOrder = StepOrder.cursor  # which whole groups a step takes (learner/intake.py)
     clip_low: float = 0.2
     clip_high: float = 0.2  # > clip_low: DAPO's clip-higher
     kl_coef: float = 0.0  # > 0: k3 KL penalty to a frozen reference policy (the run's starting weights); rl/kl

@@ -60,6 +60,7 @@ class Intake:
         self.heard: dict[int, float] = {}  # while the learner listens: when each actor was last heard from
         self.spoken: set[int] = set()  # actors heard from since they (or their replacement) started
         self.watched: dict[int, int] = {}  # actor -> the incarnation followed (its newest replacement's)
+        self.held: list[list[Trajectory]] = []  # whole groups kept back for the next step (`keep_back`)
 
     def take(self, message: Trajectory | WeightAck | Heartbeat, version: int) -> list[Trajectory] | None:
         """A whole, fresh-enough group (sorted by sample index) when `message` completes one; else None."""
@@ -100,7 +101,7 @@ class Intake:
             return None
         del self.pending[message.group_id]
         self.delivered.add(message.group_id)
-        if not all(admissible(t.policy_versions, version, self.max_staleness) for t in group):
+        if not self._fresh(group, version):
             self.counts.dropped_stale += len(group)
             self.counts.stale_response_tokens += sum(len(t.response_ids) for t in group)
             return None
@@ -109,6 +110,40 @@ class Intake:
         low, high = self.trained_groups
         self.trained_groups = [min(low, message.group_id), max(high, message.group_id)]
         return sorted(group, key=lambda t: t.sample_index)
+
+    def _fresh(self, group: list[Trajectory], version: int) -> bool:
+        return all(admissible(t.policy_versions, version, self.max_staleness) for t in group)
+
+    def waits_for_stragglers(self, groups: list[list[Trajectory]]) -> bool:
+        """With a step's worth of whole groups in hand or more: whether a group that belongs before them is still in
+        flight, so the step waits for it (the caller bounds the wait). A step takes the lowest data cursors, as a
+        synchronous loop would, rather than whichever groups came first: otherwise the slow groups, the long answers,
+        are overtaken, come a step later, are too stale by then and are dropped, and training sees fewer long
+        answers than the policy writes. An actor admits its cursors in order, so a cursor not delivered below the
+        step's highest is one still being generated (or lost, and then re-issued)."""
+        top = sorted(g[0].group_id for g in groups)[self.plan.prompts_per_step - 1]
+        window = (self.max_staleness + 2) * self.plan.prompts_per_step  # more than can be in flight
+        return any(c not in self.delivered for c in range(max(self.plan.start, top - window), top))
+
+    def keep_back(self, groups: list[list[Trajectory]], version: int) -> list[list[Trajectory]]:
+        """A step's worth of `groups`: those too old to wait a step, then the lowest cursors. The others are kept
+        back for the next step (`take_held`), pending until then; one too old for it is dropped there as stale."""
+        order = sorted(groups, key=lambda g: (self._fresh(g, version + 1), g[0].group_id))
+        step, self.held = order[: self.plan.prompts_per_step], order[self.plan.prompts_per_step :]
+        self.counts.trained -= sum(len(g) for g in self.held)
+        return step
+
+    def take_held(self, version: int) -> list[list[Trajectory]]:
+        """The groups kept back from the last step, for this one (stale ones, which `keep_back` never keeps, are
+        dropped as any other)."""
+        held, self.held = self.held, []
+        for group in held:
+            if self._fresh(group, version):
+                self.counts.trained += len(group)
+            else:
+                self.counts.dropped_stale += len(group)
+                self.counts.stale_response_tokens += sum(len(t.response_ids) for t in group)
+        return [g for g in held if self._fresh(g, version)]
 
     def _invalid(self, t: Trajectory, version: int) -> str | None:
         """Why `t` cannot be trained on in this run (the reason it is counted under), or None. Anything a peer
@@ -156,8 +191,9 @@ class Intake:
 
     def lead(self, version: int) -> int:
         """How many cursors ahead of `prompts_per_step x version` the next group the learner takes is
-        (tasks/schedule.py): exact between steps, when every delivered group was trained or dropped."""
-        return self.plan.lead_at(version, len(self.delivered))
+        (tasks/schedule.py): exact between steps, when every delivered group but those kept back was trained or
+        dropped."""
+        return self.plan.lead_at(version, len(self.delivered) - len(self.held))
 
     def take_gaps(self) -> dict[int, int]:
         """Actors whose messages were lost since the last call, each with the k it regenerates from: its partial
@@ -197,7 +233,7 @@ class Intake:
         return {actor: now - heard for actor, heard in self.heard.items() if actor in self.spoken}
 
     def pending_trajectories(self) -> int:
-        return sum(len(g) for g in self.pending.values())
+        return sum(len(g) for g in [*self.pending.values(), *self.held])
 
     def state(self) -> dict:
         """What a checkpoint keeps: the data cursor and the counters."""

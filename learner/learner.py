@@ -17,7 +17,7 @@ import msgspec
 import torch
 from omegaconf import DictConfig
 
-from configs.schema import Dtype, LossAggregation
+from configs.schema import Dtype, LossAggregation, StepOrder
 from learner.base import checkpoint_state, partial, seal_checkpoint, staleness
 from learner.distill import RemoteDistiller
 from learner.grpo import Packed, group_advantages, micro_batch_loss, response_logprobs, step_rows
@@ -29,6 +29,11 @@ from tasks.schedule import CursorPlan
 from transport.auth import Gate, KeyPair
 from transport.messages import Heartbeat, Trajectory, WeightAck
 from transport.zmq import Inbox, WeightPublisher, pack_buckets
+
+# how long a step with its groups in hand waits at least for a straggler among their cursors (twice what gathering
+# them took, if longer; algorithm.step_order cursor): a group that never comes (refused as invalid) costs that wait
+# at the steps whose cursors it sits among, and they go on without it
+STRAGGLER_WAIT_S = 10.0
 
 
 def free_port() -> int:
@@ -129,12 +134,18 @@ class Learner:
 
     def collect(self) -> dict[str, float]:
         """Rank 0: pulls the next `prompts_per_step` whole, fresh-enough groups for `train`."""
-        groups: list[list[Trajectory]] = []
-        start = time.time()
+        wanted, start, until = self.cfg.rollout.prompts_per_step, time.time(), None
         with self.lock:  # the inbox is read only here: actors' silence is measured from now on (`silences`)
+            groups = self.intake.take_held(self.version)  # kept back from the last step for this one
             self.intake.listen(True)
-        while len(groups) < self.cfg.rollout.prompts_per_step:
-            message = self.inbox.recv(1000)
+        while True:  # a step's worth; then the stragglers among their cursors, a while at most (intake.py)
+            if len(groups) >= wanted:
+                until = until or time.time() + max(2 * (time.time() - start), STRAGGLER_WAIT_S)
+                with self.lock:
+                    if self.cfg.algorithm.step_order is StepOrder.arrival or time.time() > until \
+                            or not self.intake.waits_for_stragglers(groups):
+                        break
+            message = self.inbox.recv(1000 if until is None else 50)
             if message is not None:
                 with self.lock:
                     group = self.intake.take(message, self.version)
@@ -142,8 +153,10 @@ class Learner:
                     groups.append(group)
         with self.lock:
             self.intake.listen(False)
+            groups = self.intake.keep_back(groups, self.version)
+            held = len(self.intake.held)
         self.groups = sorted(groups, key=lambda g: g[0].group_id)  # in cursor order, however they arrived
-        return {"rl/wait_seconds": time.time() - start}
+        return {"rl/wait_seconds": time.time() - start, "rollout/held_groups": float(held)}
 
     def train(self) -> dict[str, float]:
         """Every rank: one GRPO step on its share of the collected groups; rank 0's metrics, {} on the others."""

@@ -3,9 +3,11 @@
 A run (or a resumed run) starts at data cursor `start`. Actor `a` of `R` owns the cursors `start + k * R + a`
 (its k-th group, k = 0, 1, ...), and the group of cursor `c` is meant for learner step `c // prompts_per_step`,
 so an actor admits it only while that step is at most `max_staleness` versions ahead of its weights. The learner
-takes whole groups in the order they arrive, so a group it drops as stale (overtaken by a later one) leaves every
-later cursor trained one place earlier than meant: `lead` counts those places (with a resumed run's offset, when
-its data cursor is ahead of `prompts_per_step x version`), and admission goes by `step(c - lead)`. Without it one
+trains a step's cursors, waiting for their stragglers (`algorithm.step_order: cursor`, learner/intake.py), or the
+first whole groups to arrive (`arrival`); either way a group it drops as stale (overtaken by later ones, or come too
+late for the wait) leaves every later cursor trained one place earlier than meant: `lead` counts those places (with
+a resumed run's offset, when its data cursor is ahead of `prompts_per_step x version`), and admission goes by
+`step(c - lead)`. Without it one
 dropped group made the learner wait, every step after, for a group of the next step that could not yet start. A
 replacement for actor `a` resumes at `a`'s first cursor not yet delivered whole.
 """

@@ -237,3 +237,44 @@ def test_silence_is_measured_while_listening_from_the_followed_incarnation_once_
     assert intake.silences() == {0: 0.0, 1: 20.0}
     intake.listen(False)
     assert intake.silences() == {}
+
+
+def test_a_step_waits_for_a_straggler_among_its_cursors_and_keeps_an_overtaker_for_the_next():
+    """Step 1's cursors are 2 and 3; group 2 (sampled under weights 0) is slow, and 3 and 4 come first. Taking 3
+    and 4 in arrival order would train 2 after step 1, two versions old (max_staleness 1): dropped, as long answers
+    were. The intake says to wait for 2; then group 4, fresh enough to wait a step, is kept for step 2."""
+    intake = Intake(group_size=2, max_staleness=1, plan=CursorPlan(0, 1, 2))
+    seq = iter(range(100))
+
+    def whole(group, version, versions):
+        return [g for i in range(2) if (g := intake.take(trajectory(group, i, next(seq), versions=versions,
+                                                                    group_size=2), version))]
+
+    step0 = whole(0, 0, (0,)) + whole(1, 0, (0,))
+    assert not intake.waits_for_stragglers(step0) and intake.keep_back(step0, version=0) == step0
+    step1 = whole(3, 1, (0,)) + whole(4, 1, (1,))
+    assert intake.waits_for_stragglers(step1)  # cursor 2 is still being generated
+    step1 += whole(2, 1, (0, 1))
+    assert not intake._fresh(step1[-1], 2)  # a step later it would have been dropped
+    assert not intake.waits_for_stragglers(step1)
+    step1 = intake.keep_back(step1, version=1)
+    assert sorted(g[0].group_id for g in step1) == [2, 3] and [g[0].group_id for g in intake.held] == [4]
+    assert intake.pending_trajectories() == 2 and balanced(intake)
+    assert intake.lead(version=2) == 0  # group 4 is step 2's, not a cursor gone
+    assert [g[0].group_id for g in intake.take_held(version=2)] == [4] and not intake.held
+    assert intake.counts.dropped_stale == 0 and intake.counts.trained == 5 * 2 and balanced(intake)
+
+
+def test_groups_too_old_to_wait_go_first_and_one_left_over_is_dropped_a_step_later():
+    intake = Intake(group_size=2, max_staleness=1, plan=CursorPlan(0, 1, 2))
+    groups = {g: [trajectory(g, i, versions=(v,), group_size=2) for i in range(2)] for g, v in [(0, 1), (1, 0),
+                                                                                                 (2, 0), (3, 0)]}
+    for g in groups.values():
+        intake.delivered.add(g[0].group_id)
+        intake.counts.received += 2
+        intake.counts.trained += 2
+    step = intake.keep_back(list(groups.values()), version=1)
+    assert [g[0].group_id for g in step] == [1, 2]  # too old for step 2, lowest cursors first; 0 can wait
+    assert [g[0].group_id for g in intake.held] == [3, 0]
+    assert [g[0].group_id for g in intake.take_held(version=2)] == [0]  # 3 is stale by then: dropped
+    assert intake.counts.dropped_stale == 2 and balanced(intake)
