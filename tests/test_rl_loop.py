@@ -109,15 +109,19 @@ def test_a_resumed_run_continues_step_counter_data_cursor_and_logs(tmp_path):
     assert [e.step for e in EventAccumulator(str(second)).Reload().Scalars("rl/reward_mean")] == [0]
 
 
-def test_a_dead_rollout_actor_is_replaced_and_its_work_reissued(tmp_path):
+def killed_once(logdir, name: str) -> dict:
+    """A 5-step run into `logdir` whose Ray actor `name` is killed once checkpoint 2 is sealed: its summary.json."""
     import ray
 
-    logdir = tmp_path / "run"
-    killer = at_checkpoint(logdir, 2, lambda: ray.kill(ray.get_actor("rollout-0")))
+    killer = at_checkpoint(logdir, 2, lambda: ray.kill(ray.get_actor(name)))
     assert launch.main(["--config", "grpo_tiny", "trainer.steps=5", "trainer.checkpoint_every=1",
                         f"logging.dir={logdir}", *SMALL]) == 0
     killer.join()
-    summary = json.loads((logdir / "summary.json").read_text())
+    return json.loads((logdir / "summary.json").read_text())
+
+
+def test_a_dead_rollout_actor_is_replaced_and_its_work_reissued(tmp_path):
+    summary = killed_once(tmp_path / "run", "rollout-0")
     learner, replacement = summary["learner"], summary["actors"][0]
     assert summary["actor_restarts"] == 1 and learner["version"] == 5
     assert learner["trained"] == 5 * 2 * 4  # every step still got its groups
@@ -152,15 +156,10 @@ def test_a_hung_rollout_actor_is_taken_for_dead_and_replaced(tmp_path, capsys):
 def test_a_dead_learner_restarts_every_process_from_the_newest_checkpoint(tmp_path, capsys):
     """Learner rank 0 killed after step 2's checkpoint: every process starts again from it, and the run ends at its
     last step with every step trained once, in the counters and in TensorBoard."""
-    import ray
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logdir = tmp_path / "run"
-    killer = at_checkpoint(logdir, 2, lambda: ray.kill(ray.get_actor("learner-0")))
-    assert launch.main(["--config", "grpo_tiny", "trainer.steps=5", "trainer.checkpoint_every=1",
-                        f"logging.dir={logdir}", *SMALL]) == 0
-    killer.join()
-    summary = json.loads((logdir / "summary.json").read_text())
+    summary = killed_once(logdir, "learner-0")
     learner = summary["learner"]
     assert summary["learner_restarts"] == 1 and learner["version"] == 5
     assert learner["trained"] == 5 * 2 * 4  # the checkpoint's counters, then the steps after it
