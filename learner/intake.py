@@ -61,6 +61,7 @@ class Intake:
         self.spoken: set[int] = set()  # actors heard from since they (or their replacement) started
         self.watched: dict[int, int] = {}  # actor -> the incarnation followed (its newest replacement's)
         self.held: list[list[Trajectory]] = []  # whole groups kept back for the next step (`keep_back`)
+        self.refused: set[int] = set()  # group ids a sample of which was refused (bad data): no step waits for them
 
     def take(self, message: Trajectory | WeightAck | Heartbeat, version: int) -> list[Trajectory] | None:
         """A whole, fresh-enough group (sorted by sample index) when `message` completes one; else None."""
@@ -84,6 +85,8 @@ class Intake:
         if reason is not None:
             self.counts.dropped_invalid += 1
             self.invalid[reason] += 1
+            if reason not in ("group", "owner", "ahead"):  # its owner's sample: that group will never be whole
+                self.refused.add(message.group_id)
             return None
         if gap:  # (only a trajectory the run could use names an actor whose work to re-issue)
             self.gapped.add(message.actor_id)
@@ -123,7 +126,8 @@ class Intake:
         step's highest is one still being generated (or lost, and then re-issued)."""
         top = sorted(g[0].group_id for g in groups)[self.plan.prompts_per_step - 1]
         window = (self.max_staleness + 2) * self.plan.prompts_per_step  # more than can be in flight
-        return any(c not in self.delivered for c in range(max(self.plan.start, top - window), top))
+        return any(c not in self.delivered and c not in self.refused
+                   for c in range(max(self.plan.start, top - window), top))
 
     def keep_back(self, groups: list[list[Trajectory]], version: int) -> list[list[Trajectory]]:
         """A step's worth of `groups`: those too old to wait a step, then the lowest cursors. The others are kept

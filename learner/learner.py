@@ -31,8 +31,8 @@ from transport.messages import Heartbeat, Trajectory, WeightAck
 from transport.zmq import Inbox, WeightPublisher, pack_buckets
 
 # how long a step with its groups in hand waits at least for a straggler among their cursors (twice what gathering
-# them took, if longer; algorithm.step_order cursor): a group that never comes (refused as invalid) costs that wait
-# at the steps whose cursors it sits among, and they go on without it
+# them took, if longer; algorithm.step_order cursor): one that does not come in time (a dead actor's, until its
+# replacement has started and regenerated it) is left to later steps, and is dropped if too stale by then
 STRAGGLER_WAIT_S = 10.0
 
 

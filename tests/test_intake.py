@@ -1,6 +1,8 @@
 """Rank 0's intake without sockets or DeepSpeed: grouping, duplicates, staleness, invalid and lost messages, the
 cursor a replacement actor resumes from; and the one cursor-ownership rule."""
 
+from msgspec.structs import replace
+
 from learner.intake import INCARNATION_SHIFT, Intake
 from tasks.schedule import CursorPlan
 from transport.messages import SCHEMA_VERSION, Heartbeat, Trajectory, WeightAck
@@ -57,8 +59,6 @@ def test_inconsistent_trajectories_are_dropped_as_invalid():
 
 
 def test_trajectories_that_would_crash_or_poison_the_learner_are_dropped_by_reason():
-    from msgspec.structs import replace
-
     intake = Intake(group_size=4, max_staleness=1, plan=CursorPlan(0, 2, 1), vocab_size=10, max_len=8)
     good = trajectory(0, 0)  # actor 0 owns group 0 (two actors: even cursors)
     bad = {"owner": [trajectory(1, 0)], "lengths": [replace(good, prompt_ids=[])],
@@ -263,6 +263,12 @@ def test_a_step_waits_for_a_straggler_among_its_cursors_and_keeps_an_overtaker_f
     assert intake.lead(version=2) == 0  # group 4 is step 2's, not a cursor gone
     assert [g[0].group_id for g in intake.take_held(version=2)] == [4] and not intake.held
     assert intake.counts.dropped_stale == 0 and intake.counts.trained == 5 * 2 and balanced(intake)
+    # a group one of whose samples was refused (here its reward is not a number) will never be whole: not waited for
+    step2 = whole(5, 2, (2,)) + whole(7, 2, (2,))
+    assert intake.waits_for_stragglers(step2)
+    refused = replace(trajectory(6, 0, next(seq), versions=(2,), group_size=2), reward=float("nan"))
+    assert intake.take(refused, version=2) is None
+    assert intake.invalid["reward"] == 1 and not intake.waits_for_stragglers(step2)
 
 
 def test_groups_too_old_to_wait_go_first_and_one_left_over_is_dropped_a_step_later():
