@@ -105,8 +105,7 @@ class Intake:
         del self.pending[message.group_id]
         self.delivered.add(message.group_id)
         if not self._fresh(group, version):
-            self.counts.dropped_stale += len(group)
-            self.counts.stale_response_tokens += sum(len(t.response_ids) for t in group)
+            self._drop_stale(group)
             return None
         self.counts.trained += len(group)
         self.data_cursor = max(self.data_cursor, message.group_id + 1)
@@ -116,6 +115,10 @@ class Intake:
 
     def _fresh(self, group: list[Trajectory], version: int) -> bool:
         return all(admissible(t.policy_versions, version, self.max_staleness) for t in group)
+
+    def _drop_stale(self, group: list[Trajectory]) -> None:
+        self.counts.dropped_stale += len(group)
+        self.counts.stale_response_tokens += sum(len(t.response_ids) for t in group)
 
     def waits_for_stragglers(self, groups: list[list[Trajectory]]) -> bool:
         """With a step's worth of whole groups in hand or more: whether a group that belongs before them is still in
@@ -140,14 +143,14 @@ class Intake:
     def take_held(self, version: int) -> list[list[Trajectory]]:
         """The groups kept back from the last step, for this one (stale ones, which `keep_back` never keeps, are
         dropped as any other)."""
-        held, self.held = self.held, []
+        held, self.held, fresh = self.held, [], []
         for group in held:
             if self._fresh(group, version):
                 self.counts.trained += len(group)
+                fresh.append(group)
             else:
-                self.counts.dropped_stale += len(group)
-                self.counts.stale_response_tokens += sum(len(t.response_ids) for t in group)
-        return [g for g in held if self._fresh(g, version)]
+                self._drop_stale(group)
+        return fresh
 
     def _invalid(self, t: Trajectory, version: int) -> str | None:
         """Why `t` cannot be trained on in this run (the reason it is counted under), or None. Anything a peer

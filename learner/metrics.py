@@ -30,7 +30,8 @@ def rollout_metrics(trajectories: list[Trajectory], method: str) -> dict[str, fl
         "rollout/generate_seconds_max": max(t.generate_seconds for t in trajectories),
         # mean -log p of the sampled tokens under the weights that sampled them: a Monte-Carlo estimate of the
         # policy's entropy per token at the rollout's sampling settings, at every step (rl/entropy: trained rows only)
-        "rollout/entropy_estimate": -sum(map(sum, (t.behaviour_logprobs for t in trajectories))) / lengths.sum().item(),
+        "rollout/entropy_estimate":
+            -sum(lp for t in trajectories for lp in t.behaviour_logprobs) / lengths.sum().item(),
         # tokens emitted per verify step that carried drafts (1 = nothing accepted, or no drafts at all)
         "spec/acceptance_length": (accepted + verify_steps) / verify_steps if verify_steps else 1.0,
         "spec/draft_tokens": float(drafted),
