@@ -13,10 +13,11 @@ Systems, fixed before the run, in this order, each `launch.py --config grpo_tiny
 - `fastest_of_n`: the async loop with fastest-of-N over the suffix (history) drafter, the distilled draft LM and
   n-gram.
 The asynchronous systems run at `algorithm.max_staleness` S (`--staleness`, 1 unless asked). Each repeat runs every
-system (rotating order). Per system: seconds per step (the median gap between consecutive steps' TensorBoard
-events, the first step excluded: it holds the engines' start), the actors' engine seconds per step (`rollout_s`),
-a profile of where a step's time goes (the learner's GRPO step and its wait for the step's groups, per step; the
-actors' idle seconds, nothing admissible to run until new weights, per step; the share of rows with zero
+system (rotating order). Per system: seconds per step (the run's wall time from its first step's TensorBoard event
+to its last over the steps between: the first step holds the engines' start; a mean, since at staleness 1 the gaps
+alternate between a long and a short one and their median is either), the actors' engine seconds per step
+(`rollout_s`), a profile of where a step's time goes (means per step: the learner's GRPO step and its wait for the
+step's groups; the actors' idle seconds, nothing admissible to run until new weights; the share of rows with zero
 advantage, which get no backward pass), acceptance length per step (live; and for the distilled draft LM, replayed
 on each step's trajectories beside the run's starting draft LM), and the final held-out reward (T = 1), which must
 agree across the asynchronous systems within the noise between repeats of one system: the coupled sampler makes
@@ -75,16 +76,16 @@ def run(system: str, steps: int, overrides: list[str], logdir: Path, log: Path) 
     times = [e.wall_time for e in events.Scalars("rl/reward_mean")]
     summary = json.loads((logdir / "summary.json").read_text())
 
-    def median(tag: str) -> float:  # per step, the first step excluded (it holds the engines' start)
-        return statistics.median(e.value for e in events.Scalars(tag)[1:])
+    def mean(tag: str) -> float:  # per step, the first step excluded (it holds the engines' start)
+        return statistics.fmean(e.value for e in events.Scalars(tag)[1:])
 
     return {
-        "step_s": statistics.median(b - a for a, b in zip(times[1:], times[2:])),
+        "step_s": seconds_per_step(times),
         "rollout_s": sum(a["generate_seconds"] for a in summary["actors"]) / steps,
         # where a step's time goes: the learner's GRPO step, the learner waiting for the step's groups, and the
         # actors waiting for weights with nothing admissible to run (the staleness bound), per actor and step
-        "profile": {"train_s": median("rl/train_seconds"), "learner_wait_s": median("rl/wait_seconds"),
-                    "zero_advantage_fraction": median("rl/zero_advantage_fraction"),  # rows with no backward pass
+        "profile": {"train_s": mean("rl/train_seconds"), "learner_wait_s": mean("rl/wait_seconds"),
+                    "zero_advantage_fraction": mean("rl/zero_advantage_fraction"),  # rows with no backward pass
                     "actor_idle_s": sum(a["idle_seconds"] for a in summary["actors"]) / len(summary["actors"]) / steps},
         "acceptance_by_step": [] if "speculation.method=none" in SYSTEMS[system] else
         [round(e.value, 3) for e in events.Scalars("spec/acceptance_length")],
@@ -100,6 +101,16 @@ def run(system: str, steps: int, overrides: list[str], logdir: Path, log: Path) 
         "trained": summary["learner"]["trained"],
         "dropped_stale": summary["learner"]["dropped_stale"],  # generated, then too old to train: wasted rollouts
     }
+
+
+def seconds_per_step(times: list[float]) -> float:
+    """Mean seconds per step from the steps' wall times, the first step's gap left out (it holds the engines'
+    start). Not the median gap: asynchronous steps come in pairs (a long gap while the learner waits for a step's
+    groups, then a short one for the next step's, generated meanwhile), and the median of such gaps is whichever of
+    the two modes has one more member: 0.64 s for a run whose steps took 0.96 s on average."""
+    if len(times) < 3:
+        raise ValueError(f"seconds_per_step: {len(times)} step times, need 3 or more")
+    return (times[-1] - times[1]) / (len(times) - 2)
 
 
 def trend(series: list[float]) -> float | None:

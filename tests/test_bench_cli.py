@@ -87,3 +87,16 @@ def test_every_end_to_end_system_is_a_valid_run_config():
             assert cfg.algorithm.max_staleness == (0 if name == "sync" else staleness)
             assert (cfg.speculation.method == "none") == (name in ("sync", "async"))
             assert (cfg.speculation.distill.every_versions > 0) == (name in ("distilled", "fastest_of_n"))
+
+
+def test_end_to_end_seconds_per_step_is_the_run_mean_not_the_median_gap():
+    """Asynchronous steps come in pairs (a long wait for a step's groups, then a short step whose groups were made
+    meanwhile): the median gap picks one mode, the run's mean does not."""
+    from bench.e2e import seconds_per_step
+
+    times = [0.0, 20.0]  # the first step holds the engines' start and is left out
+    for gap in [1.4, 0.2] * 10 + [1.4]:
+        times.append(times[-1] + gap)
+    assert seconds_per_step(times) == pytest.approx((1.4 * 11 + 0.2 * 10) / 21)
+    with pytest.raises(ValueError, match="3 or more"):
+        seconds_per_step([0.0, 1.0])
