@@ -15,9 +15,10 @@ drafter proposes at every position. Walking a response in verify steps of `num_s
 
 It runs in a Ray actor of its own on rank 0's node (`RemoteDistiller`), reserving no CPU and scheduled as idle
 (Linux SCHED_IDLE: it runs on a CPU nothing else wants), beside the learner's next steps; a process of its own, so
-it shares no GIL with the learner's loop. A step that ends while it is still busy is skipped
-(`draft/skipped_steps`): distillation never holds the learner back, and on a host with no CPU to spare it learns
-from fewer steps. Its scalars come a step or more late. One that dies is replaced, from the newest draft version it
+it shares no GIL with the learner's loop. A step that begins or ends while it is still busy is skipped
+(`draft/skipped_steps`; one that begins so gets no forward or top-k for it either: on the e2e benchmark's runs it was
+busy at 44% of steps, whose teacher forwards took half of the learner's step): distillation never holds the
+learner back, and on a host with no CPU to spare it learns from fewer steps. Its scalars come a step or more late. One that dies is replaced, from the newest draft version it
 handed out (its optimizer's moments start afresh), up to `max_restarts` times; then the run goes on without it. With
 `num_gpus` > 0 (GPU clusters) it takes that share of rank 0's GPU (rank 0 asks for the rest of it) and distils
 there; the CPU then only launches its kernels.
@@ -275,6 +276,13 @@ class RemoteDistiller:
         self.restarts = 0
         self.failed = False  # died or raised more than max_restarts times: distillation is off for the rest of the run
 
+    def ready(self) -> bool:
+        """Whether a step starting now gets distilled: the actor is free (or done with the last step's); the learner
+        forwards and observes a step's rows only then."""
+        import ray
+
+        return not self.failed and (self.running is None or bool(ray.wait([self.running], timeout=0)[0]))
+
     def observe(self, trajectories: list[Trajectory], teacher: torch.Tensor) -> None:
         self.batches.append(observed(self.cfg, trajectories, teacher))
 
@@ -295,9 +303,13 @@ class RemoteDistiller:
                 metrics, outgoing = ray.get(self.running)
             except ray.exceptions.RayError as e:
                 return self.replace(e)
+            self.running = None
             self.outgoing = outgoing or self.outgoing
             self.newest = outgoing or self.newest
         batches, self.batches = self.batches, []
+        if not batches:  # it was busy when the step began (`ready`), so nothing was observed: skipped
+            self.skipped += 1
+            return {**metrics, "draft/skipped_steps": float(self.skipped), "draft/restarts": float(self.restarts)}
         self.running = self.worker.distil.remote(policy_version, batches)
         if not metrics:
             return {}

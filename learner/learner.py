@@ -174,9 +174,11 @@ class Learner:
         shortest = [trajectories[lengths.index(min(lengths))]]  # what a rank with no rows left forwards
         micro_batches = step_rows(lengths, live, self.rank, self.world, self.micro)
         rest = sorted(set(range(len(trajectories))) - set(live))
-        # the distiller (rank 0) learns from those rows too; under ZeRO-3 a forward gathers the weights from every
-        # rank, so there the other ranks forward their share with it, in step
-        teach = self.cfg.speculation.distill.every_versions > 0 and (self.rank == 0 or self.cfg.learner.zero_stage == 3)
+        # the distiller (rank 0) learns from those rows too, when it is free to take this step (a busy one skips it,
+        # so nothing is forwarded for it); under ZeRO-3 a forward gathers the weights from every rank, so there every
+        # rank forwards its share, in step, every step
+        learning = self.distiller is not None and self.distiller.ready()
+        teach = learning or (self.cfg.speculation.distill.every_versions > 0 and self.cfg.learner.zero_stage == 3)
         taught = step_rows(lengths, rest, self.rank, self.world, self.micro) if rest and teach else []
         step_tokens = sum(len(t.response_ids) for t in trajectories)
         # DeepSpeed divides each micro-batch's loss by its configured accumulation steps (gas) and the all-reduce
@@ -189,7 +191,7 @@ class Learner:
             batch = [trajectories[i] for i in rows]
             with torch.no_grad():
                 full = response_logprobs(self.engine, Packed(batch or shortest), self.cfg.rollout)
-            if self.distiller is not None and batch:
+            if learning and batch:
                 self.distiller.observe(batch, full)
         for j, rows in enumerate(micro_batches):
             self.engine.set_gradient_accumulation_boundary(j == len(micro_batches) - 1)  # one optimizer step
@@ -197,7 +199,7 @@ class Learner:
             if batch:
                 loss, stats, full = micro_batch_loss(self.engine, self.reference, Packed(batch), advantages[rows],
                                                      self.cfg)
-                if self.distiller is not None:
+                if learning:
                     self.distiller.observe(batch, full)
                 share = (sum(len(t.response_ids) for t in batch) / step_tokens
                          if algo.loss_aggregation == LossAggregation.token_mean else len(batch) / len(trajectories))

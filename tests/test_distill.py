@@ -175,10 +175,15 @@ def test_distillation_never_holds_the_learner_back(policy_batches, tmp_path):
         assert step(1) == {}  # handed over; nothing finished yet
         assert step(2) == {"draft/skipped_steps": 1.0} and distiller.batches == []  # the actor is busy with step 1
         ray.get(distiller.running)
+        assert distiller.ready()  # so the learner forwards step 3's rows for it
         metrics = step(3)  # step 1's metrics, as step 3 is handed over
         assert metrics["draft/loss"] > 0 and metrics["draft/skipped_steps"] == 1.0 and metrics["draft/version"] == 0
         ray.get(distiller.running)
         assert step(4)["draft/version"] == 1 and distiller.take_outgoing()[0] == 1  # step 3 gated a trained one
+        ray.get(distiller.running)
+        # a step that began while it was busy observed nothing (`ready`): skipped and counted, step 4's metrics given
+        assert set(distiller.start(4)) >= {"draft/loss", "draft/skipped_steps"} and distiller.running is None
+        assert distiller.skipped == 2
         policy = ray.get(distiller.worker.__ray_call__.remote(lambda worker: os.sched_getscheduler(0)))
         assert policy == os.SCHED_IDLE  # the thread that runs its calls takes only CPU nothing else wants
         distiller.save(tmp_path / "draft")  # after step 4's distillation, under way

@@ -156,14 +156,29 @@ def test_rows_with_zero_advantage_are_not_forwarded_and_the_step_is_unchanged(ag
     assert any(not torch.equal(p.detach(), before[n]) for n, p in learner.engine.module.named_parameters())
 
 
-def test_the_distiller_still_learns_from_rows_with_zero_advantage():
+def test_the_distiller_still_learns_from_rows_with_zero_advantage(monkeypatch):
     """With distillation on, the rows the GRPO step skips still get a forward (no backward): the draft LM's
-    teacher sees every row of the step once, with the policy's distributions at the rollout temperature."""
+    teacher sees every row of the step once, with the policy's distributions at the rollout temperature. A step
+    that a busy distiller would skip forwards nothing for it and hands it nothing."""
+    import learner.learner as module
     from learner.learner import Learner
+
+    from learner import grpo
+
+    forwards = []  # the forwards made for the distiller alone (the zero-advantage rows)
+
+    def counted(*args):
+        forwards.append(1)
+        return grpo.response_logprobs(*args)
+
+    monkeypatch.setattr(module, "response_logprobs", counted)
 
     class Distiller:  # stands in for the Ray-hosted RemoteDistiller: what rank 0 hands it
         def __init__(self):
-            self.seen = []
+            self.seen, self.free = [], True
+
+        def ready(self):
+            return self.free
 
         def observe(self, batch, full):  # full: [B, T, vocab]; a skipped row's forward carries no graph
             assert full.shape[:2] == (len(batch), max(len(t.response_ids) for t in batch))
@@ -187,6 +202,9 @@ def test_the_distiller_still_learns_from_rows_with_zero_advantage():
     assert sorted((g, i) for g, i, _ in learner.distiller.seen) == [(g, i) for g in range(3) for i in range(4)]
     assert {(g, grad) for g, _, grad in learner.distiller.seen} == {(0, True), (1, True), (2, False)}
     assert metrics["rl/zero_advantage_fraction"] == pytest.approx(1 / 3) and metrics["rl/grad_norm"] > 0
+    assert forwards == [1, 1]  # group 2's four rows, two to a micro-batch
+    learner.distiller.free, learner.distiller.seen = False, []  # busy with the last step's rows
+    assert learner.train()["rl/grad_norm"] > 0 and learner.distiller.seen == [] and forwards == [1, 1]
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1])  # the plain optimizer (the learner skips) and ZeRO's (DeepSpeed does)
