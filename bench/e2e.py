@@ -5,13 +5,19 @@
 
 Systems, fixed before the run, in this order, each `launch.py --config grpo_tiny` with the same seed:
 - `sync`: rollout, then train, then the next rollout (`algorithm.max_staleness: 0`: an actor starts a step's groups
-  only with the weights of that step), no speculation: the schedule of verl-style colocated loops;
+  only with the weights of that step), no speculation: the schedule of verl-style colocated loops; bit-reproducible
+  (`trainer.deterministic`), its trajectories logged (`logging.rollouts`) for the oracle;
 - `async`: the asynchronous loop (`max_staleness: 1`), no speculation;
 - `frozen`: the async loop speculating with the built-in draft LM, never updated;
 - `distilled`: the same draft LM distilled online from the policy (learner/distill.py), a new version offered
   every 4 policy versions and swapped in by the actors when it replays at least as well;
 - `fastest_of_n`: the async loop with fastest-of-N over the suffix (history) drafter, the distilled draft LM and
-  n-gram.
+  n-gram;
+- `oracle`: the ceiling of speculation on this host, measured beside them: `sync` again, speculating with
+  bench/oracle.py, which replays the tokens `sync` sampled in the same repeat (run just before it) at no drafting
+  cost, under the same planner. Deterministic runs sample the same tokens whatever drafts, so every draft it makes
+  is accepted (its acceptance length says so). The asynchronous loop has no such ceiling to measure: which weights
+  sample a token depends on timing, so no earlier run knows its tokens.
 The asynchronous systems run at `algorithm.max_staleness` S (`--staleness`, 1 unless asked). Each repeat runs every
 system (rotating order). Per system: seconds per step (the run's wall time from its first step's TensorBoard event
 to its last over the steps between: the first step holds the engines' start; a mean, since at staleness 1 the gaps
@@ -47,19 +53,40 @@ PRESETS = {
                                                        "learner.lr=1e-3"]},
     "full": {"steps": 60, "repeats": 3, "overrides": ["data.eval_size=256", "learner.lr=1e-3"]},
 }
+SYNCHRONOUS = ["algorithm.max_staleness=0", "trainer.deterministic=true"]
 SYSTEMS = {  # the asynchronous ones also get algorithm.max_staleness (--staleness, 1 unless asked)
-    "sync": ["algorithm.max_staleness=0", "speculation.method=none"],
+    "sync": [*SYNCHRONOUS, "speculation.method=none", "logging.rollouts=true"],
     "async": ["speculation.method=none"],
     "frozen": ["speculation.method=draft_lm"],
     "distilled": ["speculation.method=draft_lm", "speculation.distill.every_versions=4"],
     "fastest_of_n": ["speculation.method=fastest_of_n", "speculation.drafters=[suffix,draft_lm,ngram]",
                      "speculation.distill.every_versions=4"],
+    "oracle": [*SYNCHRONOUS, "speculation.method=bench.oracle.OracleDrafter"],  # + the replay: `oracle_replay`
 }
 
 
 def system_overrides(system: str, staleness: int) -> list[str]:
     """What `system` adds to grpo_tiny: its own overrides, and the asynchronous systems' staleness bound."""
-    return SYSTEMS[system] if system == "sync" else [f"algorithm.max_staleness={staleness}", *SYSTEMS[system]]
+    synchronous = system in ("sync", "oracle")
+    return SYSTEMS[system] if synchronous else [f"algorithm.max_staleness={staleness}", *SYSTEMS[system]]
+
+
+def oracle_replay(sync_logdir: Path, path: Path) -> str:
+    """Writes bench/oracle.py's replay of a `sync` run ({seed: response tokens}, from its logging.rollouts) to `path`;
+    returns the override that points the oracle at it."""
+    lines = [json.loads(line) for line in (sync_logdir / "rollouts.jsonl").read_text().splitlines()]
+    path.write_text(json.dumps({r["seed"]: r["response_ids"] for r in lines}))
+    return f"speculation.options.path={path}"
+
+
+def order(names: list[str], repeat: int) -> list[str]:
+    """A repeat's running order: the systems rotated by one per repeat, the oracle right after the `sync` run whose
+    tokens it replays."""
+    rotated = [name for name in names if name != "oracle"]
+    rotated = rotated[repeat % len(rotated):] + rotated[: repeat % len(rotated)]
+    if "oracle" in names:
+        rotated.insert(rotated.index("sync") + 1, "oracle")
+    return rotated
 
 
 def run(system: str, steps: int, overrides: list[str], logdir: Path, log: Path) -> dict:
@@ -174,9 +201,11 @@ def main(argv: list[str] | None = None) -> dict:
     log.write_text("")
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(preset["repeats"]):
-            for name in names[repeat % len(names):] + names[: repeat % len(names)]:
+            for name in order(names, repeat):
+                replay = [oracle_replay(Path(tmp) / f"sync-{repeat}", Path(tmp) / f"replay-{repeat}.json")] \
+                    if name == "oracle" else []
                 runs[name].append(run(name, preset["steps"], [*preset["overrides"],
-                                                              *system_overrides(name, args.staleness)],
+                                                              *system_overrides(name, args.staleness), *replay],
                                       Path(tmp) / f"{name}-{repeat}", log))
                 print(f"repeat {repeat + 1}: {name} {runs[name][-1]['step_s']:.2f} s/step, held-out reward "
                       f"{runs[name][-1]['heldout_reward']:.3f}, dropped stale {runs[name][-1]['dropped_stale']}",

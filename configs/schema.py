@@ -187,6 +187,8 @@ class LoggingConfig:
     engine_level: LogLevel = LogLevel.warning
     # a fresh run refuses a dir holding another run's checkpoints; true: deletes them and its event files first
     overwrite: bool = False
+    # true: every step's trained trajectories go to logging.dir/rollouts.jsonl, a JSON line each (learner/rollout_log.py)
+    rollouts: bool = False
 
 
 @dataclass

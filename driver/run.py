@@ -61,6 +61,7 @@ class Run:
         from torch.utils.tensorboard import SummaryWriter
 
         from learner.base import RUN_FILE, checkpoint_state, run_of
+        from learner.rollout_log import FILE as ROLLOUTS
 
         OmegaConf.save(cfg, self.dir / "config.yaml", resolve=True)  # the resolved config, beside the event files
         checkpoint, state = None, {"version": 0, "data_cursor": 0}
@@ -72,7 +73,7 @@ class Run:
         self.run_id = state.get("run_id") or uuid.uuid4().hex
         if cfg.logging.overwrite and run_of(self.dir) not in (None, self.run_id):  # checked at load: asked for
             shutil.rmtree(self.dir / "checkpoints", ignore_errors=True)
-            for old in [*self.dir.glob("events.out.tfevents.*"), self.dir / "summary.json"]:
+            for old in [*self.dir.glob("events.out.tfevents.*"), self.dir / "summary.json", self.dir / ROLLOUTS]:
                 old.unlink(missing_ok=True)
         (self.dir / RUN_FILE).write_text(json.dumps({"run_id": self.run_id}))
         self.first_step = state["version"]

@@ -24,6 +24,7 @@ from learner.grpo import Packed, group_advantages, micro_batch_loss, response_lo
 from learner.intake import Intake
 from learner.metrics import rollout_metrics
 from learner.optim import FiniteAdamW
+from learner.rollout_log import RolloutLog
 from models.zoo import copy_tokenizer, tensor_count
 from tasks.schedule import CursorPlan
 from transport.auth import Gate, KeyPair
@@ -66,6 +67,7 @@ class Learner:
             vocab = json.loads((Path(policy_dir) / "config.json").read_text())["vocab_size"]
             self.intake = Intake(cfg.rollout.group_size, cfg.algorithm.max_staleness, plan, vocab,
                                  cfg.model.max_model_len, whole_steps=cfg.trainer.deterministic)
+            self.rollouts = RolloutLog(cfg.logging.dir, cfg.seed) if cfg.logging.rollouts else None
         self.published: list | None = None  # rank 0: the newest weight buckets sent, for a replacement actor
         self.lead = 0  # rank 0: the cursor lead sent with them (tasks/schedule.py)
         self.draft_published: list | None = None  # rank 0: the same for the draft LM, when distilled
@@ -156,6 +158,8 @@ class Learner:
             groups = self.intake.keep_back(groups, self.version)
             held = len(self.intake.held)
         self.groups = sorted(groups, key=lambda g: g[0].group_id)  # in cursor order, however they arrived
+        if self.rollouts is not None:
+            self.rollouts.write(self.version, self.groups)
         return {"rl/wait_seconds": time.time() - start, "rollout/held_groups": float(held)}
 
     def train(self) -> dict[str, float]:
@@ -280,7 +284,6 @@ class Learner:
 
         if self.rank != 0 and self.cfg.learner.zero_stage != 3:
             return None
-
         limit = self.cfg.transport.weight_bucket_mib << 20
         chunks: list[list] = [[]]
         size = 0
@@ -337,10 +340,9 @@ class Learner:
     def save_pretrained(self, path: str) -> None:
         """Every rank: the weights as a Hugging Face checkpoint that vLLM can serve (written by rank 0)."""
         state = self.full_state()
-        if state is None:
-            return
-        self.engine.module.save_pretrained(path, state_dict=state)
-        copy_tokenizer(self.policy_dir, path)
+        if state is not None:
+            self.engine.module.save_pretrained(path, state_dict=state)
+            copy_tokenizer(self.policy_dir, path)
 
     def save_checkpoint(self, root: str) -> str:
         """Every rank: `root/step_<version>.partial/` with the DeepSpeed state (weights, optimizer) and the weights

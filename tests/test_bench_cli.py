@@ -3,6 +3,7 @@ in one line naming what is missing (no traceback, no model built), as do bad arg
 the weight-sync benchmark runs small."""
 
 import itertools
+import json
 import time
 
 import pytest
@@ -80,11 +81,14 @@ def test_every_end_to_end_system_is_a_valid_run_config():
     from bench.e2e import PRESETS, SYSTEMS, system_overrides
     from configs.load import load_config
 
-    assert list(SYSTEMS) == ["sync", "async", "frozen", "distilled", "fastest_of_n"]  # the issue's order
+    assert list(SYSTEMS) == ["sync", "async", "frozen", "distilled", "fastest_of_n", "oracle"]  # the issue's order
+    replay = ["speculation.options.path=replay.json"]  # the oracle's, written during the benchmark
     for preset, staleness in itertools.product(PRESETS.values(), (1, 2)):
         for name in SYSTEMS:
-            cfg = load_config("grpo_tiny", [*preset["overrides"], *system_overrides(name, staleness)])
-            assert cfg.algorithm.max_staleness == (0 if name == "sync" else staleness)
+            cfg = load_config("grpo_tiny", [*preset["overrides"], *system_overrides(name, staleness),
+                                            *(replay if name == "oracle" else [])])
+            assert cfg.algorithm.max_staleness == (0 if name in ("sync", "oracle") else staleness)
+            assert cfg.trainer.deterministic == (name in ("sync", "oracle")) and cfg.logging.rollouts == (name == "sync")
             assert (cfg.speculation.method == "none") == (name in ("sync", "async"))
             assert (cfg.speculation.distill.every_versions > 0) == (name in ("distilled", "fastest_of_n"))
 
@@ -100,3 +104,22 @@ def test_end_to_end_seconds_per_step_is_the_run_mean_not_the_median_gap():
     assert seconds_per_step(times) == pytest.approx((1.4 * 11 + 0.2 * 10) / 21)
     with pytest.raises(ValueError, match="3 or more"):
         seconds_per_step([0.0, 1.0])
+
+
+def test_the_oracle_replays_the_sync_run_of_its_repeat_right_after_it(tmp_path):
+    from bench.e2e import oracle_replay, order
+    from bench.oracle import OracleDrafter
+    from drafters.base import DraftRequest
+
+    names = ["sync", "async", "fastest_of_n", "oracle"]
+    assert [order(names, r) for r in range(3)] == [["sync", "oracle", "async", "fastest_of_n"],
+                                                   ["async", "fastest_of_n", "sync", "oracle"],
+                                                   ["fastest_of_n", "sync", "oracle", "async"]]
+    (tmp_path / "sync-0").mkdir()
+    (tmp_path / "sync-0" / "rollouts.jsonl").write_text(
+        "".join(json.dumps({"step": 0, "seed": s, "response_ids": r}) + "\n" for s, r in [(8, [1, 2, 3]), (9, [4])]))
+    override = oracle_replay(tmp_path / "sync-0", tmp_path / "replay.json")
+    oracle = OracleDrafter(override.split("=", 1)[1])
+    requests = [DraftRequest(request_id="a", seed=8, position=1, token_ids=[0, 1]),
+                DraftRequest(request_id="b", seed=5, position=0, token_ids=[0])]
+    assert oracle.propose(requests, 2) == [[2, 3], []]  # from its position on; a seed sync never sampled: nothing

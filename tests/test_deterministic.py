@@ -25,8 +25,14 @@ def final_weights(logdir) -> str:
 def reference(tmp_path_factory):
     """The run every other one is compared with (it also checkpoints at step 2, for the resumed run)."""
     logdir = tmp_path_factory.mktemp("reference")
-    assert launch.main([*RUN, f"logging.dir={logdir}", "trainer.checkpoint_every=2"]) == 0
+    assert launch.main([*RUN, f"logging.dir={logdir}", "trainer.checkpoint_every=2", "logging.rollouts=true"]) == 0
     return logdir
+
+
+def rollouts(logdir) -> list[tuple]:
+    """logging.rollouts' lines as (step, seed, response tokens), in the order trained."""
+    lines = [json.loads(line) for line in (logdir / "rollouts.jsonl").read_text().splitlines()]
+    return [(r["step"], r["seed"], r["response_ids"]) for r in lines]
 
 
 def test_the_same_config_and_seed_give_byte_identical_final_weights(reference, tmp_path):
@@ -83,7 +89,11 @@ def test_a_rollout_actor_killed_mid_step_changes_no_bit(reference, tmp_path, inj
 
 def test_speculating_changes_no_bit_of_training(reference, tmp_path):
     """The coupled sampler makes the tokens the drafter's business only in speed; with the learner's own logprobs
-    as the behaviour ones, the weights are the plain run's to the last bit."""
-    assert launch.main([*RUN, f"logging.dir={tmp_path}", "speculation.method=draft_lm"]) == 0
+    as the behaviour ones, the weights are the plain run's to the last bit, and every trajectory its tokens (both
+    runs' logging.rollouts)."""
+    assert launch.main([*RUN, f"logging.dir={tmp_path}", "speculation.method=draft_lm", "logging.rollouts=true"]) == 0
     assert json.loads((tmp_path / "summary.json").read_text())["actors"][0]["accepted_tokens"] > 0
     assert final_weights(tmp_path) == final_weights(reference)
+    plain = rollouts(reference)
+    assert [step for step, _, _ in plain] == [step for step in range(4) for _ in range(16)]
+    assert len({seed for _, seed, _ in plain}) == 4 * 16 and rollouts(tmp_path) == plain

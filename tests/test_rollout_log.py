@@ -1,0 +1,26 @@
+"""logging.rollouts (learner/rollout_log.py): a step's trajectories as JSON lines, with the step and the seed that
+reproduces each sample."""
+
+import json
+
+from learner.rollout_log import FILE, RolloutLog
+from sampling.coupled import group_seed
+from transport.messages import SCHEMA_VERSION, Trajectory
+
+
+def trajectory(group: int, index: int, response: list[int]) -> Trajectory:
+    return Trajectory(SCHEMA_VERSION, 0, group * 2 + index, group, 2, index, [5, 6], response, [-0.5] * len(response),
+                      [3] * len(response), float(index), "stop", 0.1, 0, 0, 0, 0.0, 0, 0, 0.0, {})
+
+
+def test_each_step_appends_its_trajectories_with_step_and_seed(tmp_path):
+    log = RolloutLog(tmp_path / "run", run_seed=7)
+    log.write(3, [[trajectory(10, 0, [1, 2]), trajectory(10, 1, [4])]])
+    lines = [json.loads(line) for line in (tmp_path / "run" / FILE).read_text().splitlines()]  # flushed per step
+    assert [(r["step"], r["group_id"], r["sample_index"], r["response_ids"], r["reward"]) for r in lines] == \
+        [(3, 10, 0, [1, 2], 0.0), (3, 10, 1, [4], 1.0)]
+    assert [r["seed"] for r in lines] == [group_seed(7, 10, 2), group_seed(7, 10, 2) + 1]
+    RolloutLog(tmp_path / "run", run_seed=7).write(4, [[trajectory(11, 0, [9])]])  # a resumed run appends
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / FILE).read_text().splitlines()]
+    assert steps == [3, 3, 4]
+
