@@ -16,10 +16,13 @@ drafter proposes at every position. Walking a response in verify steps of `num_s
 It runs in a Ray actor of its own on rank 0's node (`RemoteDistiller`), reserving no CPU and scheduled as idle
 (Linux SCHED_IDLE: it runs on a CPU nothing else wants), beside the learner's next steps; a process of its own, so
 it shares no GIL with the learner's loop. A step that begins or ends while it is still busy is skipped
-(`draft/skipped_steps`; one that begins so gets no forward or top-k for it either: on the e2e benchmark's runs it was
-busy at 44% of steps, whose teacher forwards took half of the learner's step): distillation never holds the
-learner back, and on a host with no CPU to spare it learns from fewer steps. Its scalars come a step or more late. One that dies is replaced, from the newest draft version it
-handed out (its optimizer's moments start afresh), up to `max_restarts` times; then the run goes on without it. With
+(`draft/skipped_steps`; one that begins so gets no forward or top-k for it either: on the e2e benchmark's runs it
+was busy at 44% of steps, whose teacher forwards took half of the learner's step): distillation never holds the
+learner back, and on a host with no CPU to spare it learns from fewer steps. The rows the GRPO pass skips (zero
+advantage) are forwarded for it only after the step's weights went out (`defer`, then `start`, from `publish`), with
+those weights, so the actors never wait for that forward. Its scalars come a step or more late. One that dies is
+replaced, from the newest draft version it handed out (its optimizer's moments start afresh), up to `max_restarts`
+times; then the run goes on without it. With
 `num_gpus` > 0 (GPU clusters) it takes that share of rank 0's GPU (rank 0 asks for the rest of it) and distils
 there; the CPU then only launches its kernels.
 
@@ -269,6 +272,7 @@ class RemoteDistiller:
         self.worker = self.spawn()
         self.tensors = ray.get(self.worker.tensors.remote())
         self.batches: list[Batch] = []
+        self.deferred: list[list[Trajectory]] = []  # rows for `start` to have forwarded (`defer`)
         self.running = None  # the ObjectRef of the distillation (or a replacement's `adopt`) under way
         self.outgoing: tuple | None = None
         self.newest: tuple | None = None  # the newest draft version handed out: where a replacement starts
@@ -286,12 +290,19 @@ class RemoteDistiller:
     def observe(self, trajectories: list[Trajectory], teacher: torch.Tensor) -> None:
         self.batches.append(observed(self.cfg, trajectories, teacher))
 
-    def start(self, policy_version: int) -> dict[str, float]:
+    def defer(self, trajectories: list[Trajectory]) -> None:
+        """Rows the step's GRPO pass did not forward (zero advantage): `start` has them forwarded first."""
+        if trajectories:
+            self.deferred.append(trajectories)
+
+    def start(self, policy_version: int, teacher=None) -> dict[str, float]:
         """After the policy's step: hands its micro-batches to the actor, or skips them if it is still busy with an
-        earlier step's. Returns the metrics of a distillation finished since the last call ({} if none)."""
+        earlier step's; the deferred rows are forwarded by `teacher` (rows -> the policy's distributions [B, T,
+        vocab]) just before. Returns the metrics of a distillation finished since the last call ({} if none)."""
         import ray
 
         metrics: dict[str, float] = {}
+        deferred, self.deferred = self.deferred, []
         if self.failed:
             self.batches = []
             return {}
@@ -306,6 +317,9 @@ class RemoteDistiller:
             self.running = None
             self.outgoing = outgoing or self.outgoing
             self.newest = outgoing or self.newest
+        for rows in deferred:
+            with torch.no_grad():
+                self.observe(rows, teacher(rows))
         batches, self.batches = self.batches, []
         if not batches:  # it was busy when the step began (`ready`), so nothing was observed: skipped
             self.skipped += 1

@@ -37,12 +37,6 @@ from transport.zmq import Inbox, WeightPublisher, pack_buckets
 STRAGGLER_WAIT_S = 10.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Learner:
     """Built in two phases, since every rank must know where rank 0 meets them before any joins the process group:
     `__init__` on every rank, then `start(master)` on every rank with rank 0's `master_address()`."""
@@ -68,8 +62,7 @@ class Learner:
             self.intake = Intake(cfg.rollout.group_size, cfg.algorithm.max_staleness, plan, vocab,
                                  cfg.model.max_model_len, whole_steps=cfg.trainer.deterministic)
             self.rollouts = RolloutLog(cfg.logging.dir, cfg.seed) if cfg.logging.rollouts else None
-        self.published: list | None = None  # rank 0: the newest weight buckets sent, for a replacement actor
-        self.lead = 0  # rank 0: the cursor lead sent with them (tasks/schedule.py)
+        self.published, self.lead = None, 0  # rank 0: the newest weight buckets sent, their cursor lead (schedule.py)
         self.draft_published: list | None = None  # rank 0: the same for the draft LM, when distilled
         self.draft_version = 0
         self.version = 0
@@ -91,7 +84,9 @@ class Learner:
         import ray
 
         host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-        return f"{host}:{free_port()}"
+        with socket.socket() as s:  # a free port
+            s.bind(("127.0.0.1", 0))
+            return f"{host}:{s.getsockname()[1]}"
 
     def start(self, master: str | None = None, resume: str | None = None) -> None:
         """Joins the process group and builds the DeepSpeed engine (every rank at once); loads `resume` if given."""
@@ -178,11 +173,11 @@ class Learner:
         shortest = [trajectories[lengths.index(min(lengths))]]  # what a rank with no rows left forwards
         micro_batches = step_rows(lengths, live, self.rank, self.world, self.micro)
         rest = sorted(set(range(len(trajectories))) - set(live))
-        # the distiller (rank 0) learns from those rows too, when it is free to take this step (a busy one skips it,
-        # so nothing is forwarded for it); under ZeRO-3 a forward gathers the weights from every rank, so there every
-        # rank forwards its share, in step, every step
-        learning = self.distiller is not None and self.distiller.ready()
-        teach = learning or (self.cfg.speculation.distill.every_versions > 0 and self.cfg.learner.zero_stage == 3)
+        # the distiller (rank 0) learns from those rows too when it is free to take this step (a busy one skips it),
+        # forwarded once the new weights are out (`publish`); under ZeRO-3 a forward gathers the weights from every
+        # rank, so there every rank forwards its share here, in step, every step
+        learning, zero3 = self.distiller is not None and self.distiller.ready(), self.cfg.learner.zero_stage == 3
+        teach = learning or (self.cfg.speculation.distill.every_versions > 0 and zero3)
         taught = step_rows(lengths, rest, self.rank, self.world, self.micro) if rest and teach else []
         step_tokens = sum(len(t.response_ids) for t in trajectories)
         # DeepSpeed divides each micro-batch's loss by its configured accumulation steps (gas) and the all-reduce
@@ -193,6 +188,9 @@ class Learner:
         start, sums, extremes = time.time(), torch.zeros(6), torch.tensor([float("-inf"), float("-inf")])
         for rows in taught:  # a forward only: the policy's distributions teach the draft LM
             batch = [trajectories[i] for i in rows]
+            if not zero3:
+                self.distiller.defer(batch)
+                continue
             with torch.no_grad():
                 full = response_logprobs(self.engine, Packed(batch or shortest), self.cfg.rollout)
             if learning and batch:
@@ -250,8 +248,6 @@ class Learner:
             metrics.update({"rl/clip_fraction": clip / batches, "rl/entropy": entropy / batches,
                             "rl/ratio_max": extremes[0].item(), "rl/ratio_min": -extremes[1].item(),
                             **({"rl/kl": kl / batches} if algo.kl_coef > 0 else {})})
-        if self.distiller is not None:  # beside the next collect; the last step's distillation's scalars
-            metrics.update(self.distiller.start(self.version))
         with self.lock:
             summary = self.intake.summary()
         metrics["rollout/dropped_stale"] = float(summary["dropped_stale"])
@@ -322,10 +318,14 @@ class Learner:
             sent += self.publisher.publish(self.draft_version, self.draft_published, model="draft")
         with self.lock:  # the actors' acknowledgements of earlier versions
             applied, swapped = self.intake.take_apply_seconds(), self.intake.take_apply_seconds("draft")
-        return {"sync/weight_seconds": time.time() - start, "sync/weight_bytes": float(sent),
-                "rollout/cursor_lead": float(self.lead),
-                **({"sync/apply_seconds_max": max(applied)} if applied else {}),
-                **({"draft/swap_seconds": max(swapped)} if swapped else {})}
+        metrics = {"sync/weight_seconds": time.time() - start, "sync/weight_bytes": float(sent),
+                   "rollout/cursor_lead": float(self.lead),
+                   **({"sync/apply_seconds_max": max(applied)} if applied else {}),
+                   **({"draft/swap_seconds": max(swapped)} if swapped else {})}
+        if self.distiller is not None:  # the step to the distiller, its deferred rows forwarded with these weights
+            metrics.update(self.distiller.start(self.version, lambda rows: response_logprobs(
+                self.engine, Packed(rows), self.cfg.rollout)))
+        return metrics
 
     def republish(self) -> int:
         """Rank 0: sends the newest weights again (a replacement actor joined); returns their version. Before the

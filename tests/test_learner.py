@@ -158,8 +158,9 @@ def test_rows_with_zero_advantage_are_not_forwarded_and_the_step_is_unchanged(ag
 
 def test_the_distiller_still_learns_from_rows_with_zero_advantage(monkeypatch):
     """With distillation on, the rows the GRPO step skips still get a forward (no backward): the draft LM's
-    teacher sees every row of the step once, with the policy's distributions at the rollout temperature. A step
-    that a busy distiller would skip forwards nothing for it and hands it nothing."""
+    teacher sees every row of the step once, with the policy's distributions at the rollout temperature; those rows
+    are forwarded only after the new weights went out (`publish`), so the actors never wait for them. A step that a
+    busy distiller would skip forwards nothing for it and hands it nothing."""
     import learner.learner as module
     from learner.learner import Learner
 
@@ -175,7 +176,7 @@ def test_the_distiller_still_learns_from_rows_with_zero_advantage(monkeypatch):
 
     class Distiller:  # stands in for the Ray-hosted RemoteDistiller: what rank 0 hands it
         def __init__(self):
-            self.seen, self.free = [], True
+            self.seen, self.free, self.deferred, self.started = [], True, [], []
 
         def ready(self):
             return self.free
@@ -184,8 +185,18 @@ def test_the_distiller_still_learns_from_rows_with_zero_advantage(monkeypatch):
             assert full.shape[:2] == (len(batch), max(len(t.response_ids) for t in batch))
             self.seen += [(t.group_id, t.sample_index, full.requires_grad) for t in batch]
 
-        def start(self, version):
+        def defer(self, batch):
+            self.deferred.append(batch)
+
+        def start(self, version, teacher):  # as RemoteDistiller.start: the deferred rows forwarded, then handed over
+            for batch in self.deferred:
+                with torch.no_grad():
+                    self.observe(batch, teacher(batch))
+            self.deferred, self.started = [], self.started + [version]
             return {}
+
+        def take_outgoing(self):
+            return None
 
     model_dir = str(resolve("builtin:dense"))
     texts = [*GROUPS, ("Question: 5+1=?\nAnswer:", [" 5+1=7\n#### 7", " 8", " 5+1=4\n#### 4", " 2"])]
@@ -199,12 +210,16 @@ def test_the_distiller_still_learns_from_rows_with_zero_advantage(monkeypatch):
     groups[2] = [Trajectory(**{**{f: getattr(t, f) for f in t.__struct_fields__}, "reward": 0.0}) for t in groups[2]]
     learner.groups = groups
     metrics = learner.train()
+    assert metrics["rl/zero_advantage_fraction"] == pytest.approx(1 / 3) and metrics["rl/grad_norm"] > 0
+    assert {g for g, _, _ in learner.distiller.seen} == {0, 1} and forwards == []  # group 2 waits for publish
+    learner.publish()
     assert sorted((g, i) for g, i, _ in learner.distiller.seen) == [(g, i) for g in range(3) for i in range(4)]
     assert {(g, grad) for g, _, grad in learner.distiller.seen} == {(0, True), (1, True), (2, False)}
-    assert metrics["rl/zero_advantage_fraction"] == pytest.approx(1 / 3) and metrics["rl/grad_norm"] > 0
-    assert forwards == [1, 1]  # group 2's four rows, two to a micro-batch
+    assert forwards == [1, 1] and learner.distiller.started == [1]  # group 2's four rows, two to a micro-batch
     learner.distiller.free, learner.distiller.seen = False, []  # busy with the last step's rows
-    assert learner.train()["rl/grad_norm"] > 0 and learner.distiller.seen == [] and forwards == [1, 1]
+    assert learner.train()["rl/grad_norm"] > 0 and learner.distiller.seen == [] and learner.distiller.deferred == []
+    learner.publish()
+    assert learner.distiller.seen == [] and forwards == [1, 1]
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1])  # the plain optimizer (the learner skips) and ZeRO's (DeepSpeed does)
