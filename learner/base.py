@@ -8,10 +8,11 @@ The learner is `learner.num_ranks` DeepSpeed ranks (`learner.Learner`, placed by
 trajectory inbox, its bookkeeping (`intake.Intake`) and the weight publisher, collects each step's groups and
 broadcasts them; every rank trains on its share and DeepSpeed all-reduces the gradients, so a step over R ranks is
 the step one rank would take. With `algorithm.kl_coef > 0` every rank also holds a frozen reference policy (the
-run's starting weights, sharded like the policy under ZeRO-3) and the loss adds a k3 KL penalty to it. Without
-one, a row whose advantage is exactly 0 (its group's rewards all equal) has no gradient, so it gets no backward
-pass (and a forward only when the distiller learns from it); the step's loss and gradient stay those of the whole
-step, whose normalisers count it (`rl/zero_advantage_fraction` says how many rows that was).
+run's starting weights, sharded like the policy under ZeRO-3) and the loss adds a k3 KL penalty to it. Without one,
+a row whose advantage is exactly 0 (its group's rewards all equal) has no gradient, so it gets no backward pass (and
+a forward, once the step's weights went out, only when the distiller learns from the step); the step's loss and
+gradient stay those of the whole step, whose normalisers count it (`rl/zero_advantage_fraction` says how many rows
+that was).
 
 A checkpoint is a directory `checkpoints/step_N/` of a run: `deepspeed/` (weights and optimizer), `hf/` (the
 weights as a Hugging Face checkpoint, what resumed actors load), with online distillation `draft/` (the running
