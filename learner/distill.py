@@ -321,11 +321,11 @@ class RemoteDistiller:
             with torch.no_grad():
                 self.observe(rows, teacher(rows))
         batches, self.batches = self.batches, []
-        if not batches:  # it was busy when the step began (`ready`), so nothing was observed: skipped
+        if batches:
+            self.running = self.worker.distil.remote(policy_version, batches)
+        else:  # it was busy when the step began (`ready`), so nothing was observed: skipped
             self.skipped += 1
-            return {**metrics, "draft/skipped_steps": float(self.skipped), "draft/restarts": float(self.restarts)}
-        self.running = self.worker.distil.remote(policy_version, batches)
-        if not metrics:
+        if batches and not metrics:
             return {}
         return {**metrics, "draft/skipped_steps": float(self.skipped), "draft/restarts": float(self.restarts)}
 
