@@ -5,8 +5,15 @@ is the best draft source there is.
 Per prompt, a table from every context (the last 1..max_n tokens of one sequence) to the counts of the token that
 followed it, over the prompt, each live sibling's output and the last `max_sequences` finished outputs; every
 sequence is counted on its own, so two siblings never interleave into one. A proposal walks the table: at each
-step the longest known context of the request's own tail, its most frequent next token, while that token's share
-of the context's counts is at least `min_share` (so drafts are as long as the history is sure). Work per proposal
+step the longest known context of the request's own tail and, of the tokens that followed it, the one the target
+is likeliest to sample, while that likelihood is at least `min_share` (so drafts are as long as the history is
+sure). For a greedy request that is the most frequent token (likelihood: its share of the counts). A sampling
+request draws with the coupled sampler's own noise (sampling/coupled.py): the counts are samples of the policy's
+distribution, so the token with the largest `log(count) + G(seed, position, token)` is the one the target draws
+wherever that distribution resembles the history's, the likely token where the policy is sure and the right one of
+several where it is not (the most frequent token is right only as often as it is drawn). Its likelihood is the
+chance that the lead over the runner-up outlasts the counts' sampling error, times the chance that the target
+draws a token the history knows (`n / (n + 1)` of `n` counts). Work per proposal
 is O(k * max_n), per committed token O(max_n). Memory is bounded: `max_sequences` finished outputs per prompt, and
 the least recently used prompts beyond `max_prompts` are forgotten. State is a cache of what the engine showed
 this drafter: a replacement actor starts empty and learns from what comes next, and trajectories never depend on
@@ -14,10 +21,12 @@ it (the coupled sampler decides every token)."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 from drafters.base import Drafter, DraftRequest
+from sampling.coupled import GREEDY_BELOW, gumbel_at
 
 
 @dataclass
@@ -59,13 +68,13 @@ class SuffixDrafter(Drafter):
 
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
         sequences = [self._sync(r) for r in requests]  # every request first, so none sees a sibling half-synced
-        walks = [self._walk(s, k if r.max_tokens is None else min(k, r.max_tokens))
+        walks = [self._walk(s, r, k if r.max_tokens is None else min(k, r.max_tokens))
                  for s, r in zip(sequences, requests)]
         self.shares = [shares for _, shares in walks]
         return [drafts for drafts, _ in walks]
 
     def confidences(self) -> list[list[float]]:
-        """Per draft token, its count over its context's counts plus one (one of one sibling: 0.5; eight of eight:
+        """Per draft token, the likelihood that the target samples it (above; one of one sibling: 0.5; eight of eight:
         0.89)."""
         return self.shares
 
@@ -140,8 +149,9 @@ class SuffixDrafter(Drafter):
                     if not counts:
                         del entry.counts[context]
 
-    def _walk(self, sequence: _Sequence, k: int) -> tuple[list[int], list[float]]:
-        entry, tail, drafts, shares = self.prompts[sequence.prompt], sequence.tokens[-self.max_n :], [], []
+    def _walk(self, sequence: _Sequence, request: DraftRequest, k: int) -> tuple[list[int], list[float]]:
+        entry, tail, drafts, chances = self.prompts[sequence.prompt], sequence.tokens[-self.max_n :], [], []
+        sampling = request.temperature >= GREEDY_BELOW
         while len(drafts) < k:
             for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
                 counts = entry.counts.get(tuple(tail[-n:]))
@@ -149,11 +159,35 @@ class SuffixDrafter(Drafter):
                     break
             else:
                 break
-            token, count = max(counts.items(), key=lambda tc: (tc[1], -tc[0]))  # ties: the smaller id, stably
-            total = sum(counts.values())
-            if count < self.min_share * total:
-                break
+            if sampling:
+                token, chance = coupled_choice(counts, request.seed, request.position + len(drafts))
+                if chance < self.min_share:
+                    break
+            else:
+                token, count = max(counts.items(), key=lambda tc: (tc[1], -tc[0]))  # ties: the smaller id, stably
+                total = sum(counts.values())
+                if count < self.min_share * total:
+                    break
+                chance = count / (total + 1)
             drafts.append(token)
-            shares.append(count / (total + 1))
+            chances.append(chance)
             tail = tail[1:] + [token] if len(tail) >= self.max_n else tail + [token]
-        return drafts, shares
+        return drafts, chances
+
+
+def coupled_choice(counts: Counter, seed: int, position: int) -> tuple[int, float]:
+    """Of the tokens in `counts` (samples of the target's distribution after one context), the one with the largest
+    `log(count) + G(seed, position, token)`, and the chance that the target draws it: that its lead over the
+    runner-up exceeds the error of the two log-counts (standard error about `sqrt(1/a + 1/b)`), times `n / (n + 1)`
+    for a draw outside the `n` counted samples."""
+    tokens = list(counts)
+    scores = [math.log(counts[t]) + g for t, g in zip(tokens, gumbel_at(seed, position, tokens))]
+    order = sorted(range(len(tokens)), key=scores.__getitem__, reverse=True)
+    best, total = order[0], sum(counts.values())
+    known = total / (total + 1)
+    if len(order) == 1:
+        return tokens[best], known
+    second = order[1]
+    spread = math.sqrt(1 / counts[tokens[best]] + 1 / counts[tokens[second]])
+    lead = scores[best] - scores[second]
+    return tokens[best], known * 0.5 * (1 + math.erf(lead / (spread * math.sqrt(2))))

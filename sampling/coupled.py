@@ -16,6 +16,8 @@ This package imports nothing but torch: the actor's vLLM glue, drafter plugins a
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Iterable
 
 import torch
 
@@ -71,6 +73,28 @@ def gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> tor
     """[rows, vocab] float64 Gumbel(0, 1) noise, always finite; row r depends only on (seeds[r], positions[r]).
     Its bits are device-independent; the float64 logs may differ by an ulp between devices' math libraries."""
     return -torch.log(-torch.log(uniform_from_bits(noise_bits(seeds, positions, vocab_size))))
+
+
+_MASK = (1 << 64) - 1
+
+
+def _mix_int(z: int) -> int:  # `_mix` on one unsigned 64-bit Python int
+    z = ((z ^ (z >> 30)) * (_MUL1 & _MASK)) & _MASK
+    z = ((z ^ (z >> 27)) * (_MUL2 & _MASK)) & _MASK
+    return z ^ (z >> 31)
+
+
+def gumbel_at(seed: int, position: int, tokens: Iterable[int]) -> list[float]:
+    """`gumbel` of one (seed, position) at the given token ids only, in plain Python: the same bits, so the same
+    noise up to the last bit of a log. For a drafter weighing a few candidate tokens, where a torch call per
+    position would cost more than the whole choice."""
+    row = _mix_int(_mix_int((seed * _SEED_KEY) & _MASK) ^ ((position * _POSITION_KEY) & _MASK))
+    noise = []
+    for token in tokens:
+        bits = _mix_int(row ^ token) >> (64 - UNIFORM_BITS)
+        u = min((bits + 0.5) * 2.0**-UNIFORM_BITS, 1.0 - 2.0**-53)
+        noise.append(-math.log(-math.log(u)))
+    return noise
 
 
 def mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:

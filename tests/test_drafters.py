@@ -12,6 +12,7 @@ from drafters.base import DraftRequest
 from drafters.draft_lm import DraftLM, _State
 from drafters.ngram import NgramDrafter
 from drafters.suffix import SuffixDrafter
+from sampling.coupled import coupled_sample, gumbel, gumbel_at
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +164,45 @@ def test_suffix_keeps_finished_outputs_of_a_prompt_within_its_bounds():
         drafter.propose([DraftRequest(f"x{i}", 0, 1, [60 + i, 61 + i, 1])], 4)
         drafter.remove(f"x{i}")
     assert len(drafter.prompts) <= 2 and tuple(PROMPT) not in drafter.prompts
+
+
+def test_gumbel_at_is_the_samplers_noise():
+    rng = random.Random(3)
+    for _ in range(50):
+        seed, position, tokens = rng.randrange(2**62), rng.randrange(10_000), rng.sample(range(272), 5)
+        expected = gumbel(torch.tensor([seed]), torch.tensor([position]), 272)[0, tokens]
+        torch.testing.assert_close(torch.tensor(gumbel_at(seed, position, tokens), dtype=torch.float64), expected,
+                                   rtol=1e-14, atol=1e-14)
+
+
+def test_suffix_draws_sampling_requests_with_the_coupled_noise():
+    """Siblings sampled two tokens from q = (0.4, 0.3, 0.2, 0.1) each; a new sample's drafts agree with what the
+    coupled sampler draws at its seed far more often than the most frequent token would (0.4), at both positions
+    (a wrong noise position would fall back to chance at the second); a greedy request gets the most frequent."""
+    q = torch.full((272,), float("-inf"))
+    q[[1, 2, 3, 4]] = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+
+    def sample(seeds: list[int], position: int) -> list[int]:
+        n = len(seeds)
+        return coupled_sample(q.expand(n, -1), torch.tensor(seeds), torch.full((n,), position),
+                              torch.ones(n))[0].tolist()
+
+    drafter = SuffixDrafter(min_n=1, min_share=0.01)
+    history = list(range(1000, 1200))
+    firsts, seconds = sample(history, 0), sample(history, 1)
+    for seed, first, second in zip(history, firsts, seconds):
+        drafter.propose([DraftRequest(f"h{seed}", seed, 2, PROMPT + [first, second])], 1)
+        drafter.remove(f"h{seed}")
+    fresh = list(range(5000, 5300))
+    firsts, seconds = sample(fresh, 0), sample(fresh, 1)
+    proposals = drafter.propose([DraftRequest(f"n{s}", s, 0, PROMPT, temperature=1.0) for s in fresh], 2)
+    assert all(len(p) == 2 for p in proposals)
+    agree_first = [p[0] == t for p, t in zip(proposals, firsts)]
+    agree_second = [p[1] == t for p, t, a in zip(proposals, seconds, agree_first) if a]
+    assert sum(agree_first) / len(fresh) > 0.7  # 0.76; with exact probabilities it would be 1
+    # 0.79 (the position unshifted: 0.36); after a draw, its context holds a fraction of the history
+    assert sum(agree_second) / len(agree_second) > 0.6
+    assert drafter.propose([DraftRequest("g", 0, 0, PROMPT)], 1) == [[1]]  # greedy: the most frequent
 
 
 def test_suffix_counts_after_a_rebuild_equal_a_fresh_drafters():
