@@ -1,19 +1,24 @@
 """Fastest-of-N: several drafters, and per request the proposal expected to commit the most tokens.
 
-Every step each member drafter proposes for every request (members are batched or cheap, and the choice needs
-their proposals), and each request gets the proposal with the most expected accepted tokens. Expectations come from
-full information, not a bandit's guess: the coupled sampler commits exactly the target's tokens whoever drafted, so
-after a verify step every member's last proposal is labelled token by token on the committed tokens
-(drafters/calibration.py), chosen or not. Per member, a calibration table maps a draft token's confidence to its
-acceptance rate; a member that reports no confidences is given, per request, its own running acceptance rate on
-that request's labels. A proposal's expected accepted tokens is the sum of its tokens' probabilities of being
-reached and accepted; the chosen proposal's calibrated rates are this drafter's confidences, so the draft planner
-verifies it as far as that pays. Every member's drafting cost is paid whichever is chosen, so cost does not enter
-the choice (the draft planner charges the step's whole drafting cost when it decides how many tokens to draft). No
-choice can change a trajectory; a bad one only costs speed.
+Members are asked in order of their measured drafting seconds per request, cheapest first, and a member is asked
+for a request only while the best proposal so far is expected to commit fewer tokens than that member is expected
+to: a history drafter sure of a long path spares the request a draft model's sequential forwards, and a request the
+cheap members have nothing for gets every member. Expectations come from full information, not a bandit's guess:
+the coupled sampler commits exactly the target's tokens whoever drafted, so after a verify step every proposal
+that was made is labelled token by token on the committed tokens (drafters/calibration.py), chosen or not. Per
+member, a calibration table maps a draft token's confidence to its acceptance rate; a member that reports no
+confidences is given, per request, its own running acceptance rate on that request's labels. A proposal's expected
+accepted tokens is the sum of its tokens' probabilities of being reached and accepted; a member not yet asked is
+expected to give that of its running rate on the request (shrunk towards its rate over every request) for each
+token it may draft. The chosen proposal's calibrated rates are this drafter's confidences, so the draft planner
+verifies it as far as that pays. No choice can change a trajectory; a bad one only costs speed.
 """
 
 from __future__ import annotations
+
+import time
+
+import numpy as np
 
 from drafters.base import Drafter, DraftRequest, load_drafter
 from drafters.calibration import Calibration
@@ -36,26 +41,39 @@ class FastestOfN(Drafter):
         self.tables = [Calibration() for _ in self.members]
         self.labels: dict[str, list[list[float]]] = {}  # per request and member: [accepted, rejected] labels
         self.overall = [[0.5, 0.5] for _ in self.members]  # per member: the same over every request, forgetting
-        self.last: dict[str, list[tuple[list[int], list[float]]]] = {}  # per request: each member's last proposal
+        self.last: dict[str, dict[int, tuple[list[int], list[float]]]] = {}  # per request: members' last proposals
         self.choices: list[str] = []  # the member that drafted each request of the last proposal
         self.chosen: list[list[float]] = []  # the chosen proposals' calibrated rates
+        self.seconds = [0.0 for _ in self.members]  # per member: drafting seconds per request asked, averaged
 
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
-        proposals = [(member.propose(requests, k), member.confidences()) if requests else ([], None)
-                     for member in self.members]
+        mine: list[dict[int, tuple[list[int], list[float]]]] = [{} for _ in requests]  # per request: member -> proposal
+        best = [(0.0, -1) for _ in requests]  # per request: the best expected accepted tokens so far, and its member
+        budgets = [k if r.max_tokens is None else min(k, r.max_tokens) for r in requests]
+        for m in sorted(range(len(self.members)), key=self.seconds.__getitem__):
+            asked = [i for i, r in enumerate(requests)
+                     if best[i][1] < 0 or best[i][0] < self._expected(m, r, budgets[i])]
+            if not asked:
+                continue
+            start = time.perf_counter()
+            drafts = self.members[m].propose([requests[i] for i in asked], k)
+            sureness = self.members[m].confidences()
+            per_request = (time.perf_counter() - start) / len(asked)
+            self.seconds[m] = per_request if self.seconds[m] == 0 else 0.9 * self.seconds[m] + 0.1 * per_request
+            for j, i in enumerate(asked):
+                proposal = list(drafts[j])
+                own = sureness[j][: len(proposal)] if sureness is not None else \
+                    [self._own_rate(requests[i].request_id, m)] * len(proposal)
+                mine[i][m] = (proposal, list(own))
+                gain = sum(self.tables[m].gains(own))
+                if best[i][1] < 0 or gain > best[i][0]:
+                    best[i] = (gain, m)
         out, self.choices, self.chosen = [], [], []
-        for i, request in enumerate(requests):
-            mine = []
-            for m, (drafts, sureness) in enumerate(proposals):
-                proposal = list(drafts[i])
-                own = sureness[i][: len(proposal)] if sureness is not None else \
-                    [self._own_rate(request.request_id, m)] * len(proposal)
-                mine.append((proposal, list(own)))
-            self.last[request.request_id] = mine
-            best = max(range(len(self.members)), key=lambda m: sum(self.tables[m].gains(mine[m][1])))
-            self.choices.append(self.names[best])
-            self.chosen.append(self.tables[best].rates(mine[best][1]))
-            out.append(mine[best][0])
+        for request, proposals, (_, m) in zip(requests, mine, best):  # the cheapest member answered every request
+            self.last[request.request_id] = proposals
+            self.choices.append(self.names[m])
+            self.chosen.append(self.tables[m].rates(proposals[m][1]))
+            out.append(proposals[m][0])
         return out
 
     def confidences(self) -> list[list[float]]:
@@ -70,6 +88,11 @@ class FastestOfN(Drafter):
         overall = self.overall[m][0] / max(self.overall[m][0] + self.overall[m][1], 1e-9)
         return (accepted + self.prior * overall) / (accepted + rejected + self.prior)
 
+    def _expected(self, m: int, request: DraftRequest, budget: int) -> float:
+        """Member `m`'s expected accepted tokens on `request` before it is asked: its running rate there, per token."""
+        rate = min(self._own_rate(request.request_id, m), 0.99)
+        return float(np.sum(rate ** np.arange(1, budget + 1)))
+
     def commit(self, request_id: str, committed: list[int]) -> None:
         for member in self.members:
             member.commit(request_id, committed)
@@ -77,7 +100,7 @@ class FastestOfN(Drafter):
         if last is None:
             return
         labels = self.labels.setdefault(request_id, [[0.0, 0.0] for _ in self.members])
-        for m, (proposal, own) in enumerate(last):
+        for m, (proposal, own) in last.items():
             self.tables[m].observe(own, proposal, committed)
             agreed = agreement(proposal, committed)
             rejected = 1.0 if agreed < min(len(proposal), len(committed)) else 0.0

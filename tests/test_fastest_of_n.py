@@ -1,5 +1,8 @@
 """Fastest-of-N (drafters/fastest_of_n.py): per request, the member whose proposals the verifier's committed tokens
-agree with, scored counterfactually for every member on every step."""
+agree with, scored counterfactually for every member asked on every step; a costly member is asked only where it
+may beat what the cheaper ones proposed."""
+
+import time
 
 import pytest
 
@@ -90,3 +93,37 @@ def test_members_confidences_are_calibrated_on_every_members_labels_and_carry_ov
     assert fon.propose([request("new")], 4) == [[2, 2, 2, 2]]  # a request with no labels of its own
     assert fon.sources() == ["test_fastest_of_n.UnsureTwos"]
     assert min(fon.confidences()[0]) > 0.8  # what the planner gets: the calibrated rates, not the member's 0.3
+
+
+class SlowTwos(Twos):  # a draft model's cost: noted per call
+    asked: list[list[str]] = []
+
+    def propose(self, requests, k):
+        time.sleep(0.005)
+        SlowTwos.asked.append([r.request_id for r in requests])
+        return super().propose(requests, k)
+
+
+class SureOfA(Ones):  # a history drafter: sure of 1s for requests "a...", nothing for others
+    def propose(self, requests, k):
+        self.proposals = [[1] * k if r.request_id.startswith("a") else [] for r in requests]
+        return self.proposals
+
+    def confidences(self):
+        return [[0.999] * len(p) for p in self.proposals]
+
+
+def test_a_costly_member_is_asked_only_where_it_may_beat_the_cheaper_ones():
+    SlowTwos.asked.clear()
+    fon = FastestOfN(["test_fastest_of_n.SlowTwos", "test_fastest_of_n.SureOfA"])  # the costly one listed first
+    for _ in range(10):  # the verifier commits 1s for "a", 2s for "b"
+        fon.propose([request("a"), request("b")], 4)
+        fon.commit("a", [1, 1, 1, 1, 1])
+        fon.commit("b", [2, 2, 2, 2, 2])
+    assert SlowTwos.asked[0] == ["a", "b"]  # nothing measured yet: every member, in the order given
+    assert fon.propose([request("a"), request("b"), request("a2")], 4) == [[1] * 4, [2] * 4, [1] * 4]
+    assert SlowTwos.asked[-1] == ["b"]  # measured slower, so asked last, and only where the sure member had nothing
+    assert fon.sources() == ["test_fastest_of_n.SureOfA", "test_fastest_of_n.SlowTwos", "test_fastest_of_n.SureOfA"]
+    before = [list(labels) for labels in fon.labels["a"]]
+    fon.commit("a", [1, 1, 1, 1, 1])  # labels only the proposals that were made
+    assert fon.labels["a"][0] == before[0] and fon.labels["a"][1][0] == before[1][0] + 4
