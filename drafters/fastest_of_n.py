@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from drafters.base import Drafter, DraftRequest, load_drafter
 from drafters.calibration import Calibration
 
@@ -69,7 +67,7 @@ class FastestOfN(Drafter):
                 if best[i][1] < 0 or gain > best[i][0]:
                     best[i] = (gain, m)
         out, self.choices, self.chosen = [], [], []
-        for request, proposals, (_, m) in zip(requests, mine, best):  # the cheapest member answered every request
+        for request, proposals, (_, m) in zip(requests, mine, best):  # the first member asked answered every request
             self.last[request.request_id] = proposals
             self.choices.append(self.names[m])
             self.chosen.append(self.tables[m].rates(proposals[m][1]))
@@ -91,7 +89,7 @@ class FastestOfN(Drafter):
     def _expected(self, m: int, request: DraftRequest, budget: int) -> float:
         """Member `m`'s expected accepted tokens on `request` before it is asked: its running rate there, per token."""
         rate = min(self._own_rate(request.request_id, m), 0.99)
-        return float(np.sum(rate ** np.arange(1, budget + 1)))
+        return rate * (1 - rate**budget) / (1 - rate)  # the sum of rate**j over j = 1..budget
 
     def commit(self, request_id: str, committed: list[int]) -> None:
         for member in self.members:

@@ -13,11 +13,11 @@ distribution, so the token with the largest `log(count) + G(seed, position, toke
 wherever that distribution resembles the history's, the likely token where the policy is sure and the right one of
 several where it is not (the most frequent token is right only as often as it is drawn). Its likelihood is the
 chance that the lead over the runner-up outlasts the counts' sampling error, times the chance that the target
-draws a token the history knows (`n / (n + 1)` of `n` counts). Work per proposal
-is O(k * max_n), per committed token O(max_n). Memory is bounded: `max_sequences` finished outputs per prompt, and
-the least recently used prompts beyond `max_prompts` are forgotten. State is a cache of what the engine showed
-this drafter: a replacement actor starts empty and learns from what comes next, and trajectories never depend on
-it (the coupled sampler decides every token)."""
+draws a token the history knows (`n / (n + 1)` of `n` counts). Work per proposal is O(k * max_n) (sampling: and the
+noise of each matched context's candidates), per committed token O(max_n). Memory is bounded: `max_sequences`
+finished outputs per prompt, and the least recently used prompts beyond `max_prompts` are forgotten. State is a
+cache of what the engine showed this drafter: a replacement actor starts empty and learns from what comes next, and
+trajectories never depend on it (the coupled sampler decides every token)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ class SuffixDrafter(Drafter):
         self.max_sequences, self.max_prompts = max_sequences, max_prompts
         self.prompts: OrderedDict[tuple[int, ...], _Prompt] = OrderedDict()
         self.sequences: dict[str, _Sequence] = {}
-        self.shares: list[list[float]] = []  # the last proposal's confidences
+        self.chances: list[list[float]] = []  # the last proposal's confidences
 
     @classmethod
     def check_options(cls, options: dict) -> dict:
@@ -70,13 +70,13 @@ class SuffixDrafter(Drafter):
         sequences = [self._sync(r) for r in requests]  # every request first, so none sees a sibling half-synced
         walks = [self._walk(s, r, k if r.max_tokens is None else min(k, r.max_tokens))
                  for s, r in zip(sequences, requests)]
-        self.shares = [shares for _, shares in walks]
+        self.chances = [chances for _, chances in walks]
         return [drafts for drafts, _ in walks]
 
     def confidences(self) -> list[list[float]]:
         """Per draft token, the likelihood that the target samples it (above; one of one sibling: 0.5; eight of eight:
         0.89)."""
-        return self.shares
+        return self.chances
 
     def commit(self, request_id: str, committed: list[int]) -> None:
         sequence = self.sequences.get(request_id)
