@@ -129,7 +129,7 @@ class DrafterBridge:
         """Proposals for `requests` into `drafts`: all of each (`verify_all`) or, from a drafter that rates its
         tokens, the prefix whose calibrated gains pay for verifying it."""
         start = time.perf_counter()
-        proposals = self.drafter.propose([r for _, r in requests], self.k)
+        proposals = self.drafter.propose([r for _, r in requests], max(r.max_tokens for _, r in requests))
         sureness = self.drafter.confidences()
         elapsed = time.perf_counter() - start
         self.drafter_seconds += elapsed
@@ -146,9 +146,7 @@ class DrafterBridge:
             self.shown[request.request_id] = len(request.token_ids)
             counts = sampler.counts_for(request.request_id)
             counts.draft_seconds += elapsed / len(requests)
-            # past its budget, a rated proposal is verified only as far as its calibrated gains pay (below)
-            limit = self.k if sureness is not None else request.max_tokens
-            valid = token_ids_within(proposal[:limit], self.vocab_size)
+            valid = token_ids_within(proposal[: request.max_tokens], self.vocab_size)
             if valid is None:  # a plugin's bad ids must not reach the engine: no draft this step, counted
                 counts.invalid_drafts += 1
                 valid = []

@@ -41,10 +41,8 @@ class DraftRequest:
     temperature: float = 0.0  # the target's sampling settings, for drafters that sample with the coupled noise
     top_k: int = 0  # <= 0: no top-k
     top_p: float = 1.0
-    max_tokens: int | None = None  # the planner's budget for this request (None: the call's k), from its running
-    # acceptance: a drafter that pays per token (a draft model) drafts at most this many. Past it, the bridge keeps
-    # a proposal only if the drafter rates its tokens (`confidences`), verifying it as far as their calibrated gains
-    # pay: so a drafter whose tokens cost nothing (a history lookup) and that knows when it is sure drafts up to k
+    max_tokens: int | None = None  # at most this many drafts for this request (None: the call's k); the planner
+    # sets it per request, and a drafter that honours it saves work (the engine truncates longer proposals anyway)
 
 
 class Drafter(ABC):
