@@ -27,8 +27,11 @@ times; then the run goes on without it. With
 there; the CPU then only launches its kernels.
 
 When it publishes: at most every `every_versions` policy versions the trained candidate and the drafter the actors
-run are both replayed on the step's trajectories, before the candidate learns from them; the candidate goes out as
-the next draft version (model `draft` on the weight channel, `transport/`) only if it does at least as well. A replayed
+run are both replayed on the step's trajectories; the candidate goes out as the next draft version (model `draft` on
+the weight channel, `transport/`) only if it does at least as well. The candidate's replay costs no forward of its
+own: it is the pass that trains it, each micro-batch replayed before the candidate learns from it (a prequential
+judgment: no micro-batch judges a candidate that has learnt from it), so a gate every version costs nothing more
+than one every four; a copy of the candidate judged beside the others cost a forward per micro-batch. A replayed
 acceptance near 1 (the drafter agrees with nothing: weights zeroed, a wrong tokenizer) raises `draft/alarm`.
 """
 
@@ -159,18 +162,16 @@ class DraftDistiller:
 
     def step(self, policy_version: int, batches: list[Batch]) -> dict[str, float]:
         """One optimizer step per batch of the policy step's `batches` (re-cut), each batch replayed first by the
-        running drafter, the run's starting one and, when a gate is due, the candidate as it was before this step
-        (it learns from none of what judges it); then the gate. Metrics."""
+        running drafter, the run's starting one and the candidate (its training pass, before it learns the batch);
+        then, when due, the gate. Metrics."""
         d, temperature = self.cfg.speculation.distill, max(float(self.cfg.rollout.temperature), 1e-3)
         k = self.cfg.speculation.num_speculative_tokens
         start = time.time()
         batches = regrouped(batches, d.micro_batch_size, self.cfg.seed, order=policy_version)
         batches = [batch.to(self.device) for batch in batches]
         judges = {"replayed": self.running, "initial_replayed": self.initial}
-        if policy_version - self.gated_at >= d.every_versions and self.learned:  # (untrained: the running one)
-            self.gated_at = policy_version
-            judges["candidate"] = copy.deepcopy(self.model).eval()
-        walked = {name: [0, 0] for name in judges}  # tokens, verify steps
+        gate = policy_version - self.gated_at >= d.every_versions and self.learned  # (untrained: the running one)
+        walked = {name: [0, 0] for name in (*judges, "candidate")}  # tokens, verify steps
         self.model.train()
         losses = []
         for batch in batches:
@@ -178,7 +179,7 @@ class DraftDistiller:
                 judged = [self._rows(model, batch) for model in judges.values()]
             rows = self._rows(self.model, batch)
             *replayed, own = self._drafts(batch, *judged, rows)
-            for name, drafts in zip(judges, replayed):
+            for name, drafts in zip(walked, (*replayed, own)):
                 for row, length in zip((drafts == batch.packed.targets).tolist(), batch.lengths):
                     walked[name][0] += length
                     walked[name][1] += acceptance_walk(row[:length], k)
@@ -195,9 +196,12 @@ class DraftDistiller:
         self.learned = self.learned or bool(losses)
         acceptance = {name: tokens / max(steps, 1) for name, (tokens, steps) in walked.items()}
         running = acceptance["replayed"]
-        if "candidate" in judges:
+        if not gate:
+            del acceptance["candidate"]
+        else:
+            self.gated_at = policy_version
             if acceptance["candidate"] >= running:
-                self.running.load_state_dict(judges["candidate"].state_dict())
+                self.running.load_state_dict(self.model.state_dict())
                 self.version += 1
                 self.outgoing = [(n, t.detach().to("cpu", copy=True)) for n, t in self.running.state_dict().items()]
             else:
