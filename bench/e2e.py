@@ -148,6 +148,17 @@ def trend(series: list[float]) -> float | None:
     return round(statistics.median(series[-quarter:]) / statistics.median(series[:quarter]), 3)
 
 
+def late_gain(run: dict) -> float | None:
+    """The distilled draft LM's replayed acceptance over the run's starting one's on the same tokens, medians of the
+    last quarter (None: too short). A trend's size is mostly how far that run's policy drifted, which asynchrony
+    makes differ from run to run; this ratio is what distillation gained, paired."""
+    mine, start = run["replayed_acceptance_by_step"], run["initial_replayed_acceptance_by_step"]
+    quarter = len(mine) // 4
+    if quarter == 0:
+        return None
+    return round(statistics.median(mine[-quarter:]) / statistics.median(start[-quarter:]), 3)
+
+
 def median_trend(runs: list[dict], key: str) -> float | None:
     """The median over repeats of `trend(run[key])` (None: too short)."""
     trends = [t for t in (trend(r[key]) for r in runs) if t is not None]
@@ -225,7 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
                                            "draft_version_by_step") if key in first},
             # replayed acceptance, last quarter / first quarter: the distilled draft LM and the frozen one, paired
             **({"replayed_trend": median_trend(runs[name], "replayed_acceptance_by_step"),
-                "initial_replayed_trend": median_trend(runs[name], "initial_replayed_acceptance_by_step")}
+                "initial_replayed_trend": median_trend(runs[name], "initial_replayed_acceptance_by_step"),
+                "late_gain_over_initial": [late_gain(r) for r in runs[name]]}
                if "replayed_acceptance_by_step" in first else {}),
             "heldout_reward": statistics.median(r["heldout_reward"] for r in runs[name]),
             "speedup_over_sync": paired([r["step_s"] for r in runs["sync"]], [r["step_s"] for r in runs[name]]),

@@ -107,6 +107,17 @@ def test_end_to_end_seconds_per_step_is_the_run_mean_not_the_median_gap():
         seconds_per_step([0.0, 1.0])
 
 
+def test_distillation_is_judged_paired_on_the_same_tokens_as_well_as_by_its_trend():
+    from bench.e2e import late_gain, trend
+
+    # a run whose policy drifted far: both draft LMs fall, the distilled one less (same tokens, same steps)
+    run = {"replayed_acceptance_by_step": [3.6, 3.6, 3.2, 3.0, 3.0, 3.0, 2.9, 3.0],
+           "initial_replayed_acceptance_by_step": [3.6, 3.6, 3.0, 2.6, 2.5, 2.4, 2.4, 2.5]}
+    assert trend(run["replayed_acceptance_by_step"]) == pytest.approx(2.95 / 3.6, abs=1e-3)
+    assert late_gain(run) == pytest.approx(2.95 / 2.45, abs=1e-3)
+    assert late_gain({"replayed_acceptance_by_step": [3.0], "initial_replayed_acceptance_by_step": [3.0]}) is None
+
+
 def test_the_oracle_replays_the_sync_run_of_its_repeat_right_after_it(tmp_path):
     from bench.e2e import oracle_replay, order
     from bench.oracle import OracleDrafter
