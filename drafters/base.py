@@ -44,6 +44,10 @@ class DraftRequest:
     max_tokens: int | None = None  # at most this many drafts for this request (None: the call's k); the planner
     # sets it per request, and a drafter that honours it saves work (the engine truncates longer proposals anyway)
 
+    def budget(self, k: int) -> int:
+        """How many drafts this request may get from a call for `k`: `k`, or `max_tokens` if smaller."""
+        return k if self.max_tokens is None else min(k, self.max_tokens)
+
 
 class Drafter(ABC):
     @abstractmethod

@@ -158,7 +158,7 @@ class DraftLM(Drafter):
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
-        budgets = [k if r.max_tokens is None else min(k, r.max_tokens) for r in requests]
+        budgets = [r.budget(k) for r in requests]
         drafts: list[list[int]] = [[] for _ in requests]
         self.sureness = [[] for _ in requests]
         active, chunks = [], []

@@ -47,7 +47,7 @@ class FastestOfN(Drafter):
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
         mine: list[dict[int, tuple[list[int], list[float]]]] = [{} for _ in requests]  # per request: member -> proposal
         best = [(0.0, -1) for _ in requests]  # per request: the best expected accepted tokens so far, and its member
-        budgets = [k if r.max_tokens is None else min(k, r.max_tokens) for r in requests]
+        budgets = [r.budget(k) for r in requests]
         for m in sorted(range(len(self.members)), key=self.seconds.__getitem__):
             asked = [i for i, r in enumerate(requests)
                      if best[i][1] < 0 or best[i][0] < self._expected(m, r, budgets[i])]

@@ -32,7 +32,7 @@ class NgramDrafter(Drafter):
         return o
 
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
-        return [self.lookup(self._index(r), k if r.max_tokens is None else min(k, r.max_tokens)) for r in requests]
+        return [self.lookup(self._index(r), r.budget(k)) for r in requests]
 
     def _index(self, request: DraftRequest) -> _Index:
         history, index = request.token_ids, self.indexes.get(request.request_id)

@@ -68,8 +68,7 @@ class SuffixDrafter(Drafter):
 
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
         sequences = [self._sync(r) for r in requests]  # every request first, so none sees a sibling half-synced
-        walks = [self._walk(s, r, k if r.max_tokens is None else min(k, r.max_tokens))
-                 for s, r in zip(sequences, requests)]
+        walks = [self._walk(s, r, r.budget(k)) for s, r in zip(sequences, requests)]
         self.chances = [chances for _, chances in walks]
         return [drafts for drafts, _ in walks]
 

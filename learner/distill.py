@@ -31,8 +31,8 @@ run are both replayed on the step's trajectories; the candidate goes out as the 
 the weight channel, `transport/`) only if it does at least as well. The candidate's replay costs no forward of its
 own: it is the pass that trains it, each micro-batch replayed before the candidate learns from it (a prequential
 judgment: no micro-batch judges a candidate that has learnt from it), so a gate every version costs nothing more
-than one every four. A replayed
-acceptance near 1 (the drafter agrees with nothing: weights zeroed, a wrong tokenizer) raises `draft/alarm`.
+than one every four. A replayed acceptance near 1 (the drafter agrees with nothing: weights zeroed, a wrong
+tokenizer) raises `draft/alarm`.
 """
 
 from __future__ import annotations
