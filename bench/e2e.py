@@ -1,7 +1,7 @@
 """End-to-end benchmark: whole GRPO runs of the launcher, side by side, one fresh process per run.
 
     python -m bench.e2e --preset smoke|full --out PATH      (smoke ~7 min here, full ~20; full for the README)
-                        [--systems sync fastest_of_n ...] [--repeats N] [--staleness S]
+                        [--systems sync fastest_of_n ...] [--repeats N] [--staleness S] [--set KEY=VALUE ...]
 
 Systems, fixed before the run, in this order, each `launch.py --config grpo_tiny` with the same seed:
 - `sync`: rollout, then train, then the next rollout (`algorithm.max_staleness: 0`: an actor starts a step's groups
@@ -43,6 +43,7 @@ import tempfile
 from pathlib import Path
 
 from bench.stats import paired
+from configs.load import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = {
@@ -199,13 +200,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, help="override the preset's number of interleaved repeats")
     parser.add_argument("--staleness", type=int, default=1,
                         help="algorithm.max_staleness of the asynchronous systems (sync always runs at 0)")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="config overrides for every system, after the preset's (e.g. learner.lr=3e-4)")
     args = parser.parse_args(argv)
     if args.staleness < 1:  # 0 is `sync`'s schedule: the asynchronous systems would not be asynchronous
         parser.error(f"--staleness must be 1 or more, got {args.staleness}")
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats must be 1 or more, got {args.repeats}")
     preset = {**PRESETS[args.preset], **({"repeats": args.repeats} if args.repeats else {})}
+    preset["overrides"] = [*preset["overrides"], *args.set]
     names = [name for name in SYSTEMS if name == "sync" or name in args.systems]
+    for name in names:  # a misspelt --set key fails here, naming it, not minutes into the benchmark
+        replay = ["speculation.options.path=replay.json"] if name == "oracle" else []  # written during the run
+        try:
+            load_config("grpo_tiny", [*preset["overrides"], *system_overrides(name, args.staleness), *replay])
+        except ConfigError as e:
+            parser.error(f"--set: {e}")
     runs: dict[str, list[dict]] = {name: [] for name in names}
     log = args.out.with_suffix(".log")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -75,6 +75,15 @@ def test_end_to_end_benchmark_refuses_bad_arguments_by_name_before_any_run(flag,
     assert e.value.code == 2 and flag in capsys.readouterr().err
 
 
+def test_end_to_end_benchmark_refuses_a_misspelt_set_key_by_name_before_any_run(capsys):
+    from bench.e2e import main as e2e
+
+    with pytest.raises(SystemExit) as e:
+        e2e(["--preset", "smoke", "--out", "/nonexistent/never-written.json", "--systems", "oracle",
+             "--set", "learner.lrr=3e-4"])
+    assert e.value.code == 2 and "learner.lrr" in capsys.readouterr().err
+
+
 def test_every_end_to_end_system_is_a_valid_run_config():
     """bench.e2e launches each system as grpo_tiny plus overrides: every combination must pass the launcher's
     config checks (a misspelt key would only surface minutes into the benchmark)."""
