@@ -20,7 +20,9 @@ machine without vLLM can check (the coupled sampler, verification against plain 
    sequences decoded alone (batch 1), in bf16 and fp32: how often batching alone changes a token, the scale against
    which `verify_vs_decode`'s flips are read (a rollout engine batches requests whether or not it speculates).
 5. `distiller`: one step of `learner/distill.py` (128 trajectories of grpo_tiny-like lengths) on the GPU
-   (`speculation.distill.num_gpus` > 0) against one CPU thread (the default, idle-scheduled actor).
+   (`speculation.distill.num_gpus` > 0) against one CPU thread (the default, idle-scheduled actor), with the
+   built-in draft LM and with each `--draft-shapes` HIDDEN,LAYERS one (a Qwen3 of that shape with the built-in
+   draft LM's tokenizer, random weights: what a larger draft LM costs to distil, not what it learns).
 """
 
 from __future__ import annotations
@@ -215,14 +217,38 @@ def group_vs_alone(model, prompts: list[list[int]], eos: int, max_tokens: int, t
     return {"groups": len(prompts), "group_size": group, **compared(pairs)}
 
 
-def distiller_step(device: str, steps: int) -> dict:
+def draft_of_shape(hidden: int, layers: int, directory: Path) -> int:
+    """Writes a Qwen3 draft LM of `hidden` x `layers` (heads of 64, a quarter as many key-value heads, MLP 3x wide;
+    random weights) with the built-in draft LM's tokenizer to `directory`; returns its parameter count."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from models.zoo import resolve
+
+    builtin = resolve("builtin:draft")
+    heads = max(1, hidden // 64)
+    config = AutoConfig.from_pretrained(str(builtin))
+    config.hidden_size, config.num_hidden_layers, config.intermediate_size = hidden, layers, 3 * hidden
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = heads, max(1, heads // 4), 64
+    config.layer_types = ["full_attention"] * layers
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(builtin / name, directory / name)
+    return sum(p.numel() for p in model.parameters())
+
+
+def distiller_step(device: str, steps: int, draft: Path | None = None) -> dict:
     from configs.load import load_config
     from learner.distill import DraftDistiller, observed
     from learner.grpo import Packed
     from transport.messages import Trajectory
 
     gpu = ["cluster.device=cuda", "speculation.distill.num_gpus=0.5"] if device == "cuda" else []
-    cfg = load_config("grpo_tiny", ["speculation.method=draft_lm", "speculation.distill.every_versions=2", *gpu])
+    model = [f"speculation.options.model={draft}"] if draft else []
+    cfg = load_config("grpo_tiny", ["speculation.method=draft_lm", "speculation.distill.every_versions=2", *gpu,
+                                    *model])
     torch.set_num_threads(1)  # the CPU distiller's actor runs one thread
     distiller = DraftDistiller(cfg)
     rng = random.Random(0)
@@ -245,7 +271,7 @@ def distiller_step(device: str, steps: int) -> dict:
         begin = time.perf_counter()
         metrics = distiller.step(version, batches)
         seconds.append(time.perf_counter() - begin)
-    return {"device": device, "trajectories_per_step": 128, "steps": steps,
+    return {"device": device, "draft": str(draft or "builtin:draft"), "trajectories_per_step": 128, "steps": steps,
             "step_s_median_after_first": statistics.median(seconds[1:]), "step_s": seconds,
             "last_replayed_acceptance": metrics["draft/replayed_acceptance"]}
 
@@ -263,7 +289,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="verify/group: the transformers attention implementation")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                         help="which measurements to run (default: all)")
+    parser.add_argument("--draft-shapes", nargs="*", default=[], metavar="HIDDEN,LAYERS",
+                        help="distiller: larger draft LMs to time beside the built-in one (e.g. 512,4 1024,8)")
     args = parser.parse_args(argv)
+    try:
+        shapes = [tuple(int(x) for x in shape.split(",")) for shape in args.draft_shapes]
+    except ValueError:
+        shapes = [()]
+    if any(len(shape) != 2 or min(shape) < 1 for shape in shapes):
+        parser.error(f"--draft-shapes: each is HIDDEN,LAYERS (two positive integers), got {args.draft_shapes}")
     if not torch.cuda.is_available():
         print("bench.gpu_torch needs a CUDA GPU; this machine has none (torch.cuda.is_available() is False)",
               file=sys.stderr)
@@ -321,6 +355,14 @@ def main(argv: list[str] | None = None) -> int:
         result["distiller"] = [distiller_step(device, 3 if quick else 5) for device in ("cuda", "cpu")]
         for row in result["distiller"]:
             print("distiller", row, flush=True)
+        for hidden, layers in shapes:
+            with tempfile.TemporaryDirectory() as tmp:
+                parameters = draft_of_shape(hidden, layers, Path(tmp))
+                for device in ("cuda", "cpu"):
+                    row = {**distiller_step(device, 2, Path(tmp)), "draft": f"{hidden},{layers}",
+                           "parameters": parameters}
+                    result["distiller"].append(row)
+                    print("distiller", row, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print("wrote", args.out)

@@ -31,6 +31,29 @@ def test_the_gpu_torch_benchmark_exits_at_once_without_cuda(capsys):
     assert "\n" not in err and "bench.gpu_torch" in err and "CUDA" in err
 
 
+@pytest.mark.parametrize("shape", ["512", "512,x", "0,4"])
+def test_the_gpu_torch_benchmark_refuses_a_bad_draft_shape_by_name(shape, capsys):
+    from bench import gpu_torch
+
+    with pytest.raises(SystemExit) as e:
+        gpu_torch.main(["--out", "/nonexistent/never-written.json", "--draft-shapes", "256,2", shape])
+    assert e.value.code == 2 and "--draft-shapes" in capsys.readouterr().err
+
+
+def test_a_draft_of_a_given_shape_is_a_draft_lm_the_distiller_loads(tmp_path):
+    """bench.gpu_torch times the distiller on larger draft LMs: one written by `draft_of_shape` has that shape,
+    the built-in draft LM's tokenizer, and loads as `speculation.options.model`."""
+    from bench.gpu_torch import draft_of_shape
+    from configs.load import load_config
+    from learner.distill import DraftDistiller
+
+    parameters = draft_of_shape(128, 3, tmp_path)
+    cfg = load_config("grpo_tiny", ["speculation.method=draft_lm", f"speculation.options.model={tmp_path}"])
+    model = DraftDistiller(cfg).model
+    assert (model.config.hidden_size, model.config.num_hidden_layers) == (128, 3)
+    assert sum(p.numel() for p in model.parameters()) == parameters and (tmp_path / "tokenizer.json").exists()
+
+
 def test_gpu_preset_runs_the_long_tail_workload_with_a_wider_sweep():
     assert PRESETS["gpu"]["ops"] == PRESETS["longtail"]["ops"] and PRESETS["gpu"]["device"] == "cuda"
     assert max(PRESETS["gpu"]["sweep"]) > max(PRESETS["longtail"]["sweep"])
