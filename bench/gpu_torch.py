@@ -217,6 +217,17 @@ def group_vs_alone(model, prompts: list[list[int]], eos: int, max_tokens: int, t
     return {"groups": len(prompts), "group_size": group, **compared(pairs)}
 
 
+def draft_shape(text: str) -> tuple[int, int]:
+    """`--draft-shapes` HIDDEN,LAYERS: two positive integers."""
+    try:
+        hidden, layers = (int(x) for x in text.split(","))
+    except ValueError:
+        hidden = layers = 0
+    if min(hidden, layers) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HIDDEN,LAYERS (two positive integers)")
+    return hidden, layers
+
+
 def draft_of_shape(hidden: int, layers: int, directory: Path) -> int:
     """Writes a Qwen3 draft LM of `hidden` x `layers` (heads of 64, a quarter as many key-value heads, MLP 3x wide;
     random weights) with the built-in draft LM's tokenizer to `directory`; returns its parameter count."""
@@ -289,15 +300,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="verify/group: the transformers attention implementation")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                         help="which measurements to run (default: all)")
-    parser.add_argument("--draft-shapes", nargs="*", default=[], metavar="HIDDEN,LAYERS",
+    parser.add_argument("--draft-shapes", nargs="*", default=[], type=draft_shape, metavar="HIDDEN,LAYERS",
                         help="distiller: larger draft LMs to time beside the built-in one (e.g. 512,4 1024,8)")
     args = parser.parse_args(argv)
-    try:
-        shapes = [tuple(int(x) for x in shape.split(",")) for shape in args.draft_shapes]
-    except ValueError:
-        shapes = [()]
-    if any(len(shape) != 2 or min(shape) < 1 for shape in shapes):
-        parser.error(f"--draft-shapes: each is HIDDEN,LAYERS (two positive integers), got {args.draft_shapes}")
     if not torch.cuda.is_available():
         print("bench.gpu_torch needs a CUDA GPU; this machine has none (torch.cuda.is_available() is False)",
               file=sys.stderr)
@@ -355,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         result["distiller"] = [distiller_step(device, 3 if quick else 5) for device in ("cuda", "cpu")]
         for row in result["distiller"]:
             print("distiller", row, flush=True)
-        for hidden, layers in shapes:
+        for hidden, layers in args.draft_shapes:
             with tempfile.TemporaryDirectory() as tmp:
                 parameters = draft_of_shape(hidden, layers, Path(tmp))
                 for device in ("cuda", "cpu"):
