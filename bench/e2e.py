@@ -72,6 +72,13 @@ def system_overrides(system: str, staleness: int) -> list[str]:
     return SYSTEMS[system] if synchronous else [f"algorithm.max_staleness={staleness}", *SYSTEMS[system]]
 
 
+def system_config(system: str, overrides: list[str], staleness: int):
+    """The launcher's config of `system` over `overrides` (the oracle's replay file, written during the benchmark,
+    named by a placeholder): a system checked before any run starts."""
+    replay = ["speculation.options.path=replay.json"] if system == "oracle" else []
+    return load_config("grpo_tiny", [*overrides, *system_overrides(system, staleness), *replay])
+
+
 def oracle_replay(sync_logdir: Path, path: Path) -> str:
     """Writes bench/oracle.py's replay of a `sync` run ({seed: response tokens}, from its logging.rollouts) to `path`;
     returns the override that points the oracle at it."""
@@ -211,9 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
     preset["overrides"] = [*preset["overrides"], *args.set]
     names = [name for name in SYSTEMS if name == "sync" or name in args.systems]
     for name in names:  # a misspelt --set key fails here, naming it, not minutes into the benchmark
-        replay = ["speculation.options.path=replay.json"] if name == "oracle" else []  # written during the run
         try:
-            load_config("grpo_tiny", [*preset["overrides"], *system_overrides(name, args.staleness), *replay])
+            system_config(name, preset["overrides"], args.staleness)
         except ConfigError as e:
             parser.error(f"--set: {e}")
     runs: dict[str, list[dict]] = {name: [] for name in names}

@@ -110,15 +110,12 @@ def test_end_to_end_benchmark_refuses_a_misspelt_set_key_by_name_before_any_run(
 def test_every_end_to_end_system_is_a_valid_run_config():
     """bench.e2e launches each system as grpo_tiny plus overrides: every combination must pass the launcher's
     config checks (a misspelt key would only surface minutes into the benchmark)."""
-    from bench.e2e import PRESETS, SYSTEMS, system_overrides
-    from configs.load import load_config
+    from bench.e2e import PRESETS, SYSTEMS, system_config
 
     assert list(SYSTEMS) == ["sync", "async", "frozen", "distilled", "fastest_of_n", "oracle"]  # the issue's order
-    replay = ["speculation.options.path=replay.json"]  # the oracle's, written during the benchmark
     for preset, staleness in itertools.product(PRESETS.values(), (1, 2)):
         for name in SYSTEMS:
-            cfg = load_config("grpo_tiny", [*preset["overrides"], *system_overrides(name, staleness),
-                                            *(replay if name == "oracle" else [])])
+            cfg = system_config(name, preset["overrides"], staleness)
             assert cfg.algorithm.max_staleness == (0 if name in ("sync", "oracle") else staleness)
             assert cfg.trainer.deterministic == (name in ("sync", "oracle"))
             assert cfg.logging.rollouts == (name == "sync")
