@@ -42,13 +42,17 @@ _SEED_KEY, _POSITION_KEY = _signed(0x9E3779B97F4A7C15), _signed(0xD1B54A32D192ED
 
 
 def _shift_right(x: torch.Tensor, s: int) -> torch.Tensor:
-    return (x >> s) & ((1 << (64 - s)) - 1)  # logical shift on int64 (torch shifts arithmetically)
+    return (x >> s).bitwise_and_((1 << (64 - s)) - 1)  # logical shift on int64 (torch shifts arithmetically)
 
 
-def _mix(z: torch.Tensor) -> torch.Tensor:
-    z = (z ^ _shift_right(z, 30)) * _MUL1  # int64 products wrap identically on CPU and GPU
-    z = (z ^ _shift_right(z, 27)) * _MUL2
-    return z ^ _shift_right(z, 31)
+def _mix_(z: torch.Tensor) -> torch.Tensor:
+    """The splitmix64 finaliser of every element of `z`, in place (and returned): the noise makes [rows, vocab] of
+    these, and a fresh tensor per operation (~1 MB each at a verify step's 384 rows) cost more than the arithmetic."""
+    for shift, factor in ((30, _MUL1), (27, _MUL2), (31, None)):
+        z ^= _shift_right(z, shift)
+        if factor is not None:
+            z *= factor  # int64 products wrap identically on CPU and GPU
+    return z
 
 
 UNIFORM_BITS = 53
@@ -58,27 +62,32 @@ def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
     """`UNIFORM_BITS` uniform bits -> float64 strictly inside (0, 1). (bits + 0.5) / 2^53 rounds to exactly 1.0 for
     the largest draws, where -log(-log(u)) is +inf (and -inf + inf = NaN on a masked token); those are clamped to
     the largest float64 below 1, leaving every other draw as it was."""
-    return ((bits.double() + 0.5) * 2.0**-UNIFORM_BITS).clamp(max=1.0 - 2.0**-53)
+    u = bits.double()
+    u += 0.5
+    u *= 2.0**-UNIFORM_BITS
+    return u.clamp_(max=1.0 - 2.0**-53)
 
 
 def noise_bits(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[rows, vocab] int64 holding `UNIFORM_BITS` random bits, row r a function of (seeds[r], positions[r]) alone:
     integer ops only, so they are bit for bit the same on every device."""
-    row = _mix(_mix(seeds.long() * _SEED_KEY) ^ (positions.long() * _POSITION_KEY))
+    row = _mix_(_mix_(seeds.long() * _SEED_KEY) ^ (positions.long() * _POSITION_KEY))
     tokens = torch.arange(vocab_size, device=seeds.device, dtype=torch.long)
-    return _shift_right(_mix(row.unsqueeze(1) ^ tokens.unsqueeze(0)), 64 - UNIFORM_BITS)
+    bits = _mix_(row.unsqueeze(1) ^ tokens.unsqueeze(0))
+    bits >>= 64 - UNIFORM_BITS
+    return bits.bitwise_and_((1 << UNIFORM_BITS) - 1)
 
 
 def gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[rows, vocab] float64 Gumbel(0, 1) noise, always finite; row r depends only on (seeds[r], positions[r]).
     Its bits are device-independent; the float64 logs may differ by an ulp between devices' math libraries."""
-    return -torch.log(-torch.log(uniform_from_bits(noise_bits(seeds, positions, vocab_size))))
+    return uniform_from_bits(noise_bits(seeds, positions, vocab_size)).log_().neg_().log_().neg_()
 
 
 _MASK = (1 << 64) - 1
 
 
-def _mix_int(z: int) -> int:  # `_mix` on one unsigned 64-bit Python int
+def _mix_int(z: int) -> int:  # `_mix_` on one unsigned 64-bit Python int
     z = ((z ^ (z >> 30)) * (_MUL1 & _MASK)) & _MASK
     z = ((z ^ (z >> 27)) * (_MUL2 & _MASK)) & _MASK
     return z ^ (z >> 31)
@@ -128,6 +137,8 @@ def processed_logits(
     logits = logits.float()
     greedy = temperature < GREEDY_BELOW
     scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1).to(logits.dtype)
+    if top_k is None and top_p is None:
+        return scaled
     return torch.where(greedy.unsqueeze(1), scaled, mask_top_k_top_p(scaled, top_k, top_p))
 
 
@@ -172,7 +183,7 @@ def coupled_draft(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Te
 
 
 def _noisy_argmax(masked: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    return (masked.double() + gumbel(seeds, positions, masked.shape[-1])).argmax(dim=-1)
+    return gumbel(seeds, positions, masked.shape[-1]).add_(masked).argmax(dim=-1)
 
 
 class _Fused:
@@ -206,7 +217,9 @@ def _noisy_top(masked: torch.Tensor, seeds: torch.Tensor, positions: torch.Tenso
     On a GPU noise is made for every row, greedy ones too: finding the sampled rows would be a host
     synchronisation. On the CPU, where it costs nothing, only the sampled rows get noise."""
     greedy = temperature < GREEDY_BELOW
-    tokens = masked.argmax(dim=-1)
+    # the plain argmax is the greedy rows' sample; on the CPU it is skipped when every row samples
+    tokens = masked.argmax(dim=-1) if masked.is_cuda or bool(greedy.any()) else \
+        torch.empty(masked.shape[0], dtype=torch.long, device=masked.device)
     lead = None
     if margins:
         top = masked.topk(min(2, masked.shape[-1]), dim=-1).values.double()
