@@ -83,7 +83,7 @@ class RolloutPool:
             ray.get(self.runs[i])
             error = "its run() returned"
         except Exception as e:  # noqa: BLE001 -- any failure of the actor is handled the same way
-            error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+            error = one_line(e)
         while True:
             if self.restarts == self.cfg.rollout.max_restarts:
                 raise RuntimeError(f"rollout actor {i} stopped ({error}) after {self.restarts} restarts "
@@ -98,7 +98,7 @@ class RolloutPool:
             except ray.exceptions.RayError as e:  # it died, or the deadline passed (GetTimeoutError)
                 print(f"rollout actor {i} stopped ({error}); replacement {self.restarts} failed to catch up",
                       file=sys.stderr)
-                error = f"replacement {self.restarts} catching up: {type(e).__name__}: {str(e).splitlines()[0]}"
+                error = f"replacement {self.restarts} catching up: {one_line(e)}"
         print(f"rollout actor {i} stopped ({error}); replacement {self.restarts} runs weights v{target} from data "
               f"cursor {self.plan.cursor(i, first_k)}", file=sys.stderr)
         self.runs[i] = actor.run.remote()
@@ -114,6 +114,23 @@ class RolloutPool:
         return target
 
     def stop(self, timeout_s: float) -> list[dict]:
+        """Each actor's summary or, for one that died (the last failed replacement of a run that ran out of
+        `rollout.max_restarts`, say) or does not answer within `timeout_s`, `{"actor": i, "error": ...}`: never
+        raised, so that the error that ended the run is the one its console shows last."""
         for a in self.actors:
             a.stop.remote()
-        return ray.get(self.runs, timeout=timeout_s)
+        deadline, summaries = time.monotonic() + timeout_s, []
+        for i, run in enumerate(self.runs):
+            try:
+                summaries.append(ray.get(run, timeout=max(0.0, deadline - time.monotonic())))
+            except ray.exceptions.RayError as e:
+                summaries.append({"actor": i, "error": one_line(e)})
+        return summaries
+
+
+def one_line(e: BaseException) -> str:
+    """An actor's failure in one line: the exception its task raised (not Ray's wrapper, whose first line is the
+    task's process title), or Ray's own error (the actor died, a timeout)."""
+    if isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None:
+        e = e.cause
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"

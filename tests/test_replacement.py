@@ -4,6 +4,7 @@ stops naming the limit. Each replacement re-issues the dead actor's work (rank 0
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -46,12 +47,16 @@ class StandIn:
 
     def __init__(self, *args, incarnation: int, keys, behaviour: dict[int, str]):
         self.what = behaviour.get(incarnation, "healthy")
+        self.stopping = threading.Event()
 
     def run(self) -> dict:
         if self.what == "fails":
             raise RuntimeError("engine died")
-        time.sleep(3600)
-        return {}
+        self.stopping.wait(3600)
+        return {"groups": 1}
+
+    def stop(self) -> None:
+        self.stopping.set()
 
     def wait_for_version(self, version: int, timeout_s: float) -> int:
         if self.what == "dies":
@@ -120,6 +125,22 @@ def test_an_actor_silent_past_the_stall_timeout_is_stopped_and_replaced(local_ra
     assert p.restarts == restarts and ray.get(p.learners.rank0.count.remote()) == restarts
     assert (p.actors[0] is hung) == (restarts == 0)
     ray.kill(p.actors[0])
+
+
+def test_stopping_reports_a_dead_actor_instead_of_raising_over_the_error_that_ended_the_run(local_ray):
+    """The run ran out of `rollout.max_restarts` (the error the user must read); the close that follows stops the
+    actors, one of which is dead: its summary is an error entry, the healthy one's is its own."""
+    p = pool({0: "fails"}, 0, "rollout.num_actors=2")
+    with pytest.raises(RuntimeError, match=r"after 0 restarts"):
+        p.replace(0)
+    p.restarts = 1  # stand-ins behave by incarnation: the second actor is spawned as a healthy incarnation 1
+    p.actors.append(p.spawn(1, first_k=0))
+    p.runs.append(p.actors[1].run.remote())
+    summaries = p.stop(timeout_s=30)
+    assert summaries[0]["actor"] == 0 and "engine died" in summaries[0]["error"]
+    assert summaries[1] == {"groups": 1}
+    ray.kill(p.actors[0])
+    ray.kill(p.actors[1])
 
 
 def test_the_summary_is_written_even_when_stopping_the_actors_fails(tmp_path):
