@@ -12,7 +12,6 @@ histories, never copies."""
 
 from __future__ import annotations
 
-import math
 import operator
 import time
 
@@ -80,19 +79,20 @@ class DrafterBridge:
         if self.max_batch and len(req_ids) > self.max_batch:  # the configured bound: no drafting above it
             committed_rows = []
         budgets, explore = [self.k] * len(committed_rows), self.undrafted_steps >= EXPLORE_EVERY
+        lengths = num_tokens_no_spec[: len(req_ids)].tolist()  # plain ints: a numpy scalar per request costs more
         if self.planning:
-            unseen = [int(num_tokens_no_spec[row]) - self.shown.get(req_ids[row], 0) for row in committed_rows]
+            unseen = [lengths[row] - self.shown.get(req_ids[row], 0) for row in committed_rows]
             rates = self.acceptance.rates([req_ids[row] for row in committed_rows])
             budgets, _ = plan(geometric(rates, self.k), len(req_ids), self.step_cost,
                               self.draft_cost, explore=explore, unseen=unseen)
-        requests = []
+        requests, prompt_lengths = [], batch.num_prompt_tokens[: len(req_ids)].tolist()
         for row, budget in zip(committed_rows, budgets):
             if budget == 0:  # rows without a committed token (partial prefill) have nothing to draft from either
                 continue
-            length, req_id = int(num_tokens_no_spec[row]), req_ids[row]
+            length, req_id = lengths[row], req_ids[row]
             params = runner.requests[req_id].sampling_params
             requests.append((row, DraftRequest(
-                request_id=req_id, seed=sampler.seed_of(req_id), position=length - int(batch.num_prompt_tokens[row]),
+                request_id=req_id, seed=sampler.seed_of(req_id), position=length - prompt_lengths[row],
                 token_ids=token_ids_cpu[row, :length], temperature=params.temperature, top_k=params.top_k,
                 top_p=params.top_p, max_tokens=budget)))
         if requests:
@@ -170,22 +170,22 @@ class DrafterBridge:
 def confidences_for(values, tokens: int, drafter: str) -> list[float]:
     """A plugin's confidences for a proposal of `tokens` tokens as floats in [0, 1] (NaN counts as 0)."""
     try:
-        floats = [float(v) for v in values[:tokens]]
+        floats = list(map(float, values[:tokens]))
     except (TypeError, ValueError) as e:
         raise RuntimeError(f"drafter {drafter}: confidences must be numbers, got {values!r}") from e
     if len(floats) < tokens:
         raise RuntimeError(f"drafter {drafter}: {len(floats)} confidences for a proposal of {tokens} tokens "
                            "(drafters/base.py: one per draft token)")
-    return [0.0 if math.isnan(v) else min(max(v, 0.0), 1.0) for v in floats]
+    return [v if 0.0 <= v <= 1.0 else (1.0 if v > 1.0 else 0.0) for v in floats]  # NaN fails every comparison: 0
 
 
 def token_ids_within(proposal, vocab_size: int) -> list[int] | None:
     """`proposal` as plain ints when every one is an integer id in [0, vocab_size); None otherwise."""
     try:
-        ids = [operator.index(t) for t in proposal]
+        ids = list(map(operator.index, proposal))
     except TypeError:
         return None
-    return ids if all(0 <= t < vocab_size for t in ids) else None
+    return ids if not ids or (min(ids) >= 0 and max(ids) < vocab_size) else None
 
 
 def swap_draft_weights(worker, weights: list) -> bool:

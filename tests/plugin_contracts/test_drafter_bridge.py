@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from actor.draft_bridge import DrafterBridge
+from actor.draft_bridge import DrafterBridge, confidences_for
 from actor.vllm_hooks import CoupledSampling, SpecCounts
 from drafters.base import Drafter
 from drafters.calibration import EDGES
@@ -140,3 +140,12 @@ def test_confidences_that_do_not_rate_every_draft_token_stop_the_engine_with_the
     b, _ = bridge(Rated([[1, 2]], [[0.5]]), ["a-1"])
     with pytest.raises(RuntimeError, match="Rated: 1 confidences for a proposal of 2 tokens"):
         propose(b, [[5]])
+
+
+def test_confidences_are_read_as_probabilities_and_non_numbers_stop_the_engine_with_the_drafters_name():
+    """Out of [0, 1] is clamped, NaN counts as 0 (never as sure), numpy and int values are read as floats; extra
+    confidences past the proposal are ignored."""
+    assert confidences_for([float("nan"), -0.5, 1.7, np.float32(0.25), 1, 0.9], 5, "D") == [0.0, 0.0, 1.0, 0.25, 1.0]
+    for bad in (["sure"], [None], [[0.5]]):
+        with pytest.raises(RuntimeError, match="drafter D: confidences must be numbers"):
+            confidences_for(bad, 1, "D")
