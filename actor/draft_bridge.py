@@ -35,7 +35,8 @@ class DrafterBridge:
         self.shown: dict[str, int] = {}  # per request, the history length in its last proposal (the drafter's view)
         self.predicted, self.undrafted_steps = 0.0, 0  # the planner's engine seconds for this step; steps undrafted
         self.step_end: float | None = None  # when the last propose() returned: the next step's engine time starts
-        self.seconds = self.drafter_seconds = 0.0  # in propose(), and of that in the drafter (a benchmark's profile)
+        # in propose(), and of that in the drafter's propose(), commit() and remove() (a benchmark's profile)
+        self.seconds = self.drafter_seconds = 0.0
 
     def load_model(self, *args, **kwargs) -> None:  # vLLM hands over the target model; drafters bring their own
         pass
@@ -61,8 +62,11 @@ class DrafterBridge:
         # a request out of this step's batch may only be waiting (unscheduled, preempted by a weight update): its
         # drafter state is dropped once vLLM no longer holds it (finished or aborted)
         self.known.update(req_ids)
+        plugin = 0.0  # seconds in the drafter's remove() and commit(): its own, not the bridge's (the profile)
         for gone in [r for r in self.known - set(req_ids) if r not in runner.requests]:
+            called = time.perf_counter()
             self.drafter.remove(gone)
+            plugin += time.perf_counter() - called
             self.acceptance.remove(gone)
             self.shown.pop(gone, None)
             self.known.discard(gone)
@@ -73,7 +77,10 @@ class DrafterBridge:
             req_id, committed = req_ids[row], list(sampled_token_ids[row])
             if req_id in self.verifying:
                 self._learn(req_id, committed)
+            called = time.perf_counter()
             self.drafter.commit(req_id, committed)
+            plugin += time.perf_counter() - called
+        self.drafter_seconds += plugin
         self.verifying = {}
         drafts: list[list[int]] = [[] for _ in req_ids]
         if self.max_batch and len(req_ids) > self.max_batch:  # the configured bound: no drafting above it

@@ -255,8 +255,8 @@ def take_spec_counts(worker, req_ids: list[str]) -> dict[str, SpecCounts]:
 
 
 def profile(worker) -> dict[str, float]:
-    """Seconds spent so far in the coupled sampler, in the drafter bridge (histories, ids, commits) and in the
-    drafter itself; zeros for hooks that are not installed."""
+    """Seconds spent so far in the coupled sampler, in the drafter bridge (ids, acceptance, the planner) and in the
+    drafter plugin itself (its proposals, commits and removals); zeros for hooks that are not installed."""
     runner = worker.model_runner
     bridge = getattr(runner, "drafter", None)
     drafting = isinstance(bridge, DrafterBridge)

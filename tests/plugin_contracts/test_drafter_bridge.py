@@ -3,6 +3,7 @@ for vLLM's model runner: commits always arrive, even on steps where the bridge d
 ids outside the vocabulary never reach the engine (dropped and counted, the run goes on), and the draft planner
 learns each request's acceptance from what the verifier committed and withholds drafts where they cannot pay."""
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -149,3 +150,16 @@ def test_confidences_are_read_as_probabilities_and_non_numbers_stop_the_engine_w
     for bad in (["sure"], [None], [[0.5]]):
         with pytest.raises(RuntimeError, match="drafter D: confidences must be numbers"):
             confidences_for(bad, 1, "D")
+
+
+def test_a_drafters_commits_count_as_its_own_time_not_the_bridges():
+    """The per-step profile (bench.rollout, bench.exactness) splits the bridge's work from the plugin's: a drafter
+    whose commit() is slow shows up as drafter time."""
+
+    class SlowCommits(Recording):
+        def commit(self, request_id, committed):
+            time.sleep(0.05)
+
+    b, _ = bridge(SlowCommits([[1], [2]]), ["a-1", "b-1"], max_batch=1)  # no drafting: only the commits
+    propose(b, [[5], [6]])
+    assert b.drafter_seconds >= 0.1 and b.seconds - b.drafter_seconds < 0.05
