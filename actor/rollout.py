@@ -25,7 +25,7 @@ from actor.draft_bridge import swap_draft_weights
 from actor.vllm_hooks import SpecCounts, apply_weights, take_spec_counts
 from sampling.coupled import group_seed
 from tasks.dataset import eval_set, open_dataset
-from tasks.reward import score
+from tasks.reward import length_penalized, score
 from tasks.schedule import CursorPlan
 from transport.auth import ClientKeys
 from transport.messages import SCHEMA_VERSION, Heartbeat, Trajectory, WeightAck
@@ -195,7 +195,9 @@ class RolloutActor:
             logprobs = [completion.logprobs[j][t].logprob for j, t in enumerate(ids)]
             sent = self._send(Trajectory(
                 SCHEMA_VERSION, self.actor_id, self.seq, sample.cursor, len(group), sample.index,
-                sample.prompt_ids, ids, logprobs, sample.versions, score(completion.text, problem.answer).reward,
+                sample.prompt_ids, ids, logprobs, sample.versions,
+                length_penalized(score(completion.text, problem.answer).reward, len(ids), self.cfg.rollout.max_tokens,
+                                 self.cfg.algorithm.length_penalty),
                 completion.finish_reason or "length", time.time() - sample.start, spec.verify_steps,
                 spec.draft_tokens, spec.accepted_tokens, spec.draft_seconds, spec.planned_steps,
                 spec.planned_tokens, spec.cost_error, spec.choices,

@@ -113,6 +113,7 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
         ("algorithm.clip_low", 0 < cfg.algorithm.clip_low < 1, "must be in (0, 1)"),
         ("algorithm.clip_high", cfg.algorithm.clip_high > 0, "must be > 0"),
         ("algorithm.kl_coef", cfg.algorithm.kl_coef >= 0, "must be >= 0"),
+        ("algorithm.length_penalty", 0 <= cfg.algorithm.length_penalty <= 1, "must be in [0, 1]"),
         ("seed", 0 <= cfg.seed < 1 << 63, "must be in [0, 2^63)"),
         ("transport.trajectory_queue", cfg.transport.trajectory_queue >= 1, "must be >= 1"),
         ("transport.max_message_mib", 1 <= cfg.transport.max_message_mib <= 1024,

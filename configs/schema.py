@@ -137,6 +137,9 @@ class AlgorithmConfig:
     kl_coef: float = 0.0  # > 0: k3 KL penalty to a frozen reference policy (the run's starting weights); rl/kl
     normalize_advantage_std: bool = True  # False: Dr.GRPO's unscaled group advantages
     loss_aggregation: LossAggregation = LossAggregation.seq_mean_token_mean
+    # a correct answer's reward is 1 - length_penalty x (its tokens / rollout.max_tokens): RL learns to answer shorter
+    # (tasks/reward.length_penalized); held-out evaluation scores correctness alone
+    length_penalty: float = 0.0
 
 
 @dataclass

@@ -40,17 +40,20 @@ def make_model(arch: ArchSpec, vocab_size: int, eos_id: int, max_position: int) 
 
 def build_all(recipe: Recipe, out: Path, log=print) -> dict:
     torch.set_num_threads(os.cpu_count() or 1)
-    task = ArithmeticTask(seed=recipe.data_seed, max_ops=recipe.max_ops, max_operand=recipe.max_operand)
+    task = ArithmeticTask(seed=recipe.data_seed, max_ops=recipe.max_ops, max_operand=recipe.max_operand,
+                          wording=recipe.wording)
     corpus = [p.prompt + format_completion(p.solution) for p in (task[i] for i in range(4000))]
     tokenizer = train_tokenizer(corpus, recipe.vocab_size)
     report: dict = {"recipe": json.loads(json.dumps(recipe.__dict__, default=lambda o: o.__dict__)),
                     "key": recipe.key(), "models": {}}
-    plan: list[tuple[str, ArchSpec, SftSpec]] = [
+    plan: list[tuple[str, ArchSpec | None, SftSpec]] = [
         ("dense", recipe.dense, recipe.policy_sft),
         ("moe", recipe.moe, recipe.policy_sft),
         ("draft", recipe.draft, recipe.draft_sft),
     ]
     for name, arch, sft in plan:
+        if arch is None:  # not in this recipe
+            continue
         torch.manual_seed(sft.seed)
         model = make_model(arch, len(tokenizer), tokenizer.eos_token_id, recipe.max_position)
         params = sum(p.numel() for p in model.parameters())

@@ -47,7 +47,7 @@ class Recipe:
     vocab_size: int = 320
     max_position: int = 1024
     dense: ArchSpec = field(default_factory=lambda: ArchSpec(hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384))
-    moe: ArchSpec = field(
+    moe: ArchSpec | None = field(  # None: no MoE policy in this recipe
         default_factory=lambda: ArchSpec(
             hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384, experts=4, experts_per_token=2,
             expert_intermediate=192,
@@ -58,7 +58,17 @@ class Recipe:
     # so GRPO has both signal and room to improve.
     policy_sft: SftSpec = field(default_factory=lambda: SftSpec(steps=1200, lr=3e-3))
     draft_sft: SftSpec = field(default_factory=lambda: SftSpec(steps=1200, lr=3e-3))
+    wording: float = 0.0  # the share of worked steps the SFT data writes out in words (ArithmeticTask.wording)
 
     def key(self) -> str:
-        text = json.dumps({"version": RECIPE_VERSION, **asdict(self)}, sort_keys=True)
+        fields = asdict(self)
+        if not fields["wording"]:  # added after models were built: at its default it leaves their key as it was
+            del fields["wording"]
+        text = json.dumps({"version": RECIPE_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+# The `wordy_` built-in models: policy and draft LM SFT-trained on solutions that write half of their steps in
+# words, the same questions and architectures. What RL with a length penalty (`algorithm.length_penalty`) changes
+# there is how the answers are written, the drift a draft LM frozen at the start cannot follow.
+WORDY = Recipe(wording=0.5, moe=None)

@@ -5,6 +5,8 @@
   policy and a much smaller Qwen3 draft LM, one shared tokenizer), SFT-trained on the built-in arithmetic
   task and cached under `$SPECACTOR_CACHE` (default `~/.cache/specactor`) in a directory named by the
   recipe's key; built on first use (a few minutes on 2 cores), reused after.
+- `builtin:wordy_dense`, `builtin:wordy_draft`: the same policy and draft LM SFT-trained on solutions that write
+  half of their steps in words (`models.recipe.WORDY`, a tokenizer of their own), built on first use too.
 - anything else: a local directory holding `config.json` and a tokenizer.
 """
 
@@ -17,10 +19,12 @@ import shutil
 import time
 from pathlib import Path
 
-from models.recipe import Recipe
+from models.recipe import WORDY, Recipe
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_NAMES = ("dense", "moe", "draft")
+BUILTIN_MODELS = {"dense": (Recipe(), "dense"), "moe": (Recipe(), "moe"), "draft": (Recipe(), "draft"),
+                  "wordy_dense": (WORDY, "dense"), "wordy_draft": (WORDY, "draft")}  # name: (recipe, its model)
+BUILTIN_NAMES = tuple(BUILTIN_MODELS)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -56,17 +60,18 @@ def is_built(recipe: Recipe | None = None) -> bool:
     return (builtin_dir(recipe) / "build.json").is_file()
 
 
-def resolve(spec: str, recipe: Recipe | None = None, build_if_missing: bool = True) -> Path:
+def resolve(spec: str, build_if_missing: bool = True) -> Path:
     if spec.startswith(BUILTIN_PREFIX):
         name = spec[len(BUILTIN_PREFIX):]
-        if name not in BUILTIN_NAMES:
+        if name not in BUILTIN_MODELS:
             raise ModelNotFoundError(f"unknown built-in model {spec!r}; choose one of "
                                      + ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_NAMES))
+        recipe, model = BUILTIN_MODELS[name]
         if not is_built(recipe):
             if not build_if_missing:
                 raise ModelNotFoundError("built-in models are not built yet; run `python -m models`")
             build(recipe)
-        return builtin_dir(recipe) / name
+        return builtin_dir(recipe) / model
     path = Path(spec).expanduser()
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"model path {spec!r} is not a Hugging Face checkpoint directory "

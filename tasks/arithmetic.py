@@ -10,6 +10,10 @@ have on real reasoning data.
     19+30=49
     49-5=44
     #### 44
+
+With `wording` > 0 that share of the steps is written out in words instead (`19 plus 30 makes 49`), each step's way
+drawn on its own: a worked solution of the same problem with two ways of writing a step, one twice as long in
+tokens, so that a policy SFT-trained on it can be taught by RL (a length penalty) to write otherwise.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class ArithmeticTask:
     tail_exponent: float = 1.5  # P(ops = k) is proportional to k ** -tail_exponent
     max_operand: int = 9  # one-digit operands: a small model learns the scratchpad in ~1000 SFT steps
     size: int = 0  # > 0: a training set of this many problems, repeated in epochs; 0: a new problem per cursor
+    wording: float = 0.0  # the share of worked steps written out in words (SFT data; the questions are the same)
 
     def __post_init__(self) -> None:
         if self.max_ops < 1:
@@ -35,6 +40,8 @@ class ArithmeticTask:
             raise ValueError(f"size must be >= 0, got {self.size}")
         if self.max_operand < 1:
             raise ValueError(f"max_operand must be >= 1, got {self.max_operand}")
+        if not 0.0 <= self.wording <= 1.0:
+            raise ValueError(f"wording must be in [0, 1], got {self.wording}")
 
     def num_ops_weights(self) -> list[float]:
         return [k ** -self.tail_exponent for k in range(1, self.max_ops + 1)]
@@ -56,12 +63,16 @@ class ArithmeticTask:
     def make(self, ops: int, rng: random.Random, problem_id: str) -> Problem:
         total = rng.randint(1, self.max_operand)
         question, lines = str(total), []
+        words = random.Random(f"{problem_id}:wording")  # its own draws: `wording` never changes the questions
         for _ in range(ops):
             operand = rng.randint(1, self.max_operand)
             op = "-" if operand <= total and rng.random() < 0.5 else "+"
             new_total = total + operand if op == "+" else total - operand
             question += f"{op}{operand}"
-            lines.append(f"{total}{op}{operand}={new_total}")
+            if self.wording and words.random() < self.wording:
+                lines.append(f"{total} {'plus' if op == '+' else 'minus'} {operand} makes {new_total}")
+            else:
+                lines.append(f"{total}{op}{operand}={new_total}")
             total = new_total
         lines.append(f"{ANSWER_MARK} {total}")
         return Problem(problem_id, f"{question}=?", str(total), "\n".join(lines), difficulty=ops)

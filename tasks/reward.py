@@ -52,3 +52,10 @@ def score(response: str, answer: str) -> Score:
     if got != expected:
         return Score(0.0, False, True, f"wrong answer {line.strip()} (expected {answer})")
     return Score(1.0, True, True, "")
+
+
+def length_penalized(reward: float, tokens: int, max_tokens: int, penalty: float) -> float:
+    """A correct answer's reward less `penalty` times the share of the token budget it used (`algorithm.length_penalty`;
+    a wrong answer keeps its 0): among a group's correct answers the shorter ones get the larger advantage, so RL
+    learns to write them shorter (the length rewards of efficient-reasoning RL), never to answer wrongly."""
+    return reward - penalty * min(tokens / max_tokens, 1.0) if reward > 0 else reward

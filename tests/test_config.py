@@ -69,6 +69,7 @@ def test_path_to_yaml_works(tmp_path):
     ("learner.lr=inf", ["learner.lr", "finite"]),
     ("rollout.temperature=inf", ["rollout.temperature", "finite"]),
     ("learner.grad_clip=nan", ["learner.grad_clip", "finite"]),
+    ("algorithm.length_penalty=1.5", ["algorithm.length_penalty", "[0, 1]"]),
     ("learner.grad_clip=-1", ["learner.grad_clip", ">= 0"]),
     ("learner.weight_decay=-0.1", ["learner.weight_decay", ">= 0"]),
     # a drafter's options are its constructor's keywords: a name it does not take fails here, not in the actor

@@ -1,6 +1,7 @@
 """The built-in checkpoints: Hugging Face format that vLLM and transformers both load and agree on."""
 
 import dataclasses
+import hashlib
 import json
 
 import pytest
@@ -8,7 +9,8 @@ import torch
 import transformers
 
 from actor.engine import close_engine
-from models.recipe import Recipe, SftSpec
+from models import zoo
+from models.recipe import RECIPE_VERSION, WORDY, Recipe, SftSpec
 from models.zoo import ModelNotFoundError, builtin_dir, resolve
 
 PROMPTS = ["Question: 12+7=?\nAnswer:", "Question: 50-8+33=?\nAnswer:", "Question: 9+9+9+9=?\nAnswer:", "Hello"]
@@ -67,20 +69,43 @@ def test_build_report_describes_each_model():
         assert m["loss_last"] < 0.5 * m["loss_first"], name  # SFT learned
 
 
-def test_a_new_recipe_builds_in_its_own_keyed_directory(tmp_path, monkeypatch):
+def tiny_recipes(monkeypatch, tmp_path, **changes) -> Recipe:
+    """The built-in names resolved to a recipe of 2 SFT steps (with `changes`), cached under `tmp_path`."""
     monkeypatch.setenv("SPECACTOR_CACHE", str(tmp_path))
     tiny = dataclasses.replace(Recipe(), policy_sft=SftSpec(steps=2, lr=1e-3, warmup_steps=1),
-                               draft_sft=SftSpec(steps=2, lr=1e-3, warmup_steps=1))
+                               draft_sft=SftSpec(steps=2, lr=1e-3, warmup_steps=1), **changes)
+    monkeypatch.setattr(zoo, "BUILTIN_MODELS", {name: (tiny, model) for name, (_, model) in zoo.BUILTIN_MODELS.items()})
+    return tiny
+
+
+def test_a_new_recipe_builds_in_its_own_keyed_directory(tmp_path, monkeypatch):
+    tiny = tiny_recipes(monkeypatch, tmp_path)
     assert tiny.key() != Recipe().key()
     with pytest.raises(ModelNotFoundError, match="not built yet"):
-        resolve("builtin:dense", tiny, build_if_missing=False)
-    path = resolve("builtin:moe", tiny)
+        resolve("builtin:dense", build_if_missing=False)
+    path = resolve("builtin:moe")
     assert path == tmp_path / "models" / tiny.key() / "moe"
     stamp = (path.parent / "build.json").stat().st_mtime_ns
-    assert resolve("builtin:draft", tiny) == path.parent / "draft"  # reused, not rebuilt
+    assert resolve("builtin:draft") == path.parent / "draft"  # reused, not rebuilt
     assert (path.parent / "build.json").stat().st_mtime_ns == stamp
     assert transformers.AutoConfig.from_pretrained(path).model_type == "qwen3_moe"
     with pytest.raises(ModelNotFoundError, match="unknown built-in"):
-        resolve("builtin:giant", tiny)
+        resolve("builtin:giant")
     with pytest.raises(ModelNotFoundError, match="config.json"):
         resolve(str(tmp_path))
+
+
+def test_the_wordy_models_have_their_own_recipe_key_and_tokenizer_and_no_moe(tmp_path, monkeypatch):
+    """`builtin:wordy_*` names `models.recipe.WORDY`: only the wording and the MoE differ from the default recipe
+    (whose key, and so every machine's built models, the new field leaves as it was)."""
+    assert dataclasses.replace(WORDY, wording=0.0, moe=Recipe().moe) == Recipe()
+    without = {k: v for k, v in dataclasses.asdict(Recipe()).items() if k != "wording"}
+    text = json.dumps({"version": RECIPE_VERSION, **without}, sort_keys=True)
+    assert Recipe().key() == hashlib.sha256(text.encode()).hexdigest()[:12] and WORDY.key() != Recipe().key()
+    assert zoo.BUILTIN_MODELS["wordy_dense"] == (WORDY, "dense")
+    tiny = tiny_recipes(monkeypatch, tmp_path, wording=0.5, moe=None)
+    policy = resolve("builtin:wordy_dense")
+    assert sorted(p.name for p in policy.parent.iterdir() if p.is_dir()) == ["dense", "draft"]
+    tok = transformers.AutoTokenizer.from_pretrained(policy)
+    assert len(tok(" plus", add_special_tokens=False).input_ids) == 1  # its tokenizer learnt the words
+    assert policy.parent.name == tiny.key()

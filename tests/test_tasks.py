@@ -6,7 +6,7 @@ import pytest
 from tasks.arithmetic import ArithmeticTask
 from tasks.base import ANSWER_MARK
 from tasks.jsonl import DataFormatError, JsonlDataset, load_jsonl
-from tasks.reward import score
+from tasks.reward import length_penalized, score
 
 
 def test_generator_is_deterministic_per_seed():
@@ -47,6 +47,31 @@ def test_a_sized_task_repeats_its_problems_each_epoch_in_a_new_order():
     assert set(first) == {ArithmeticTask(seed=0)[i] for i in range(50)}  # the endless stream's first 50
     with pytest.raises(ValueError, match="size"):
         ArithmeticTask(size=-1)
+
+
+def test_wording_writes_a_share_of_steps_in_words_and_leaves_the_questions_and_answers_as_they_were():
+    plain, wordy = ArithmeticTask(seed=5), ArithmeticTask(seed=5, wording=0.5)
+    worded = steps = 0
+    for i in range(300):
+        p, w = plain[i], wordy[i]
+        assert (w.question, w.answer, w.difficulty) == (p.question, p.answer, p.difficulty)
+        assert score(" " + w.solution, w.answer).correct
+        lines = w.solution.splitlines()[:-1]
+        for line, compact in zip(lines, p.solution.splitlines()):
+            words = line.replace("plus", "+").replace("minus", "-").replace("makes", "=").replace(" ", "")
+            assert words == compact
+            worded += " makes " in line
+        steps += len(lines)
+    assert 0.4 < worded / steps < 0.6
+    assert ArithmeticTask(seed=5, wording=1.0)[0].solution.count(" makes ") == plain[0].difficulty
+
+
+def test_the_length_penalty_takes_from_correct_answers_only_by_their_share_of_the_budget():
+    assert length_penalized(1.0, 100, 400, 0.4) == pytest.approx(0.9)
+    assert length_penalized(1.0, 50, 400, 0.4) > length_penalized(1.0, 100, 400, 0.4)
+    assert length_penalized(1.0, 900, 400, 0.4) == pytest.approx(0.6)  # never more than the penalty
+    assert length_penalized(0.0, 10, 400, 0.4) == 0.0  # a short wrong answer gains nothing
+    assert length_penalized(1.0, 100, 400, 0.0) == 1.0
 
 
 def test_tail_exponent_zero_draws_every_difficulty_equally():
