@@ -73,7 +73,8 @@ class StandIn:
 @pytest.fixture(scope="module")
 def local_ray():
     here = Path(__file__).resolve().parent  # workers import the stand-ins from this module
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False,
+    # logical CPUs: every pool keeps its placement bundles (1 CPU per actor) for the module's life
+    ray.init(num_cpus=8, include_dashboard=False, configure_logging=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}})
     yield
     ray.shutdown()
