@@ -12,8 +12,8 @@ have on real reasoning data.
     #### 44
 
 With `wording` > 0 that share of the steps is written out in words instead (`19 plus 30 makes 49`), each step's way
-drawn on its own: a worked solution of the same problem with two ways of writing a step, one twice as long in
-tokens, so that a policy SFT-trained on it can be taught by RL (a length penalty) to write otherwise.
+drawn on its own: a worked solution of the same problem with two ways of writing a step, the worded one two tokens
+longer (of 8-9), so that a policy SFT-trained on it can be taught by RL (a length penalty) to write otherwise.
 """
 
 from __future__ import annotations
