@@ -87,7 +87,9 @@ def test_swapped_weights_are_what_the_next_proposal_drafts_with(draft_lm):
     history = [random.Random(3).randrange(vocab) for _ in range(12)]
     original = {name: t.clone() for name, t in draft_lm.model.state_dict().items()}
     swapped = dict(original)
-    swapped["model.norm.weight"] = torch.randn_like(original["model.norm.weight"])
+    # seeded: about 1 in 60 random norms leaves this history's argmax where it was, and the test failed then
+    norm = original["model.norm.weight"]
+    swapped["model.norm.weight"] = torch.randn(norm.shape, generator=torch.Generator().manual_seed(0), dtype=norm.dtype)
     swapped["model.layers.0.mlp.up_proj.weight"] = original["model.layers.0.mlp.up_proj.weight"] * 3
     greedy = DraftRequest("w", seed=1, position=0, token_ids=history, temperature=0.0)
     try:
