@@ -62,25 +62,24 @@ class DrafterBridge:
         # a request out of this step's batch may only be waiting (unscheduled, preempted by a weight update): its
         # drafter state is dropped once vLLM no longer holds it (finished or aborted)
         self.known.update(req_ids)
-        plugin = 0.0  # seconds in the drafter's remove() and commit(): its own, not the bridge's (the profile)
-        for gone in [r for r in self.known - set(req_ids) if r not in runner.requests]:
-            called = time.perf_counter()
-            self.drafter.remove(gone)
-            plugin += time.perf_counter() - called
-            self.acceptance.remove(gone)
-            self.shown.pop(gone, None)
-            self.known.discard(gone)
-            sampler.forget(gone)
+        gone = [r for r in self.known - set(req_ids) if r not in runner.requests]
+        for req_id in gone:
+            self.acceptance.remove(req_id)
+            self.shown.pop(req_id, None)
+            self.known.discard(req_id)
+            sampler.forget(req_id)
         self.live = set(req_ids)
         committed_rows = [row for row, committed in enumerate(sampled_token_ids[: len(req_ids)]) if committed]
-        for row in committed_rows:  # the drafter always hears what was committed, drafting or not
-            req_id, committed = req_ids[row], list(sampled_token_ids[row])
+        commits = [(req_ids[row], list(sampled_token_ids[row])) for row in committed_rows]
+        for req_id, committed in commits:
             if req_id in self.verifying:
                 self._learn(req_id, committed)
-            called = time.perf_counter()
+        plugin = time.perf_counter()  # the drafter's remove() and commit() are its own time, not the bridge's
+        for req_id in gone:
+            self.drafter.remove(req_id)
+        for req_id, committed in commits:  # the drafter always hears what was committed, drafting or not
             self.drafter.commit(req_id, committed)
-            plugin += time.perf_counter() - called
-        self.drafter_seconds += plugin
+        self.drafter_seconds += time.perf_counter() - plugin
         self.verifying = {}
         drafts: list[list[int]] = [[] for _ in req_ids]
         if self.max_batch and len(req_ids) > self.max_batch:  # the configured bound: no drafting above it
