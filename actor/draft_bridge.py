@@ -3,8 +3,7 @@ vllm 0.32.0's V1 model runner, like actor/vllm_hooks.py, which binds it).
 
 Each step it tells the `Drafter` plugin what each verify step committed, drops requests that left the batch, and
 asks the draft planner (actor/draft_planner.py) how many tokens each request may draft, learning the step and
-drafting costs and each request's acceptance as it goes, and which requests the batch will wait for last from the
-output lengths each prompt reached before (`critical_path`). A drafter that rates its tokens (`Drafter.confidences`)
+drafting costs and each request's acceptance as it goes. A drafter that rates its tokens (`Drafter.confidences`)
 is asked for the tokens that pay at the request's acceptance so far (as any drafter), and its proposals are then
 verified only as far as each token's calibrated gain pays: drafting is paid by then, verifying a token that is
 rejected still costs a step's share on the verifier. Every verify step labels the
@@ -16,9 +15,7 @@ from __future__ import annotations
 import operator
 import time
 
-import numpy as np
-
-from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, LastToFinish, StepCost, geometric, plan
+from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, StepCost, geometric, plan
 from drafters.base import Drafter, DraftRequest
 from drafters.calibration import Calibration
 
@@ -28,7 +25,7 @@ class DrafterBridge:
         self.k = vllm_config.speculative_config.num_speculative_tokens
         self.runner = None
         self.drafter: Drafter | None = None
-        self.max_batch, self.planning, self.last_to_finish = 0, True, None
+        self.max_batch, self.planning = 0, True
         self.live: set[str] = set()  # the requests of the last step's batch
         self.known: set[str] = set()  # every request the drafter has state for
         self.step_cost, self.draft_cost, self.acceptance = StepCost(), DraftCost(), Acceptance()
@@ -36,8 +33,6 @@ class DrafterBridge:
         # per request drafted last step: the tokens handed to the engine, its whole proposal and its confidences
         self.verifying: dict[str, tuple[int, list[int], list[float] | None]] = {}
         self.shown: dict[str, int] = {}  # per request, the history length in its last proposal (the drafter's view)
-        self.prompt_of: dict[str, tuple[int, int]] = {}  # per request, its prompt's hash and its max_tokens
-        self.emitted: dict[str, int] = {}  # per request, its output tokens as of its last step in the batch
         self.predicted, self.undrafted_steps = 0.0, 0  # the planner's engine seconds for this step; steps undrafted
         self.step_end: float | None = None  # when the last propose() returned: the next step's engine time starts
         # in propose(), and of that in the drafter's propose(), commit() and remove() (a benchmark's profile)
@@ -46,9 +41,8 @@ class DrafterBridge:
     def load_model(self, *args, **kwargs) -> None:  # vLLM hands over the target model; drafters bring their own
         pass
 
-    def bind(self, runner, drafter: Drafter, max_batch: int, planning: bool, critical_path: bool = True) -> None:
+    def bind(self, runner, drafter: Drafter, max_batch: int, planning: bool) -> None:
         self.runner, self.drafter, self.max_batch, self.planning = runner, drafter, max_batch, planning
-        self.last_to_finish = LastToFinish() if planning and critical_path else None
         self.vocab_size = runner.model_config.get_vocab_size()
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
@@ -74,13 +68,6 @@ class DrafterBridge:
             self.shown.pop(req_id, None)
             self.known.discard(req_id)
             sampler.forget(req_id)
-            prompt, emitted = self.prompt_of.pop(req_id, None), self.emitted.pop(req_id, None)
-            if prompt is not None and emitted is not None:  # (an aborted request's length counts as if it finished)
-                self.last_to_finish.observe(prompt[0], emitted)
-        lengths = num_tokens_no_spec[: len(req_ids)].tolist()  # plain ints: a numpy scalar per request costs more
-        prompt_lengths = batch.num_prompt_tokens[: len(req_ids)].tolist()
-        if self.last_to_finish is not None:
-            self._note_lengths(req_ids, lengths, prompt_lengths, token_ids_cpu)
         self.live = set(req_ids)
         committed_rows = [row for row, committed in enumerate(sampled_token_ids[: len(req_ids)]) if committed]
         commits = [(req_ids[row], list(sampled_token_ids[row])) for row in committed_rows]
@@ -98,16 +85,14 @@ class DrafterBridge:
         if self.max_batch and len(req_ids) > self.max_batch:  # the configured bound: no drafting above it
             committed_rows = []
         budgets, explore = [self.k] * len(committed_rows), self.undrafted_steps >= EXPLORE_EVERY
-        value = None  # per committed row, what one of its tokens is worth to the batch's makespan
+        lengths = num_tokens_no_spec[: len(req_ids)].tolist()  # plain ints: a numpy scalar per request costs more
         if self.planning:
-            if self.last_to_finish is not None and committed_rows:
-                value = self._makespan_value(req_ids, committed_rows)
             unseen = [lengths[row] - self.shown.get(req_ids[row], 0) for row in committed_rows]
             rates = self.acceptance.rates([req_ids[row] for row in committed_rows])
             budgets, _ = plan(geometric(rates, self.k), len(req_ids), self.step_cost,
-                              self.draft_cost, explore=explore, unseen=unseen, value=value)
-        requests, values = [], []
-        for j, (row, budget) in enumerate(zip(committed_rows, budgets)):
+                              self.draft_cost, explore=explore, unseen=unseen)
+        requests, prompt_lengths = [], batch.num_prompt_tokens[: len(req_ids)].tolist()
+        for row, budget in zip(committed_rows, budgets):
             if budget == 0:  # rows without a committed token (partial prefill) have nothing to draft from either
                 continue
             length, req_id = lengths[row], req_ids[row]
@@ -116,11 +101,8 @@ class DrafterBridge:
                 request_id=req_id, seed=sampler.seed_of(req_id), position=length - prompt_lengths[row],
                 token_ids=token_ids_cpu[row, :length], temperature=params.temperature, top_k=params.top_k,
                 top_p=params.top_p, max_tokens=budget)))
-            if value is not None:
-                values.append(value[j])
         if requests:
-            self._draft(requests, drafts, len(req_ids), verify_all=explore or not self.planning,
-                        value=values or None)
+            self._draft(requests, drafts, len(req_ids), verify_all=explore or not self.planning)
         for row in committed_rows:
             counts = sampler.counts_for(req_ids[row])
             counts.planned_steps += 1
@@ -128,33 +110,6 @@ class DrafterBridge:
         self.undrafted_steps = 0 if any(drafts) else self.undrafted_steps + 1
         self.predicted = float(self.step_cost.predict(len(req_ids) + sum(len(d) for d in drafts)))
         return drafts
-
-    def _note_lengths(self, req_ids: list[str], lengths: list[int], prompt_lengths: list[int], token_ids_cpu) -> None:
-        """Each request's output tokens so far, and for a request new to the bridge its prompt and its bound."""
-        for row, req_id in enumerate(req_ids):
-            if req_id not in self.prompt_of:
-                prompt = hash(token_ids_cpu[row, : prompt_lengths[row]].tobytes())
-                bound = self.runner.requests[req_id].sampling_params.max_tokens
-                self.prompt_of[req_id] = (prompt, bound if bound is not None else self.runner.max_model_len)
-        self.emitted.update(zip(req_ids, map(int.__sub__, lengths, prompt_lengths)))
-
-    def _makespan_value(self, req_ids: list[str], committed_rows: list[int]):
-        """Per committed row, `1 + (n - 1) * p * end / now`: `p` its request's chance of finishing last in this batch
-        (the planner's module docstring); a token of the last request saves a step at the batch's end, of the
-        `1 / sum(p**2)` requests likely to be last (`end` seconds), where one of anyone's is a share of this step
-        (`now`). None while no output has finished (every request alike)."""
-        prompts, emitted, limits = [], [], []
-        for req_id in req_ids:
-            prompt, max_tokens = self.prompt_of[req_id]
-            prompts.append(prompt)
-            emitted.append(self.emitted[req_id])
-            limits.append(max_tokens - self.emitted[req_id])
-        chances = self.last_to_finish.chances(prompts, emitted, limits)
-        if chances is None:
-            return None
-        now = float(self.step_cost.predict(len(req_ids)))
-        end = float(self.step_cost.predict(1 / float(np.square(chances).sum())))
-        return 1 + (len(req_ids) - 1) * chances[committed_rows] * (min(end / now, 1.0) if now > 0 else 1.0)
 
     def _learn(self, req_id: str, committed: list[int]) -> None:
         """What the verifier committed after this request's last draft: its acceptance, and its tokens' labels."""
@@ -176,9 +131,9 @@ class DrafterBridge:
             self.runner._sample.counts_for(req_id).cost_error += error
 
     def _draft(self, requests: list[tuple[int, DraftRequest]], drafts: list[list[int]], base_tokens: int,
-               verify_all: bool, value: list[float] | None = None) -> None:
+               verify_all: bool) -> None:
         """Proposals for `requests` into `drafts`: all of each (`verify_all`) or, from a drafter that rates its
-        tokens, the prefix whose calibrated gains (worth `value` per request) pay for verifying it."""
+        tokens, the prefix whose calibrated gains pay for verifying it."""
         start = time.perf_counter()
         proposals = self.drafter.propose([r for _, r in requests], max(r.max_tokens for _, r in requests))
         sureness = self.drafter.confidences()
@@ -205,8 +160,7 @@ class DrafterBridge:
             made.append((row, request.request_id, valid, rated))
         keep = [len(valid) for _, _, valid, _ in made]
         if self.rated and not verify_all:
-            keep, _ = plan([self.calibration.gains(rated) for *_, rated in made], base_tokens, self.step_cost, None,
-                           value=None if value is None else np.asarray(value))
+            keep, _ = plan([self.calibration.gains(rated) for *_, rated in made], base_tokens, self.step_cost, None)
         for j, ((row, req_id, valid, rated), n) in enumerate(zip(made, keep)):
             drafts[row] = valid[:n]
             self.verifying[req_id] = (n, valid, rated)

@@ -12,19 +12,10 @@ rates its tokens (`Drafter.confidences`, calibrated in drafters/calibration.py) 
 has drafted. `plan` takes draft tokens in order of gain and keeps the prefix that maximises expected committed
 tokens per second `(n + sum of gains) / (step(n + drafted) + draft(passes, drafted))`; 0 everywhere when no
 drafting pays (but for a rare exploring step, so the estimates never freeze where drafting stopped).
-
-Throughput is not what a rollout waits for: a batch of GRPO groups is done when its last request is, and a token
-of that request saves a whole engine step (one at the batch's end, with few requests left) where anyone else's
-saves a share of the current one. So each request's tokens count `1 + (n - 1) * p * end / now` times, `p` its
-chance of finishing last (`LastToFinish`, from the lengths its prompt's earlier outputs reached), `end / now` the
-predicted seconds of an end step over the current one (the bridge): at a full, compute-bound batch the requests the
-batch will wait for still draft. Without any history every `p` is `1/n`, and the plan is the throughput plan.
 Correctness never depends on it: drafts only change how fast the coupled sampler's tokens come out.
 """
 
 from __future__ import annotations
-
-from collections import OrderedDict, deque
 
 import numpy as np
 
@@ -173,75 +164,6 @@ class Acceptance:
         self.rejected.pop(request_id, None)
 
 
-class LastToFinish:
-    """Each running request's chance of being the one its batch waits for last, from the output lengths its prompt
-    reached before: GRPO samples a prompt G times a step and again every epoch, so a request's finished siblings and
-    its prompt's earlier epochs say how long it will run. A request's total length is drawn from its prompt's lengths
-    beyond what it already has (a prompt never seen: every prompt's); past all of them, it runs as long again as it
-    has (heavy tails: the longer a request has run, the longer it is likely to run on); never past its `max_tokens`; the chance is the share of `DRAWS` joint draws in which its remaining tokens
-    are the most. Memory is bounded: the last `PER_PROMPT` lengths of the last `PROMPTS` prompts, `POOLED` overall."""
-
-    PER_PROMPT, PROMPTS, POOLED, DRAWS = 32, 4096, 2048, 64
-
-    def __init__(self, seed: int = 0):
-        # row r of `table`: one prompt's last lengths, sorted, left-padded with -inf (row 0: a prompt never seen)
-        self.table = np.full((16, self.PER_PROMPT), -np.inf)
-        self.row_of: OrderedDict[int, int] = OrderedDict()  # prompt -> its row, least recently finished first
-        self.recent: dict[int, deque] = {}  # per prompt, its lengths in the order they finished
-        self.pooled: deque = deque(maxlen=self.POOLED)
-        self.pooled_sorted: np.ndarray | None = None
-        self.rng = np.random.default_rng(seed)
-
-    def observe(self, prompt: int, length: int) -> None:
-        """A request of `prompt` finished with `length` output tokens."""
-        row = self.row_of.get(prompt)
-        if row is None:
-            if len(self.row_of) == self.PROMPTS:  # the least recently finished prompt gives up its row
-                oldest, row = self.row_of.popitem(last=False)
-                del self.recent[oldest]
-            else:
-                row = len(self.row_of) + 1
-                if row == len(self.table):
-                    self.table = np.vstack([self.table, np.full_like(self.table, -np.inf)])
-            self.row_of[prompt], self.recent[prompt] = row, deque(maxlen=self.PER_PROMPT)
-        self.row_of.move_to_end(prompt)
-        recent = self.recent[prompt]
-        recent.append(length)
-        self.table[row] = -np.inf
-        self.table[row, self.PER_PROMPT - len(recent):] = sorted(recent)
-        self.pooled.append(length)
-        self.pooled_sorted = None
-
-    def chances(self, prompts: list[int], lengths: list[int], limits: list[int]) -> np.ndarray | None:
-        """Per request (its prompt, output tokens so far, tokens it may still emit), its chance of finishing last;
-        None where nothing has finished yet (no request is known to run longer than another)."""
-        n = len(prompts)
-        if n < 2 or not self.pooled:
-            return None
-        if self.pooled_sorted is None:
-            self.pooled_sorted = np.sort(np.fromiter(self.pooled, dtype=float, count=len(self.pooled)))
-        so_far = np.asarray(lengths, dtype=float)
-        uniform = self.rng.random((n, self.DRAWS))
-        history = self.table[np.fromiter(map(self.row_of.get, prompts, [0] * n), dtype=int, count=n)]
-        count = (history > so_far[:, None]).sum(axis=1)  # lengths beyond what the request has: the row's last ones
-        drawn = np.minimum(self.PER_PROMPT - count[:, None] + (uniform * count[:, None]).astype(int),
-                           self.PER_PROMPT - 1)
-        total = np.take_along_axis(history, drawn, axis=1)
-        past = count == 0  # past every output of its prompt: as long again as it is
-        total[past] = 2 * np.maximum(so_far[past, None], 1)
-        unknown = history[:, -1] == -np.inf  # a prompt never seen: every prompt's lengths beyond it, if any
-        if unknown.any():
-            pooled, short = self.pooled_sorted, so_far[unknown]
-            first = np.searchsorted(pooled, short, side="right")
-            beyond = len(pooled) - first
-            drawn = pooled[np.minimum(first[:, None] + (uniform[unknown] * beyond[:, None]).astype(int),
-                                      len(pooled) - 1)]
-            total[unknown] = np.where(beyond[:, None] > 0, drawn, total[unknown])
-        remaining = np.minimum(total - so_far[:, None], np.asarray(limits, dtype=float)[:, None])
-        remaining += uniform  # ties (equal draws) fall to either side alike
-        return np.bincount(remaining.argmax(axis=0), minlength=n) / self.DRAWS
-
-
 def geometric(rates: np.ndarray, k: int) -> np.ndarray:
     """Per rate, the gains of `k` draft tokens accepted at that rate each: the j-th is reached and accepted with
     `rate**j` (one row per rate)."""
@@ -249,8 +171,7 @@ def geometric(rates: np.ndarray, k: int) -> np.ndarray:
 
 
 def plan(gains: list[list[float]] | np.ndarray, base_tokens: int, step: StepCost, draft: DraftCost | None,
-         explore: bool = False, unseen: list[int] | None = None,
-         value: np.ndarray | None = None) -> tuple[list[int], float]:
+         explore: bool = False, unseen: list[int] | None = None) -> tuple[list[int], float]:
     """Draft tokens per request maximising expected committed tokens per second, and the predicted step seconds of
     that plan (engine step only). `gains[i][j]`: the expected committed tokens the `j+1`-th draft token of request `i`
     adds (the probability that it and every one before it are accepted; never rising in `j`), so request `i` gets at
@@ -260,21 +181,18 @@ def plan(gains: list[list[float]] | np.ndarray, base_tokens: int, step: StepCost
     tokens the drafter would see for the first time if it drafted (its catch-up, paid with the request's first draft
     token; zeros if not given). `explore`: where no drafting pays, the request most likely to accept drafts gets all
     of its tokens anyway, so that a planner that stopped drafting keeps measuring what drafting gives (acceptance and
-    costs drift with the policy and the batch); its caller decides how rarely. `value`: per request, what one of its
-    committed tokens is worth (1 each if not given; the makespan's weights, module docstring)."""
+    costs drift with the policy and the batch); its caller decides how rarely."""
     n = len(gains)
     if not step.seen.any():  # nothing measured yet: draft fully, and learn what verifying costs
         return [len(g) for g in gains], 0.0
     if explore and n:
-        chosen, engine = plan(gains, base_tokens, step, draft, unseen=unseen, value=value)
+        chosen, engine = plan(gains, base_tokens, step, draft, unseen=unseen)
         if not any(chosen):
-            worth = np.ones(n) if value is None else value
-            likeliest = int(np.argmax([g[0] * w if len(g) else 0.0 for g, w in zip(gains, worth)]))
+            likeliest = int(np.argmax([g[0] if len(g) else 0.0 for g in gains]))
             chosen[likeliest] = len(gains[likeliest])
             engine = float(step.predict(base_tokens + chosen[likeliest]))
         return chosen, engine
     unseen = np.zeros(n) if unseen is None else np.asarray(unseen, dtype=float)
-    value = np.ones(n) if value is None else np.asarray(value, dtype=float)
     coef = draft.coef if draft is not None else np.zeros(DraftCost.TERMS)
     if isinstance(gains, np.ndarray):
         lengths, flat = np.full(n, gains.shape[1] if gains.ndim == 2 else 0), gains.astype(float).ravel()
@@ -288,13 +206,12 @@ def plan(gains: list[list[float]] | np.ndarray, base_tokens: int, step: StepCost
     # does not end the prefix of everyone else's
     plain = max(float(step.predict(base_tokens)), 1e-9)
     weight = 1 + coef[3] * unseen / plain
-    worth = flat * value[owner]
-    order = np.argsort(-worth / weight[owner], kind="stable")
+    order = np.argsort(-flat / weight[owner], kind="stable")
     owner, place = owner[order], place[order]
     drafted = np.arange(len(order) + 1)
     passes = np.concatenate([[0], np.maximum.accumulate(place)]) if len(order) else np.zeros(1)
     caught_up = np.concatenate([[0.0], np.cumsum(np.where(place == 1, unseen[owner], 0.0))])
-    committed = value.sum() + np.concatenate([[0.0], np.cumsum(worth[order])])
+    committed = n + np.concatenate([[0.0], np.cumsum(flat[order])])
     engine = step.predict(base_tokens + drafted)
     seconds = engine + (draft.predict(passes, drafted, caught_up) if draft is not None else 0.0)
     best = int(np.argmax(committed / np.maximum(seconds, 1e-9)))

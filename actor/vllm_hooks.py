@@ -179,7 +179,7 @@ class CoupledSampling:
 
 
 def install(worker, drafter_path: str | None = None, drafter_options: dict | None = None, max_batch: int = 0,
-            planning: bool = True, critical_path: bool = True) -> None:
+            planning: bool = True) -> None:
     """Runs inside the worker: coupled sampling always; a drafter when the engine speculates. Refuses a runner
     that is not the V1 runner these hooks replace parts of (vLLM's V2 runner has no `_sample`)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -196,8 +196,7 @@ def install(worker, drafter_path: str | None = None, drafter_options: dict | Non
         if not isinstance(getattr(runner, "drafter", None), DrafterBridge):
             raise RuntimeError("a drafter needs the engine built with speculative_config method 'custom_class' "
                                "and model 'actor.draft_bridge.DrafterBridge' (see actor/engine.py)")
-        runner.drafter.bind(runner, load_drafter(drafter_path, drafter_options or {}), max_batch, planning,
-                             critical_path)
+        runner.drafter.bind(runner, load_drafter(drafter_path, drafter_options or {}), max_batch, planning)
 
 
 def quiet_expected(logger: str, *prefixes: str) -> None:

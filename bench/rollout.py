@@ -10,9 +10,7 @@ Systems (fixed before the run; `specactor` is the configured default, never the 
   ceiling here;
 - `specactor`: coupled speculation as configured by default (draft LM, the cost-model draft planner);
 - `specactor_ngram`, `specactor_suffix`, `specactor_fastest`: the same with the n-gram drafter, the history
-  (suffix) drafter, fastest-of-N over suffix and the draft LM (listed, not chosen);
-- `specactor_throughput`: the draft LM under the planner that values every token alike
-  (`speculation.critical_path=false`), not the batch's last requests' more: what the critical path adds.
+  (suffix) drafter, fastest-of-N over suffix and the draft LM (listed, not chosen).
 The target is a cost-padded copy of the trained policy (bench/padded_target.py): 70.8M parameters of cost in fp32 on
 CPU presets; for `gpu` (the long-tail workload on one CUDA GPU, bf16, CUDA graphs as vLLM uses them by default)
 ~1.0B, so that decoding is memory-bound as on real rollout GPUs (the preset refuses to start without CUDA); `policy`
@@ -65,10 +63,9 @@ TARGETS = {"cpu": dict(zero_layers=16, num_heads=32, intermediate_size=8192),  #
            "cuda": dict(zero_layers=28, num_heads=64, intermediate_size=81920)}  # ~1.0B: memory-bound decode
 ENGINE = {"cpu": [], "cuda": ["cluster.device=cuda", "model.dtype=bfloat16", "rollout.kv_cache_mib=16384"]}  # overrides
 SYSTEMS = ["vllm", "vanilla", "vllm_spec_draft", "vllm_spec_ngram", "oracle", "specactor", "specactor_ngram",
-           "specactor_suffix", "specactor_fastest", "specactor_throughput"]
+           "specactor_suffix", "specactor_fastest"]
 COUPLED = {"vanilla": "none", "oracle": "bench.oracle.OracleDrafter", "specactor": "draft_lm",
-           "specactor_ngram": "ngram", "specactor_suffix": "suffix", "specactor_fastest": "fastest_of_n",
-           "specactor_throughput": "draft_lm"}
+           "specactor_ngram": "ngram", "specactor_suffix": "suffix", "specactor_fastest": "fastest_of_n"}
 FASTEST_OF = "[suffix,draft_lm]"  # specactor_fastest's members
 SPECULATIVE_TOKENS = 4
 TEMPERATURE = 1.0  # GRPO samples at T = 1
@@ -108,8 +105,6 @@ def make_llm(name: str, target: Path, draft: Path, oracle: Path | None, device: 
             overrides.append(f"speculation.options.path={oracle}")
         if name == "specactor_fastest":
             overrides.append(f"speculation.drafters={FASTEST_OF}")
-        if name == "specactor_throughput":
-            overrides.append("speculation.critical_path=false")
         return make_engine(load_config("grpo_tiny", overrides), target)
     kwargs = engine_kwargs(load_config("grpo_tiny", overrides), target)
     if name == "vllm_spec_draft":

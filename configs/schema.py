@@ -109,9 +109,6 @@ class SpeculationConfig:
     # the cost-model planner (actor/draft_planner.py) chooses 0..num_speculative_tokens drafts per request every
     # step from measured step and drafting costs and each request's acceptance; false: always the full k
     planner: bool = True
-    # the planner values a token by the engine time it saves the batch's last request (each request's chance of
-    # finishing last, from the output lengths its prompt reached before) rather than by throughput alone
-    critical_path: bool = True
     max_batch: int = 0  # optional bound: never draft while more than this many requests run (0: no bound)
     options: Dict[str, Any] = field(default_factory=dict)  # keyword arguments of the drafter's constructor
     # method fastest_of_n only: its members (names as for `method`); `options` then maps a member to its arguments

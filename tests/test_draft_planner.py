@@ -1,11 +1,10 @@
 """The draft planner (actor/draft_planner.py): it learns the engine's step cost curve and the drafter's cost from
-observations, tracks acceptance per request, predicts which requests a batch will wait for last, and drafts where
-verifying pays (for the batch's makespan) and nowhere else."""
+observations, tracks acceptance per request, and drafts where verifying pays and nowhere else."""
 
 import numpy as np
 import pytest
 
-from actor.draft_planner import Acceptance, DraftCost, LastToFinish, StepCost, geometric, plan
+from actor.draft_planner import Acceptance, DraftCost, StepCost, geometric, plan
 
 
 def rated(rates: list[float], k: int) -> np.ndarray:
@@ -197,71 +196,3 @@ def test_a_step_larger_than_any_seen_is_taken_as_measured_and_a_stall_where_the_
     assert float(cost.predict(known)) <= 2 * before
     cost.observe(far, 50 * float(cost.predict(far)))
     assert float(cost.predict(far)) == pytest.approx(50 * float(learned(weight_bound).predict(far)), rel=0.01)
-
-
-def long_tail_history(seed: int = 0) -> LastToFinish:
-    """16 prompts of 8 finished outputs each: 15 answer in 10-24 tokens, prompt 15 in 180-219."""
-    last, rng = LastToFinish(seed=seed), np.random.default_rng(seed)
-    for prompt in range(16):
-        for _ in range(8):
-            last.observe(prompt, int(rng.integers(180, 220) if prompt == 15 else rng.integers(10, 25)))
-    return last
-
-
-def test_the_batch_waits_last_for_the_requests_whose_prompt_ran_longest():
-    prompts = [p for p in range(16) for _ in range(8)]
-    chances = long_tail_history().chances(prompts, [5] * 128, [395] * 128)
-    assert chances.sum() == pytest.approx(1.0)
-    assert chances[-8:].sum() == 1.0  # the long prompt's group, and every one of its samples may be the last
-    assert (chances[-8:] > 0.02).all()
-    # a sample of a short prompt that has run to 100 tokens, past every output of its prompt, runs as long again:
-    # late in the batch it is the one to wait for
-    chances = long_tail_history().chances(prompts, [100] + [20] * 119 + [170] * 8, [300] * 128)
-    assert chances[0] == 1.0
-    # its max_tokens bounds a request: one that may emit 3 more tokens is never the last of a batch with longer ones
-    chances = long_tail_history().chances(prompts, [5] * 128, [395] * 127 + [3])
-    assert chances[-1] == 0.0
-
-
-def test_a_request_past_every_output_seen_is_expected_to_run_as_long_again():
-    last = LastToFinish()
-    for length in (10, 12, 14):
-        last.observe(1, length)
-    # prompt 2 never finished: every prompt's lengths beyond its length, or, where none is, as long again
-    chances = last.chances([1, 2, 2], [13, 40, 20], [400] * 3)
-    assert chances.argmax() == 1 and chances[0] < 0.1
-    chances = last.chances([1, 2], [15, 13], [400] * 2)  # past its prompt's outputs: 15 more; 13 drawn from 14: 1
-    assert chances[0] == 1.0
-
-
-def test_without_a_finished_output_the_planner_is_the_throughput_planner():
-    assert LastToFinish().chances([1, 2, 3], [5, 5, 5], [100] * 3) is None
-    cost, gains = learned(lambda n: 0.01 + 0.001 * n), rated([0.95, 0.2, 0.9, 0.05], 4)
-    same = np.full(4, 1 + 3 / 4)  # every request's chance 1/n: the same worth for every token
-    assert plan(gains, 4, cost, DraftCost(), value=same) == plan(gains, 4, cost, DraftCost())
-
-
-def test_at_a_compute_bound_full_batch_only_the_requests_the_batch_waits_for_draft():
-    """Throughput alone drafts nothing at 128 requests on a compute-bound step; a token of the long prompt's
-    samples saves the whole batch a step, so those draft fully and nobody else does."""
-    cost = learned(lambda n: 0.04 + 0.003 * n, tokens=range(1, 700))
-    prompts, gains = [p for p in range(16) for _ in range(8)], rated([0.75] * 128, 4)
-    assert plan(gains, 128, cost, DraftCost())[0] == [0] * 128
-    chances = long_tail_history().chances(prompts, [5] * 128, [395] * 128)
-    drafts, _ = plan(gains, 128, cost, DraftCost(), value=1 + 127 * chances)
-    assert not any(drafts[:120]) and all(drafts[120:]) and sum(drafts) > 24
-
-
-def test_the_history_is_bounded(monkeypatch):
-    monkeypatch.setattr(LastToFinish, "PROMPTS", 5)
-    monkeypatch.setattr(LastToFinish, "PER_PROMPT", 4)
-    monkeypatch.setattr(LastToFinish, "POOLED", 10)
-    last = LastToFinish()
-    for prompt in range(40):
-        for length in range(prompt, prompt + 6):
-            last.observe(prompt, length)
-    assert list(last.row_of) == [35, 36, 37, 38, 39] and max(last.row_of.values()) <= 5 and len(last.pooled) == 10
-    assert list(last.table[last.row_of[39]]) == [41, 42, 43, 44]  # the prompt's last 4, sorted
-    # an evicted prompt counts as never seen: the pooled lengths past its request's length
-    chances = last.chances([0, 39], [30, 30], [400, 400])
-    assert chances.sum() == pytest.approx(1.0)

@@ -31,9 +31,9 @@ class Recording(Drafter):
         self.removed.append(request_id)
 
 
-def bridge(drafter: Drafter, req_ids: list[str], max_batch: int = 0, planning: bool = True,
-           critical_path: bool = True) -> tuple[DrafterBridge, SimpleNamespace]:
-    params = SimpleNamespace(seed=1, temperature=1.0, top_k=0, top_p=1.0, max_tokens=200)
+def bridge(drafter: Drafter, req_ids: list[str], max_batch: int = 0, planning: bool = True
+           ) -> tuple[DrafterBridge, SimpleNamespace]:
+    params = SimpleNamespace(seed=1, temperature=1.0, top_k=0, top_p=1.0)
     runner = SimpleNamespace(
         input_batch=SimpleNamespace(req_ids=req_ids, num_reqs=len(req_ids),
                                     num_prompt_tokens=np.full(len(req_ids), 3)),
@@ -41,7 +41,7 @@ def bridge(drafter: Drafter, req_ids: list[str], max_batch: int = 0, planning: b
         model_config=SimpleNamespace(get_vocab_size=lambda: VOCAB))
     runner._sample = CoupledSampling(runner)  # where the bridge keeps per-request counts
     b = DrafterBridge(SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=4)))
-    b.bind(runner, drafter, max_batch, planning, critical_path)
+    b.bind(runner, drafter, max_batch, planning)
     return b, runner
 
 
@@ -163,27 +163,3 @@ def test_a_drafters_commits_count_as_its_own_time_not_the_bridges():
     b, _ = bridge(SlowCommits([[1], [2]]), ["a-1", "b-1"], max_batch=1)  # no drafting: only the commits
     propose(b, [[5], [6]])
     assert b.drafter_seconds >= 0.1 and b.seconds - b.drafter_seconds < 0.05
-
-
-@pytest.mark.parametrize("critical_path", [True, False])
-def test_a_compute_bound_full_batch_drafts_only_for_the_requests_whose_prompt_ran_longest(critical_path):
-    """An epoch of 8 samples of a long prompt and 56 of short ones finishes (60 and 5 output tokens); the next epoch
-    of the same prompts, on an engine where a step's seconds grow with its tokens, drafts for the long prompt's
-    samples alone: the batch waits for them, and a token of theirs saves a step at its end. Valuing every token alike,
-    nobody drafts."""
-    def batch(prefix):
-        return [f"{prefix}{'L' if i < 8 else 'S'}-{i}" for i in range(64)]
-
-    prompts = np.array([[1, 2, 3] if i < 8 else [4, 5, 6] for i in range(64)])
-    history = np.concatenate([prompts, np.zeros((64, 80), dtype=int)], axis=1)
-    b, runner = bridge(Recording([[7, 7, 7, 7]] * 64), batch("e1"), critical_path=critical_path)
-    b.propose([[1]] * 64, np.array([3 + 60] * 8 + [3 + 5] * 56), history)
-    for tokens in range(1, 400):  # compute-bound at 64 requests (0.23 s a step), 64 ms at the 8 the batch ends with
-        b.step_cost.observe(tokens, 0.04 + 0.003 * tokens)
-    runner.input_batch.req_ids = batch("e2")  # the first epoch finished: vLLM holds only the second's requests
-    runner.requests = {r: runner.requests["e1L-0"] for r in runner.input_batch.req_ids}
-    drafts = b.propose([[1]] * 64, np.full(64, 3 + 1), history)
-    if critical_path:
-        assert all(drafts[:8]) and not any(drafts[8:])
-    else:
-        assert not any(drafts)
