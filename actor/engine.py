@@ -91,14 +91,21 @@ def check_coupled(llm) -> None:
 
 
 def sampling_params(cfg: DictConfig, seed: int, n: int = 1):
-    """Sampling for one prompt's group; vLLM gives the i-th child request `seed + i`."""
+    """Sampling for one prompt's group; vLLM gives the i-th child request `seed + i`. No incremental detokenization:
+    the actor decodes a finished completion once (`completion_text`) instead of vLLM decoding every request's every
+    token on every engine step (~8% of a rollout of the 0.8M policy at 128 requests, paired)."""
     from vllm import SamplingParams
 
     r = cfg.rollout
     return SamplingParams(
         n=n, seed=seed, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k or -1,
-        max_tokens=r.max_tokens, logprobs=0,
+        max_tokens=r.max_tokens, logprobs=0, detokenize=False,
     )
+
+
+def completion_text(tokenizer, token_ids) -> str:
+    """A finished completion's text, as vLLM's detokenizer would have made it (special tokens skipped)."""
+    return tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
 
 def close_engine(llm) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
-from actor.engine import make_engine, sampling_params
+from actor.engine import completion_text, make_engine, sampling_params
 from actor.evaluation import EVAL_SEED_BASE, Evaluation
 from actor.draft_bridge import swap_draft_weights
 from actor.vllm_hooks import SpecCounts, apply_weights, take_spec_counts
@@ -125,7 +125,8 @@ class RolloutActor:
                 if out.request_id in evaluating:
                     if out.finished:
                         completion, evaluation = out.outputs[0], evaluating.pop(out.request_id)
-                        evaluation.record(out.request_id, completion.text, len(completion.token_ids), self.version)
+                        evaluation.record(out.request_id, completion_text(self.tokenizer, completion.token_ids),
+                                          len(completion.token_ids), self.version)
                         if evaluation.done.is_set():  # its speculation counts are not a trajectory's: drop them
                             ids = [rid for rid, _, _ in evaluation.request_ids()]
                             self.llm.collective_rpc(take_spec_counts, args=(ids,))
@@ -175,7 +176,7 @@ class RolloutActor:
         started = {}
         for rid, j, greedy in evaluation.request_ids():
             prompt_ids = self.tokenizer(evaluation.problems[j].prompt, add_special_tokens=False).input_ids
-            params = (SamplingParams(temperature=0.0, max_tokens=self.cfg.rollout.max_tokens) if greedy
+            params = (SamplingParams(temperature=0.0, max_tokens=self.cfg.rollout.max_tokens, detokenize=False) if greedy
                       else sampling_params(self.cfg, seed=EVAL_SEED_BASE + j))
             self.engine.add_request(rid, tokens_input(prompt_ids), params)
             evaluation.pending.add(rid)
@@ -196,8 +197,8 @@ class RolloutActor:
             sent = self._send(Trajectory(
                 SCHEMA_VERSION, self.actor_id, self.seq, sample.cursor, len(group), sample.index,
                 sample.prompt_ids, ids, logprobs, sample.versions,
-                length_penalized(score(completion.text, problem.answer).reward, len(ids), self.cfg.rollout.max_tokens,
-                                 self.cfg.algorithm.length_penalty),
+                length_penalized(score(completion_text(self.tokenizer, ids), problem.answer).reward, len(ids),
+                                 self.cfg.rollout.max_tokens, self.cfg.algorithm.length_penalty),
                 completion.finish_reason or "length", time.time() - sample.start, spec.verify_steps,
                 spec.draft_tokens, spec.accepted_tokens, spec.draft_seconds, spec.planned_steps,
                 spec.planned_tokens, spec.cost_error, spec.choices,

@@ -4,7 +4,7 @@ top-p 0.9, and T = 1, all mixed in one batch."""
 
 import pytest
 
-from actor.engine import close_engine, make_engine
+from actor.engine import close_engine, completion_text, make_engine
 from actor.vllm_hooks import take_spec_counts
 from configs.load import load_config
 from models.zoo import resolve
@@ -34,7 +34,7 @@ def rollouts(method: str) -> tuple[list, dict]:
         results = []
         for o in outputs:
             c = o.outputs[0]
-            results.append((list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]))
+            results.append((list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)], c.text))
         stats = llm.collective_rpc(take_spec_counts, args=([o.request_id for o in outputs],))[0]
         return results, stats
     finally:
@@ -59,6 +59,16 @@ def test_speculative_rollouts_equal_plain_decoding(plain, drafter):
     accepted = sum(c.accepted_tokens for c in stats.values())
     assert drafted > 0 and accepted > 0, f"{drafter} drafted {drafted}, accepted {accepted}: speculation never ran"
 
+
+
+def test_the_actor_decodes_a_finished_completion_as_vllms_detokenizer_does(plain):
+    """The actor asks vLLM for no text (no per-step detokenization) and decodes each finished completion once; the
+    reward must see the text vLLM would have made."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve("builtin:dense"))
+    assert sum(tokenizer.eos_token_id in ids for ids, _, _ in plain) > 0  # special tokens to skip are there
+    assert [completion_text(tokenizer, ids) for ids, _, _ in plain] == [text for _, _, text in plain]
 
 
 def test_no_silent_fallback_to_vllms_own_sampler(monkeypatch):
