@@ -91,15 +91,16 @@ def check_coupled(llm) -> None:
 
 
 def sampling_params(cfg: DictConfig, seed: int, n: int = 1):
-    """Sampling for one prompt's group; vLLM gives the i-th child request `seed + i`. No incremental detokenization:
-    the actor decodes a finished completion once (`completion_text`) instead of vLLM decoding every request's every
-    token on every engine step (~8% of a rollout of the 0.8M policy at 128 requests, paired)."""
+    """Sampling for one prompt's group; vLLM gives the i-th child request `seed + i`. Neither text nor logprobs from
+    vLLM: the actor decodes a finished completion once (`completion_text`), and takes its tokens' logprobs from the
+    coupled sampler (`SpecCounts.logprobs`), instead of vLLM decoding and wrapping every request's every token on
+    every engine step (each ~10% of a rollout of the 0.8M policy at 128 requests, paired)."""
     from vllm import SamplingParams
 
     r = cfg.rollout
     return SamplingParams(
         n=n, seed=seed, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k or -1,
-        max_tokens=r.max_tokens, logprobs=0, detokenize=False,
+        max_tokens=r.max_tokens, detokenize=False,
     )
 
 

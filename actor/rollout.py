@@ -193,7 +193,10 @@ class RolloutActor:
         for sample, completion in group:
             spec = counts[f"{sample.cursor}-{sample.index}"]
             ids = list(completion.token_ids)
-            logprobs = [completion.logprobs[j][t].logprob for j, t in enumerate(ids)]
+            logprobs = spec.logprobs[: len(ids)]
+            if len(logprobs) != len(ids):
+                raise RuntimeError(f"actor {self.actor_id}: request {sample.cursor}-{sample.index} has {len(ids)} "
+                                   f"tokens but the coupled sampler recorded {len(spec.logprobs)} logprobs")
             sent = self._send(Trajectory(
                 SCHEMA_VERSION, self.actor_id, self.seq, sample.cursor, len(group), sample.index,
                 sample.prompt_ids, ids, logprobs, sample.versions,

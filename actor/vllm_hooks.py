@@ -25,8 +25,10 @@ from sampling.coupled import PLACEHOLDER, coupled_sample, verify
 
 @dataclass
 class SpecCounts:
-    """Speculation on one request: verify steps that carried drafts, tokens drafted and accepted, and proposals
-    dropped as invalid (token ids outside the vocabulary)."""
+    """What the coupled sampler recorded for one request: the logprob of every token it committed (in order; vLLM
+    may cut the last step's short at a stop or `max_tokens`, so a completion's are the first `len(token_ids)`), and
+    its speculation: verify steps that carried drafts, tokens drafted and accepted, and proposals dropped as invalid
+    (token ids outside the vocabulary)."""
 
     verify_steps: int = 0
     draft_tokens: int = 0
@@ -37,6 +39,7 @@ class SpecCounts:
     planned_tokens: int = 0  # draft tokens the planner handed to the engine for it over those steps
     cost_error: float = 0.0  # sum over those steps of the planner's relative error on the step's engine seconds
     choices: dict[str, int] = field(default_factory=dict)  # draft steps per source, for composite drafters
+    logprobs: list[float] = field(default_factory=list)  # of each committed token, under the distribution it was drawn from
 
 
 def caller_id(req_id: str) -> str:
@@ -127,16 +130,21 @@ class CoupledSampling:
 
         if not drafted:
             sampled = tokens.to(torch.int32).unsqueeze(1)
-            logprob_rows, logprob_tokens = logprobs, tokens
+            rows, logprob_tokens = None, tokens
+            chosen = logprobs.gather(1, tokens.unsqueeze(1))
         else:
             num_drafts = rows_per_request.to(device) - 1
             sampled = verify(tokens, spec.draft_token_ids.long(), num_drafts, spec.max_spec_len).to(torch.int32)
-            self._count(req_ids, num_drafts.tolist(), ((sampled != PLACEHOLDER).sum(1) - 1).tolist())
+            accepted = ((sampled != PLACEHOLDER).sum(1) - 1).tolist()
+            self._count(req_ids, num_drafts.tolist(), accepted)
             starts = torch.cumsum(rows_per_request, 0).to(device) - rows_per_request.to(device)
-            index = (starts.unsqueeze(1) + torch.arange(sampled.shape[1], device=device)).clamp(max=tokens.shape[0] - 1)
-            logprob_rows, logprob_tokens = logprobs[index.flatten()], sampled.flatten().long().clamp(min=0)
+            rows = (starts.unsqueeze(1) + torch.arange(sampled.shape[1], device=device)).clamp(max=tokens.shape[0] - 1)
+            logprob_tokens = sampled.flatten().long().clamp(min=0)
+            chosen = logprobs[rows.flatten(), logprob_tokens].view(sampled.shape)
+        self._record(req_ids, chosen.tolist(), None if not drafted else accepted)
         logprobs_tensors = None
-        if meta.max_num_logprobs is not None:
+        if meta.max_num_logprobs is not None:  # asked of vLLM too (the actor asks for none: `SpecCounts.logprobs`)
+            logprob_rows = logprobs if rows is None else logprobs[rows.flatten()]
             logprobs_tensors = runner.sampler.gather_logprobs(logprob_rows, meta.max_num_logprobs, logprob_tokens)
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
 
@@ -153,6 +161,17 @@ class CoupledSampling:
                 raise ValueError(f"request {caller_id(req_id)}: sampling parameter {bad} is not supported by the "
                                  "coupled sampler (supported: temperature, top_k, top_p, seed, lengths, stops)")
         self.checked = set(req_ids)
+
+    def _record(self, req_ids: list[str], chosen: list[list[float]], accepted: list[int] | None) -> None:
+        """Each request's committed tokens' logprobs this step: its first row's, or on a verify step the accepted
+        drafts' and the token after them."""
+        counts_for = self.counts_for
+        if accepted is None:
+            for req_id, (logprob,) in zip(req_ids, chosen):
+                counts_for(req_id).logprobs.append(logprob)
+        else:
+            for req_id, row, a in zip(req_ids, chosen, accepted):
+                counts_for(req_id).logprobs.extend(row[: a + 1])
 
     def _count(self, req_ids: list[str], drafted: list[int], accepted: list[int]) -> None:
         for req_id, d, a in zip(req_ids, drafted, accepted):

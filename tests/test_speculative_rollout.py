@@ -1,6 +1,7 @@
 """Speculation never changes a trajectory: with the coupled sampler installed in vLLM, every drafter emits
 exactly the tokens (and logprobs) of non-speculative decoding with the same seeds, at T = 0, T = 0.7 with
-top-p 0.9, and T = 1, all mixed in one batch."""
+top-p 0.9, and T = 1, all mixed in one batch; the logprobs the sampler records for the actor are the ones vLLM
+returns."""
 
 import pytest
 
@@ -36,6 +37,8 @@ def rollouts(method: str) -> tuple[list, dict]:
             c = o.outputs[0]
             results.append((list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)], c.text))
         stats = llm.collective_rpc(take_spec_counts, args=([o.request_id for o in outputs],))[0]
+        for o, (ids, logprobs, _) in zip(outputs, results):  # what the actor sends the learner is what vLLM returns
+            assert stats[o.request_id].logprobs[: len(ids)] == logprobs, f"{method}: request {o.request_id}"
         return results, stats
     finally:
         close_engine(llm)
