@@ -176,8 +176,8 @@ class RolloutActor:
         started = {}
         for rid, j, greedy in evaluation.request_ids():
             prompt_ids = self.tokenizer(evaluation.problems[j].prompt, add_special_tokens=False).input_ids
-            params = (SamplingParams(temperature=0.0, max_tokens=self.cfg.rollout.max_tokens, detokenize=False) if greedy
-                      else sampling_params(self.cfg, seed=EVAL_SEED_BASE + j))
+            params = (SamplingParams(temperature=0.0, max_tokens=self.cfg.rollout.max_tokens, detokenize=False)
+                      if greedy else sampling_params(self.cfg, seed=EVAL_SEED_BASE + j))
             self.engine.add_request(rid, tokens_input(prompt_ids), params)
             evaluation.pending.add(rid)
             started[rid] = evaluation

@@ -39,7 +39,7 @@ class SpecCounts:
     planned_tokens: int = 0  # draft tokens the planner handed to the engine for it over those steps
     cost_error: float = 0.0  # sum over those steps of the planner's relative error on the step's engine seconds
     choices: dict[str, int] = field(default_factory=dict)  # draft steps per source, for composite drafters
-    logprobs: list[float] = field(default_factory=list)  # of each committed token, under the distribution it was drawn from
+    logprobs: list[float] = field(default_factory=list)  # each committed token's, under the distribution it came from
 
 
 def caller_id(req_id: str) -> str:
