@@ -41,8 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         from driver.plan import plan
 
         return plan(cfg, args.cluster, args.gpu_gib)
-    from tqdm import tqdm
-
+    from driver.logs import progress_line
     from driver.run import LearnerLost, Run
 
     try:
@@ -52,21 +51,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         steps = cfg.trainer.steps
-        bar = tqdm(initial=run.step, total=steps, desc="GRPO")
-        while (step := run.step) < steps:
-            try:
-                run.evaluate_if_due(step)  # held-out set, answered by the actors beside training (trainer.eval_every)
-                metrics = run.collect()  # rank 0: the next prompts_per_step whole groups within max_staleness
-                metrics |= run.train()  # every rank: GRPO on its share, gradients all-reduced (weights v -> v+1)
-                metrics |= run.publish()  # weights v+1 to every actor in size-bounded buckets
-                bar.set_postfix(run.log(step, metrics))  # TensorBoard; the progress line
-                run.checkpoint_if_due(step)
-                run.step += 1
-            except LearnerLost as e:  # a rank's process died: every process again from the newest checkpoint
-                run.restart(e)  # (trainer.max_learner_restarts times; then the error stands)
-            bar.n = run.step
-            bar.refresh()
-        bar.close()
+        with progress_line(run.step, steps) as bar:  # other lines print above it
+            while (step := run.step) < steps:
+                try:
+                    run.evaluate_if_due(step)  # held-out set, answered by the actors beside training
+                    metrics = run.collect()  # rank 0: the next prompts_per_step whole groups within max_staleness
+                    metrics |= run.train()  # every rank: GRPO on its share, gradients all-reduced (weights v -> v+1)
+                    metrics |= run.publish()  # weights v+1 to every actor in size-bounded buckets
+                    bar.set_postfix(run.log(step, metrics))  # TensorBoard; the progress line
+                    run.checkpoint_if_due(step)
+                    run.step += 1
+                except LearnerLost as e:  # a rank's process died: every process again from the newest checkpoint
+                    run.restart(e)  # (trainer.max_learner_restarts times; then the error stands)
+                bar.n = run.step
+                bar.refresh()
         run.evaluate_if_due(steps)  # the final weights, once they are on the actors
         run.save_final()
     except KeyboardInterrupt:  # Ctrl-C: stop every actor and rank, keep the counters and the last checkpoint

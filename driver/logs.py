@@ -1,6 +1,7 @@
 """Where a run's logs go: the console shows the driver's own lines (configuration, progress, summary) and, from every
 process, warnings and errors at `logging.engine_level` or above; everything from info up (debug when asked) goes to
-`logging.dir/run.log`, the file to grep after a failure.
+`logging.dir/run.log`, the file to grep after a failure. While the training loop runs, the progress line stays at
+the bottom of the console and every other line (the driver's, and the workers' that Ray forwards) prints above it.
 
 In the Ray workers (rollout actors, learner ranks) `route_worker_logs` runs before any actor code, as Ray's
 `worker_process_setup_hook`: their stdout (vLLM's and DeepSpeed's info chatter, stray prints) goes to the file, the
@@ -10,9 +11,11 @@ vLLM is told not to install its own stdout handler.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 
 LOG_FILE = "run.log"
 _FILE_ENV, _LEVEL_ENV = "SPECACTOR_LOG_FILE", "SPECACTOR_ENGINE_LEVEL"
@@ -72,3 +75,26 @@ def route_worker_logs() -> None:
     """Ray's `worker_process_setup_hook` (driver/run.py sets the variables `worker_env` names)."""
     if os.environ.get(_FILE_ENV):
         route_process_logs(os.environ[_FILE_ENV], os.environ.get(_LEVEL_ENV, "warning"))
+
+
+@contextlib.contextmanager
+def progress_line(initial: int, total: int) -> Iterator:
+    """The training loop's tqdm bar on stderr. Meanwhile whatever this process writes to stdout or stderr (the
+    driver's lines, its console logging, the workers' lines Ray forwards, which it writes to `sys.stderr` as it finds
+    it) goes above the bar, a line at a time, instead of onto the end of the bar's line."""
+    from tqdm import tqdm
+    from tqdm.contrib import DummyTqdmFile
+
+    streams = sys.stdout, sys.stderr
+    bar = tqdm(initial=initial, total=total, desc="GRPO", file=streams[1])
+    above = {stream: DummyTqdmFile(stream) for stream in streams}
+    consoles = [h for h in logging.getLogger().handlers if type(h) is logging.StreamHandler and h.stream in above]
+    sys.stdout, sys.stderr = above[streams[0]], above[streams[1]]
+    previous = [handler.setStream(above[handler.stream]) for handler in consoles]
+    try:
+        yield bar
+    finally:
+        for handler, stream in zip(consoles, previous):
+            handler.setStream(stream)
+        sys.stdout, sys.stderr = streams
+        bar.close()
