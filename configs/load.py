@@ -193,9 +193,13 @@ def _check_places(path: Path, cfg: DictConfig) -> None:
     """Where the run binds and writes: refused before any process starts, naming the key."""
     host = cfg.transport.host
     try:
-        loopback = ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+        address = ipaddress.ip_address(socket.gethostbyname(host))
     except (OSError, ValueError):
         raise ConfigError(f"{path}: key 'transport.host' = {host!r} is not an address of this machine") from None
+    if address.is_unspecified and host != "0.0.0.0":  # '' and '0' resolve to it, and bind nothing or an odd name
+        raise ConfigError(f"{path}: key 'transport.host' = {host!r} names every interface; write 0.0.0.0 (peers are "
+                          "then given this machine's outward address)")
+    loopback = address.is_loopback
     if cfg.transport.auth.value == "none" and not loopback:
         raise ConfigError(f"{path}: key 'transport.auth' = 'none' with transport.host = {host!r}: a socket bound "
                           "beyond loopback must be authenticated; set transport.auth=curve")

@@ -54,6 +54,8 @@ def test_path_to_yaml_works(tmp_path):
     ("transport.auth=tls", ["transport.auth", "tls"]),
     ("transport.host=192.0.2.1", ["transport.host", "192.0.2.1", "cannot be bound"]),  # TEST-NET: not this machine
     ("transport.host=no-such-host.invalid", ["transport.host", "not an address"]),
+    ("transport.host=''", ["transport.host", "0.0.0.0"]),  # passed, then ZeroMQ could not bind 'tcp://:*'
+    ("transport.host=0", ["transport.host", "0.0.0.0"]),  # bound, but told peers to dial 'tcp://0:port'
     ("logging.dir=/proc/specactor-run", ["logging.dir", "/proc", "writable"]),
     (f"logging.dir={Path(__file__).resolve()}/run", ["logging.dir", "test_config.py", "writable"]),  # under a file
     ("seed=-1", ["seed", "2^63"]),
