@@ -151,9 +151,9 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
         llm.generate(prompts[:2], SamplingParams(temperature=TEMPERATURE, max_tokens=8), use_tqdm=False)  # warm-up
         coupled = name in COUPLED
 
-        def sampling(epoch_seeds: list[int]) -> list:
-            return [SamplingParams(seed=None if name == "vllm" else s, temperature=TEMPERATURE, max_tokens=max_tokens)
-                    for s in epoch_seeds]
+        def sampling(epoch_seeds: list[int]) -> list:  # token ids only, no text: as the rollout actor asks
+            return [SamplingParams(seed=None if name == "vllm" else s, temperature=TEMPERATURE, max_tokens=max_tokens,
+                                   detokenize=False) for s in epoch_seeds]
 
         request_ids = [f"r{i}" for i in range(len(seeds))]  # as `generate` names them
         earlier_sequences = []  # earlier epochs, unmeasured: the engine (its drafter's history) has seen them
@@ -190,8 +190,8 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
             run["sweep_s"] = {}
             hardest = prompt_ids[-1]
             for size in sweep:
-                fixed = [SamplingParams(seed=7_000 + i, temperature=TEMPERATURE, max_tokens=SWEEP_TOKENS)
-                         for i in range(size)]
+                fixed = [SamplingParams(seed=7_000 + i, temperature=TEMPERATURE, max_tokens=SWEEP_TOKENS,
+                                        detokenize=False) for i in range(size)]
                 run["sweep_s"][size] = generate(llm, [hardest] * size, fixed)["makespan_s"]
         return run
     finally:
