@@ -56,13 +56,17 @@ def load_config(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
         cfg = OmegaConf.merge(cfg, from_file)
     except (OmegaConfBaseException, TypeError) as e:  # TypeError: a mapping where the schema has a list
         raise ConfigError(f"{path}: {_explain(e)}") from None
+    _refuse_numbers_for_switches(from_file, cfg, str(path))
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"command-line override {item!r} is not of the form key=value")
+        where = f"command-line override {item!r} (on {path})"
         try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+            given = OmegaConf.from_dotlist([item])
+            cfg = OmegaConf.merge(cfg, given)
         except (OmegaConfBaseException, TypeError) as e:
-            raise ConfigError(f"command-line override {item!r} (on {path}): {_explain(e)}") from None
+            raise ConfigError(f"{where}: {_explain(e)}") from None
+        _refuse_numbers_for_switches(given, cfg, where)
     try:  # interpolations (${...}) resolved here, so a bad one is a config error naming its key, not a traceback
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
@@ -74,6 +78,21 @@ def load_config(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
     _check_values(cfg, path)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def _refuse_numbers_for_switches(given: DictConfig, cfg: DictConfig, where: str) -> None:
+    """OmegaConf takes any number for a true/false key (`speculation.planner=-1` reads as true, `=0` as false): a
+    number given for one is refused, naming the key."""
+    def walk(node: dict, prefix: str):
+        for key, value in node.items():
+            if isinstance(value, dict):
+                yield from walk(value, f"{prefix}{key}.")
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                yield f"{prefix}{key}", value
+
+    for key, value in walk(OmegaConf.to_container(given, resolve=False), ""):
+        if isinstance(OmegaConf.select(cfg, key), bool):
+            raise ConfigError(f"{where}: key '{key}' = {value!r}: this key is true or false, not a number")
 
 
 def _check_values(cfg: DictConfig, path: Path) -> None:

@@ -74,6 +74,8 @@ def test_path_to_yaml_works(tmp_path):
     ("algorithm.length_penalty=1.5", ["algorithm.length_penalty", "[0, 1]"]),
     ("learner.grad_clip=-1", ["learner.grad_clip", ">= 0"]),
     ("learner.weight_decay=-0.1", ["learner.weight_decay", ">= 0"]),
+    ("speculation.planner=-1", ["speculation.planner", "true or false"]),  # was taken as true
+    ("logging.overwrite=0", ["logging.overwrite", "true or false"]),  # was taken as false
     # a drafter's options are its constructor's keywords: a name it does not take fails here, not in the actor
     ("speculation.method=ngram speculation.options.min_k=5", ["speculation.options", "min_k", "NgramDrafter"]),
     ("speculation.method=fastest_of_n speculation.drafters=[suffix,draft_lm] speculation.options.suffix.bogus=1",
