@@ -212,7 +212,7 @@ def test_every_key_fuzzed_loads_or_names_itself():
             yield from keys(value, f"{prefix}{key}.") if isinstance(value, DictConfig) else [f"{prefix}{key}"]
 
     for key in keys(load_config("grpo_tiny")):
-        for value in ["-1", "0", "abc", "[]", "{}", "null", "nan", "inf"]:
+        for value in ["-1", "0", "0.5", "abc", "''", "[]", "{}", "null", "nan", "inf"]:
             try:
                 load_config("grpo_tiny", [f"{key}={value}"])
             except ConfigError as e:
