@@ -107,12 +107,12 @@ def run(system: str, steps: int, overrides: list[str], logdir: Path, log: Path) 
         done = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         raise RuntimeError(f"{system}: launch exited {done.returncode} (log: {log})")
-    events = EventAccumulator(str(logdir)).Reload()
-    times = [e.wall_time for e in events.Scalars("rl/reward_mean")]
     summary = json.loads((logdir / "summary.json").read_text())
     failed = [a for a in summary["actors"] if "error" in a]  # its counters are lost with it: no honest rollout_s
     if failed:
         raise RuntimeError(f"{system}: rollout actor {failed[0]['actor']} ended with {failed[0]['error']} (log: {log})")
+    events = EventAccumulator(str(logdir)).Reload()
+    times = [e.wall_time for e in events.Scalars("rl/reward_mean")]
 
     def mean(tag: str) -> float:  # per step, the first step excluded (it holds the engines' start)
         return statistics.fmean(e.value for e in events.Scalars(tag)[1:])

@@ -136,6 +136,27 @@ def test_end_to_end_seconds_per_step_is_the_run_mean_not_the_median_gap():
         seconds_per_step([0.0, 1.0])
 
 
+def test_a_system_whose_rollout_actor_ended_with_an_error_is_not_measured(tmp_path, monkeypatch):
+    """The launch exited 0 but an actor's summary is an error (its counters died with it): the benchmark stops,
+    naming the system, the actor and its error, instead of reporting a rollout time without that actor's seconds."""
+    import json
+    import subprocess
+
+    import bench.e2e
+
+    def launch(command, **kwargs):  # what a run that lost its actor at the close leaves behind
+        logdir = next(a.split("=", 1)[1] for a in command if a.startswith("logging.dir="))
+        (tmp_path / "run").mkdir()
+        (tmp_path / "run" / "summary.json").write_text(json.dumps(
+            {"learner": {"trained": 0}, "actors": [{"actor": 0, "error": "RuntimeError: engine died"}]}))
+        assert logdir == str(tmp_path / "run")
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(bench.e2e.subprocess, "run", launch)
+    with pytest.raises(RuntimeError, match=r"async: rollout actor 0 ended with RuntimeError: engine died"):
+        bench.e2e.run("async", 4, [], tmp_path / "run", tmp_path / "log.txt")
+
+
 def test_distillation_is_judged_paired_on_the_same_tokens_as_well_as_by_its_trend():
     from bench.e2e import late_gain, trend
 
