@@ -83,22 +83,16 @@ def load_config(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
 def _refuse_numbers_for_switches(given: DictConfig, cfg: DictConfig, where: str) -> None:
     """OmegaConf takes any number for a true/false key (`speculation.planner=-1` reads as true, `=0` as false): a
     number given for one is refused, naming the key."""
-    def walk(node: dict, prefix: str):
-        for key, value in node.items():
-            if isinstance(value, dict):
-                yield from walk(value, f"{prefix}{key}.")
-            elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                yield f"{prefix}{key}", value
-
-    for key, value in walk(OmegaConf.to_container(given, resolve=False), ""):
-        if isinstance(OmegaConf.select(cfg, key), bool):
+    for key, value in _leaves(OmegaConf.to_container(given, resolve=False)):  # as given: interpolations unresolved
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if number and isinstance(OmegaConf.select(cfg, key), bool):
             raise ConfigError(f"{where}: key '{key}' = {value!r}: this key is true or false, not a number")
 
 
 def _check_values(cfg: DictConfig, path: Path) -> None:
     """Range checks the types alone cannot express."""
-    for key, value in _numbers(cfg):
-        if not math.isfinite(value):
+    for key, value in _leaves(OmegaConf.to_container(cfg)):
+        if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{path}: key '{key}' = {value!r} must be a finite number")
     rules = [
         ("trainer.steps", cfg.trainer.steps >= 1, "must be >= 1"),
@@ -199,12 +193,12 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
             raise ConfigError(f"{path}: key '{key}' = {source!r}: {e}") from None
 
 
-def _numbers(node: DictConfig, prefix: str = ""):
-    """(key, value) for every float in the config, sections walked."""
+def _leaves(node: dict, prefix: str = ""):
+    """(dotted key, value) for every value of a config as plain containers, sections walked."""
     for key, value in node.items():
-        if isinstance(value, DictConfig):
-            yield from _numbers(value, f"{prefix}{key}.")
-        elif isinstance(value, float):
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
             yield f"{prefix}{key}", value
 
 
