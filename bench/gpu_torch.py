@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         eos = tokenizer.eos_token_id
         with tempfile.TemporaryDirectory() as tmp:
             shape = dict(zero_layers=2, num_heads=8, intermediate_size=1024) if quick else \
-                dict(zero_layers=28, num_heads=64, intermediate_size=81920)  # bench.rollout's gpu preset
+                dict(zero_layers=24, num_heads=64, intermediate_size=6144, hidden_size=2048)  # the gpu preset's
             config = build_padded_target(policy, Path(tmp), **shape)
             result["target"] = {**shape, "parameters": parameter_count(config)}
             for dtype, temperatures in ((torch.bfloat16, (1.0, 0.0)), (torch.float32, (1.0,))):

@@ -7,7 +7,14 @@ computes:
   random (every matmul is computed) but their output projections (`o_proj`, `down_proj`) are exactly zero, so
   the residual stream leaves them unchanged (in front, not behind: vLLM's fused add+RMSNorm would round it);
 - every layer is widened to `num_heads` attention heads (key/value heads in the same ratio) and
-  `intermediate_size` MLP units; the trained layers' extra heads and units have zero output columns.
+  `intermediate_size` MLP units; the trained layers' extra heads and units have zero output columns;
+- optionally the residual stream is widened to `hidden_size` (`c` times the trained width, `c` a power of four):
+  the extra dimensions are zero in the embedding and receive only zero rows of every output projection, so they stay
+  zero; the RMSNorms, which now average over `c` times as many dimensions, get their weights divided by `sqrt(c)`
+  and their epsilon by `c`, which gives the same normalised values (exactly, in binary floating point: every factor
+  is a power of two). Without it a narrow residual stream (128) beside wide MLPs makes a step's activations, not its
+  weights, the memory it moves: on a GPU such a target's step cost grows with its tokens from the first few, unlike a
+  real model's (bench/gpu_torch.py's `step_cost`, README).
 The trained part's tokens are therefore reproduced up to fp32 summation order in the wider matmuls;
 `python -m bench.rollout` measures and reports how often the padded target's greedy tokens equal the policy's.
 """
@@ -24,8 +31,9 @@ from models.zoo import copy_tokenizer
 
 
 def build_padded_target(src: Path, dst: Path, zero_layers: int, num_heads: int, intermediate_size: int,
-                        seed: int = 0) -> dict:
-    """Writes the padded checkpoint to `dst` (a Hugging Face directory) and returns its config."""
+                        seed: int = 0, hidden_size: int | None = None) -> dict:
+    """Writes the padded checkpoint to `dst` (a Hugging Face directory) and returns its config; `hidden_size`: the
+    widened residual stream (None: the trained width)."""
     config = json.loads((src / "config.json").read_text())
     if config.get("model_type") != "qwen3":
         raise ValueError(f"{src}: cost padding is written for Qwen3 dense checkpoints, got {config.get('model_type')}")
@@ -33,6 +41,11 @@ def build_padded_target(src: Path, dst: Path, zero_layers: int, num_heads: int, 
     hidden, layers, inter = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]
     if num_heads % heads or intermediate_size < inter:
         raise ValueError(f"num_heads must be a multiple of {heads} and intermediate_size >= {inter}")
+    wide = hidden_size or hidden
+    widening = wide // hidden
+    if wide % hidden or widening & (widening - 1) or widening.bit_length() % 2 == 0:
+        raise ValueError(f"hidden_size must be the trained {hidden} times a power of four, got {hidden_size}")
+    norm = widening ** -0.5  # a power of two: the RMSNorms' rescaling is exact
     new_kv = kv_heads * num_heads // heads  # keeps every trained query head on its own key/value head
     gen = torch.Generator().manual_seed(seed)
     weights = load_file(str(src / "model.safetensors"))
@@ -45,37 +58,48 @@ def build_padded_target(src: Path, dst: Path, zero_layers: int, num_heads: int, 
         out[: t.shape[0], : t.shape[1]] = t
         return out
 
+    def rms(weight: torch.Tensor) -> torch.Tensor:  # a residual-stream norm's weight, for the widened stream
+        return padded((weight * norm).unsqueeze(0), 1, wide, True)[0]
+
     def layer(i: int, trained: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         p = f"model.layers.{i}."
         if trained is None:  # an expensive no-op: random everywhere except exactly-zero output projections
-            t = {"self_attn.q_proj.weight": random(num_heads * head_dim, hidden),
-                 "self_attn.k_proj.weight": random(new_kv * head_dim, hidden),
-                 "self_attn.v_proj.weight": random(new_kv * head_dim, hidden),
-                 "self_attn.o_proj.weight": torch.zeros(hidden, num_heads * head_dim),
+            t = {"self_attn.q_proj.weight": random(num_heads * head_dim, wide),
+                 "self_attn.k_proj.weight": random(new_kv * head_dim, wide),
+                 "self_attn.v_proj.weight": random(new_kv * head_dim, wide),
+                 "self_attn.o_proj.weight": torch.zeros(wide, num_heads * head_dim),
                  "self_attn.q_norm.weight": torch.ones(head_dim), "self_attn.k_norm.weight": torch.ones(head_dim),
-                 "mlp.gate_proj.weight": random(intermediate_size, hidden),
-                 "mlp.up_proj.weight": random(intermediate_size, hidden),
-                 "mlp.down_proj.weight": torch.zeros(hidden, intermediate_size),
-                 "input_layernorm.weight": torch.ones(hidden), "post_attention_layernorm.weight": torch.ones(hidden)}
+                 "mlp.gate_proj.weight": random(intermediate_size, wide),
+                 "mlp.up_proj.weight": random(intermediate_size, wide),
+                 "mlp.down_proj.weight": torch.zeros(wide, intermediate_size),
+                 "input_layernorm.weight": torch.ones(wide), "post_attention_layernorm.weight": torch.ones(wide)}
         else:
             t = dict(trained)
-            t["self_attn.q_proj.weight"] = padded(t["self_attn.q_proj.weight"], num_heads * head_dim, hidden, False)
-            t["self_attn.k_proj.weight"] = padded(t["self_attn.k_proj.weight"], new_kv * head_dim, hidden, False)
-            t["self_attn.v_proj.weight"] = padded(t["self_attn.v_proj.weight"], new_kv * head_dim, hidden, False)
-            t["self_attn.o_proj.weight"] = padded(t["self_attn.o_proj.weight"], hidden, num_heads * head_dim, True)
-            t["mlp.gate_proj.weight"] = padded(t["mlp.gate_proj.weight"], intermediate_size, hidden, False)
-            t["mlp.up_proj.weight"] = padded(t["mlp.up_proj.weight"], intermediate_size, hidden, False)
-            t["mlp.down_proj.weight"] = padded(t["mlp.down_proj.weight"], hidden, intermediate_size, True)
+            t["self_attn.q_proj.weight"] = padded(t["self_attn.q_proj.weight"], num_heads * head_dim, wide, False)
+            t["self_attn.k_proj.weight"] = padded(t["self_attn.k_proj.weight"], new_kv * head_dim, wide, False)
+            t["self_attn.v_proj.weight"] = padded(t["self_attn.v_proj.weight"], new_kv * head_dim, wide, False)
+            t["self_attn.o_proj.weight"] = padded(t["self_attn.o_proj.weight"], wide, num_heads * head_dim, True)
+            t["mlp.gate_proj.weight"] = padded(t["mlp.gate_proj.weight"], intermediate_size, wide, False)
+            t["mlp.up_proj.weight"] = padded(t["mlp.up_proj.weight"], intermediate_size, wide, False)
+            t["mlp.down_proj.weight"] = padded(t["mlp.down_proj.weight"], wide, intermediate_size, True)
+            for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+                t[name] = rms(t[name])
         return {p + k: v.contiguous() for k, v in t.items()}
 
     out = {k: v for k, v in weights.items() if not k.startswith("model.layers.")}
+    if widening > 1:  # the embedding (and the LM head, tied or not) read and write only the trained dimensions
+        for name, value in out.items():
+            if value.dim() == 2 and value.shape[1] == hidden:
+                out[name] = padded(value, value.shape[0], wide, True)
+        out["model.norm.weight"] = rms(out["model.norm.weight"])
     for i in range(zero_layers):
         out.update(layer(i, None))
     for i in range(layers):
         prefix = f"model.layers.{i}."
         trained = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
         out.update(layer(zero_layers + i, trained))
-    config.update(num_hidden_layers=zero_layers + layers, num_attention_heads=num_heads,
+    config.update(hidden_size=wide, rms_norm_eps=config["rms_norm_eps"] / widening,
+                  num_hidden_layers=zero_layers + layers, num_attention_heads=num_heads,
                   num_key_value_heads=new_kv, intermediate_size=intermediate_size,
                   max_window_layers=zero_layers + layers, layer_types=None)
     config = {k: v for k, v in config.items() if v is not None}

@@ -13,7 +13,8 @@ Systems (fixed before the run; `specactor` is the configured default, never the 
   (suffix) drafter, fastest-of-N over suffix and the draft LM (listed, not chosen).
 The target is a cost-padded copy of the trained policy (bench/padded_target.py): 70.8M parameters of cost in fp32 on
 CPU presets; for `gpu` (the long-tail workload on one CUDA GPU, bf16, CUDA graphs as vLLM uses them by default)
-~1.0B, so that decoding is memory-bound as on real rollout GPUs (the preset refuses to start without CUDA); `policy`
+~1.41B with Qwen3-1.7B's matmul shapes, so that decoding is memory-bound as on real rollout GPUs (the preset refuses
+to start without CUDA); `policy`
 runs the end-to-end benchmark's own rollout, the unpadded 0.8M policy on grpo_tiny's prompt mix. Every repeat runs
 every system (vanilla first, then a rotating order); a system's speed-up is the median over repeats of vanilla's makespan over
 its own in the same repeat, with a 95% t-interval of that paired ratio (`vllm` samples other tokens, so compare it
@@ -60,7 +61,10 @@ PRESETS = {
                    sweep=[1, 16, 128], padded=False),
 }
 TARGETS = {"cpu": dict(zero_layers=16, num_heads=32, intermediate_size=8192),  # 70.8M parameters of cost
-           "cuda": dict(zero_layers=28, num_heads=64, intermediate_size=81920)}  # ~1.0B: memory-bound decode
+           # ~1.41B, Qwen3-1.7B's matmul shapes (its 2048-wide residual stream too): memory-bound decode, and
+           # verifying 4 drafts for each of 8-32 requests costs a decode step's 1.05-1.16x on an H200, as with the
+           # real model (bench.gpu_torch step_cost; the 128-wide stream before made it 1.4-2.2x)
+           "cuda": dict(zero_layers=24, num_heads=64, intermediate_size=6144, hidden_size=2048)}
 ENGINE = {"cpu": [], "cuda": ["cluster.device=cuda", "model.dtype=bfloat16", "rollout.kv_cache_mib=16384"]}  # overrides
 SYSTEMS = ["vllm", "vanilla", "vllm_spec_draft", "vllm_spec_ngram", "oracle", "specactor", "specactor_ngram",
            "specactor_suffix", "specactor_fastest"]
@@ -344,7 +348,8 @@ def main(argv: list[str] | None = None) -> dict:
         "num_speculative_tokens": args.speculative_tokens, "specactor": "draft_lm, cost-model draft planner",
         "target": (f"cost-padded built-in policy: {TARGETS[device]['zero_layers']} zero-output layers in front of "
                    f"the 4 trained ones, widened to {TARGETS[device]['num_heads']} heads / "
-                   f"{TARGETS[device]['intermediate_size']} MLP units (bench/padded_target.py)") if padded else
+                   f"{TARGETS[device]['intermediate_size']} MLP units / a "
+                   f"{target_config['hidden_size']}-wide residual stream (bench/padded_target.py)") if padded else
                   "the built-in policy itself (builtin:dense, unpadded)",
         "target_params": parameter_count(target_config), "draft": "builtin:draft",
         "device": "one CUDA GPU, bf16" if device == "cuda" else "CPU, one engine thread (OMP_NUM_THREADS=1), fp32",

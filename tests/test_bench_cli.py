@@ -31,6 +31,33 @@ def test_the_gpu_torch_benchmark_exits_at_once_without_cuda(capsys):
     assert "\n" not in err and "bench.gpu_torch" in err and "CUDA" in err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the benchmark would run")
+def test_the_step_cost_benchmark_exits_at_once_without_cuda(capsys):
+    from bench import step_cost
+
+    assert step_cost.main(["--out", "/nonexistent/never-written.json"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "bench.step_cost" in err and "CUDA" in err
+
+
+def test_the_step_cost_benchmark_times_the_gpu_preset_s_own_target():
+    """bench.step_cost's preset targets have the matmul shapes of the targets bench.rollout's presets build, and a
+    measurement gives every token count and the verify/decode ratio where both were timed."""
+    from bench.rollout import TARGETS
+    from bench.step_cost import CPU_SHAPES, SHAPES, step_cost
+    from models.zoo import resolve
+
+    c = json.loads((resolve("builtin:dense") / "config.json").read_text())
+    for shape, t in ((SHAPES["gpu_preset_target"], TARGETS["cuda"]), (CPU_SHAPES["cpu_preset_target"], TARGETS["cpu"])):
+        kv = c["num_key_value_heads"] * t["num_heads"] // c["num_attention_heads"] * c["head_dim"]  # as padded
+        assert shape == (t.get("hidden_size", c["hidden_size"]), t["num_heads"] * c["head_dim"], kv,
+                         t["intermediate_size"], t["zero_layers"] + c["num_hidden_layers"], c["vocab_size"])
+    result = step_cost((64, 64, 32, 256, 2, 100), (1, 5, 8), device="cpu", dtype=torch.float32)
+    assert set(result["ms_by_tokens"]) == {1, 5, 8} and min(result["ms_by_tokens"].values()) > 0
+    assert set(result["verify_k4_over_decode_by_requests"]) == {1}
+    assert result["parameters"] == 2 * 64 * (2 * 64 + 2 * 32 + 3 * 256) + 100 * 64
+
+
 @pytest.mark.parametrize("shape", ["512", "512,x", "0,4"])
 def test_the_gpu_torch_benchmark_refuses_a_bad_draft_shape_by_name(shape, capsys):
     from bench import gpu_torch
