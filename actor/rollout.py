@@ -2,10 +2,14 @@
 
 It admits GRPO groups (one request per sample, seeds `group_seed + i`) while the group's learner step (shifted by
 the learner's cursor lead, tasks/schedule.py) is at most `algorithm.max_staleness` versions ahead of the weights it
-holds, streams each trajectory as soon as its group completes, and applies a new weight version between two engine
-steps with requests in flight (reload, re-pack the tied CPU lm_head, reset the prefix cache and recompute running
-requests' context under the new weights); a new draft LM version (distilled by the learner) is swapped in the same
-way, between steps. Every token records the version it was sampled under and comes from the coupled sampler
+holds, and streams each trajectory as soon as its group completes. A new weight version is applied between two
+engine steps (reload, re-pack the tied CPU lm_head, reset the prefix cache) once the training groups in flight have
+finished under the weights they started with, or after `rollout.update_wait_s`, preempting them then so that their
+context is recomputed under the new weights. Waiting admits nothing new (the staleness bound holds the next groups
+back until the weights they need are applied), and it saves the recomputation: on the CPU, the first step after an
+update that preempted ~200 requests took 0.15 s against 0.02 s for the others, and the loop ran 1.06-1.20x faster
+(README). A new draft LM version (distilled by the learner) is swapped in between steps at once (no trajectory
+depends on it). Every token records the version it was sampled under and comes from the coupled sampler
 (sampling/coupled.py), speculating with the configured drafter or not; per-sequence draft/accept counts ride
 along in each trajectory. Which prompts it takes is `tasks.schedule.CursorPlan`'s rule.
 """
@@ -57,6 +61,7 @@ class RolloutActor:
         self.outbox = Outbox(trajectory_endpoint, f"actor-{actor_id}", hwm=cfg.transport.trajectory_queue, keys=keys)
         self.weights = WeightSubscriber(weight_endpoint, keys=keys)  # keys: CURVE, as the driver admitted them
         self.version = version  # of the weights in model_dir
+        self.waiting: tuple[tuple[int, list], float] | None = None  # a newer version and when it arrived, unapplied
         # the learner's cursor lead (tasks/schedule.py), sent with every version; until then a resumed run's offset
         self.lead = plan.lead_at(version, delivered=0)
         self.first_k = first_k  # this actor's first group (a replacement resumes where the dead actor stopped)
@@ -67,6 +72,7 @@ class RolloutActor:
         self.eval_problems: dict | None = None  # the run's held-out set, built at the first evaluation
         self.stats = {"groups": 0, "trajectories": 0, "tokens": 0, "weight_updates": 0, "generate_seconds": 0.0,
                       "idle_seconds": 0.0,  # nothing admissible to run: waiting for the learner's next weights
+                      "preempting_updates": 0,  # weight versions applied with training groups still in flight
                       "sent_while_generating": 0,  # streamed while other requests were still in the engine
                       "draft_tokens": 0, "accepted_tokens": 0, "verify_steps": 0, "invalid_drafts": 0, "rewinds": 0,
                       "draft_version": 0, "draft_swaps": 0}  # of the draft LM (distilled online, if asked)
@@ -83,7 +89,7 @@ class RolloutActor:
         k = self.first_k
         beat = time.time()
         while not self.stopping.is_set():
-            self.poll_weights(0)
+            self.poll_weights(0, in_flight=bool(samples))
             while not self.rewinds.empty():  # trajectories of this actor were lost: regenerate from the learner's k
                 k = self.rewinds.get()
                 self.abandon(samples, finished)
@@ -217,7 +223,9 @@ class RolloutActor:
         if self.engine.has_unfinished_requests():
             self.stats["sent_while_generating"] += len(group)
 
-    def poll_weights(self, timeout_ms: int) -> None:
+    def poll_weights(self, timeout_ms: int, in_flight: bool = False) -> None:
+        """Takes what the learner published: a draft LM version is swapped in at once; a policy version is applied
+        now if no training group is `in_flight`, else once they finish or `rollout.update_wait_s` has passed."""
         update = self.weights.poll(timeout_ms)
         draft = self.weights.take_draft()  # a distilled draft LM (learner/distill.py): no trajectory changes
         if draft is not None and draft[0] > self.stats["draft_version"]:
@@ -227,9 +235,13 @@ class RolloutActor:
                                    f"{self.cfg.speculation.method!r} has no draft LM to take them")
             self.stats["draft_version"], self.stats["draft_swaps"] = draft[0], self.stats["draft_swaps"] + 1
             self._send(WeightAck(SCHEMA_VERSION, self.actor_id, draft[0], time.time() - start, "draft"))
-        if update is None or update[0] <= self.version:  # a re-send for a replacement actor: already applied
+        if update is not None and update[0] > self.version:  # (older: a re-send for a replacement actor)
+            self.waiting = (update, time.time() if self.waiting is None else self.waiting[1])
+        if self.waiting is None or (in_flight and time.time() - self.waiting[1] < self.cfg.rollout.update_wait_s):
             return
-        version, tensors = update
+        (version, tensors), _ = self.waiting
+        self.waiting = None
+        self.stats["preempting_updates"] += in_flight
         start = time.time()
         self.llm.collective_rpc(apply_weights, args=(tensors,))
         # Cached KV was computed by the old weights: drop it, and preempt running requests so their context is

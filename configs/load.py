@@ -111,6 +111,7 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
         ("rollout.max_restarts", cfg.rollout.max_restarts >= 0, "must be >= 0"),
         ("trainer.max_learner_restarts", cfg.trainer.max_learner_restarts >= 0, "must be >= 0"),
         ("rollout.stall_timeout_s", cfg.rollout.stall_timeout_s >= 0, "must be >= 0 (0: never)"),
+        ("rollout.update_wait_s", cfg.rollout.update_wait_s >= 0, "must be >= 0 (0: apply new weights at once)"),
         ("speculation.num_speculative_tokens", cfg.speculation.num_speculative_tokens >= 1, "must be >= 1"),
         ("speculation.max_batch", cfg.speculation.max_batch >= 0, "must be >= 0 (0: no limit)"),
         ("learner.num_ranks", cfg.learner.num_ranks >= 1, "must be >= 1"),

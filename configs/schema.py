@@ -85,6 +85,10 @@ class RolloutConfig:
     # an actor the learner has heard nothing from (no trajectory, no heartbeat) this long while it waits for groups is
     # taken for hung, stopped and replaced like a dead one (0: never); beyond the longest weight application
     stall_timeout_s: float = 300.0
+    # how long a new weight version waits for the training groups in flight to finish under the weights they started
+    # with before the actor applies it anyway, preempting them: their context is then recomputed under the new
+    # weights, so every later token is a sample of exactly the new version (0: apply at once, always preempting)
+    update_wait_s: float = 30.0
 
 
 @dataclass

@@ -39,6 +39,7 @@ def test_path_to_yaml_works(tmp_path):
     ("model.dtype=fp8", ["model.dtype", "fp8"]),
     ("rollout.top_p=0", ["rollout.top_p", "(0, 1]"]),
     ("rollout.group_size=1", ["rollout.group_size"]),
+    ("rollout.update_wait_s=-1", ["rollout.update_wait_s", ">= 0"]),
     ("learner.zero_stage=4", ["learner.zero_stage"]),
     ("model.path=/nowhere", ["model.path", "/nowhere", "config.json"]),
     ("model.path=builtin:huge", ["model.path", "builtin:huge"]),
