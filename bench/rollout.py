@@ -62,8 +62,8 @@ PRESETS = {
 }
 TARGETS = {"cpu": dict(zero_layers=16, num_heads=32, intermediate_size=8192),  # 70.8M parameters of cost
            # ~1.41B, Qwen3-1.7B's matmul shapes (its 2048-wide residual stream too): memory-bound decode, and
-           # verifying 4 drafts for each of 8-32 requests costs a decode step's 1.05-1.16x on an H200, as with the
-           # real model (bench.gpu_torch step_cost; the 128-wide stream before made it 1.4-2.2x)
+           # verifying 4 drafts for each of 8-32 requests costs a decode step's 1.06-1.19x on an H200, as with the
+           # real model (bench/step_cost.py; the 128-wide stream before made it 1.4-2.2x)
            "cuda": dict(zero_layers=24, num_heads=64, intermediate_size=6144, hidden_size=2048)}
 ENGINE = {"cpu": [], "cuda": ["cluster.device=cuda", "model.dtype=bfloat16", "rollout.kv_cache_mib=16384"]}  # overrides
 SYSTEMS = ["vllm", "vanilla", "vllm_spec_draft", "vllm_spec_ngram", "oracle", "specactor", "specactor_ngram",
