@@ -40,7 +40,7 @@ def test_the_step_cost_benchmark_exits_at_once_without_cuda(capsys):
     assert "\n" not in err and "bench.step_cost" in err and "CUDA" in err
 
 
-def test_the_step_cost_benchmark_times_the_gpu_preset_s_own_target():
+def test_the_step_cost_benchmark_times_the_presets_own_targets():
     """bench.step_cost's preset targets have the matmul shapes of the targets bench.rollout's presets build, and a
     measurement gives every token count and the verify/decode ratio where both were timed."""
     from bench.rollout import TARGETS
