@@ -127,3 +127,57 @@ def test_a_costly_member_is_asked_only_where_it_may_beat_the_cheaper_ones():
     before = [list(labels) for labels in fon.labels["a"]]
     fon.commit("a", [1, 1, 1, 1, 1])  # labels only the proposals that were made
     assert fon.labels["a"][0] == before[0] and fon.labels["a"][1][0] == before[1][0] + 4
+
+
+def test_a_judge_decides_which_requests_a_member_after_the_first_is_asked_and_each_call_is_reported():
+    SlowTwos.asked.clear()
+    fon = FastestOfN(["test_fastest_of_n.SlowTwos", "test_fastest_of_n.SureOfA"])
+    fon.propose([request("b")], 4)  # unmeasured, so in the order given: the slow one first, the sure one not needed
+    assert [m for m, *_ in fon.spent] == [0]
+    calls = []
+
+    def judge(member, delta, budgets, extra, unseen, committed, drafted):
+        calls.append((member, len(delta), budgets, extra, unseen, drafted))
+        return [False] * len(delta)
+
+    fon.judge = judge
+    SlowTwos.asked.clear()
+    assert fon.propose([request("b"), request("a")], 4) == [[], [1, 1, 1, 1]]  # the judge kept the slow one out
+    assert SlowTwos.asked == [] and [m for m, *_ in fon.spent] == [1]
+    # judged for "b" only (the sure member had nothing there): 4 tokens it would add, none seen before, none drafted
+    assert calls == [(0, 1, [4], [4], [0], 4)]
+    assert fon.spent[0][1:4] == (4, 4, 4)  # the sure member: 4 passes, 4 tokens, 2 + 2 history tokens new to it
+    fon.judge = lambda member, delta, *rest: [True] * len(delta)
+    fon.propose([request("b"), request("a")], 4)
+    (cheap, *mine), (slow, passes, drafted, unseen, seconds) = fon.spent
+    assert (cheap, slow, passes, drafted, unseen) == (1, 0, 4, 4, 0) and seconds >= 0.005  # "b" seen with 2 tokens
+    fon.remove("b")
+    assert all("b" not in shown for shown in fon.shown)
+
+
+def test_the_bridge_asks_a_member_while_learning_its_cost_then_where_it_pays_and_again_to_explore():
+    from types import SimpleNamespace
+
+    from actor.draft_bridge import MEMBER_LEARNING, DrafterBridge
+    from actor.draft_planner import EXPLORE_EVERY
+
+    bridge = DrafterBridge(SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=4)))
+    runner = SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: 100))
+    fon = FastestOfN(MEMBERS)
+    bridge.bind(runner, fon, max_batch=0, planning=True)
+    assert fon.judge == bridge._worth_asking and len(bridge.member_costs) == 2
+    for tokens in range(1, 200):
+        bridge.step_cost.observe(tokens, 0.010 + 0.0005 * tokens)
+    bridge.batch = 4
+    sure = ([0.05] * 4, [4] * 4, [4] * 4, [0] * 4, 4 * 3.5, 16)  # the proposals in hand are sure; little to add
+    for _ in range(3):
+        bridge.member_costs[1].observe(4, 16, 0, 0.5)  # member 1 costs half a second a call
+    bridge.member_calls[1] = MEMBER_LEARNING - 1
+    assert bridge._worth_asking(1, *sure) == [True] * 4  # its cost not known well enough yet: asked
+    bridge.member_calls[1] = MEMBER_LEARNING
+    judged = [bridge._worth_asking(1, *sure) for _ in range(EXPLORE_EVERY + 1)]
+    assert judged[:EXPLORE_EVERY] == [[False] * 4] * EXPLORE_EVERY and judged[-1] == [True] * 4  # then explored
+    assert bridge._worth_asking(1, *sure) == [False] * 4
+    unplanned = DrafterBridge(SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=4)))
+    unplanned.bind(runner, FastestOfN(MEMBERS), max_batch=0, planning=False)
+    assert unplanned.member_costs == [] and unplanned.drafter.judge is None  # without the planner: every member
