@@ -101,8 +101,11 @@ class DrafterBridge:
         if self.planning:
             unseen = [lengths[row] - self.shown.get(req_ids[row], 0) for row in committed_rows]
             rates = self.acceptance.rates([req_ids[row] for row in committed_rows])
-            budgets, _ = plan(geometric(rates, self.k), len(req_ids), self.step_cost, self.draft_cost,
-                              explore=explore, unseen=unseen)
+            # fastest-of-N: what drafting costs for certain is its first member (the others are asked only where
+            # their judge finds they pay: _worth_asking)
+            cost = self.member_costs[self.drafter.order()[0]] if self.member_costs else self.draft_cost
+            budgets, _ = plan(geometric(rates, self.k), len(req_ids), self.step_cost, cost, explore=explore,
+                              unseen=unseen)
             self.batch = len(req_ids)
         requests, prompt_lengths = [], batch.num_prompt_tokens[: len(req_ids)].tolist()
         for row, budget in zip(committed_rows, budgets):

@@ -15,9 +15,8 @@ verifies it as far as that pays. No choice can change a trajectory; a bad one on
 
 Under the draft planner (actor/draft_bridge.py) cost decides too: the bridge learns each member's own drafting cost
 from `spent`, and its `judge` says which requests a member after the first is worth asking, its expected gain over
-the proposals before it against its cost and the verify tokens it adds. A draft model's forwards are paid only where
-they pay, so the whole's drafting cost, which the planner's budgets weigh, carries them only there: a near-free
-history lookup no longer looks as costly as a draft model.
+the proposals before it against its cost and the verify tokens it adds. A draft model's forwards are paid where they
+pay, and never make a near-free history lookup look as costly as a draft model.
 """
 
 from __future__ import annotations
