@@ -15,13 +15,9 @@ from __future__ import annotations
 import operator
 import time
 
-from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, StepCost, geometric, plan, worth_asking
+from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, StepCost, geometric, plan
 from drafters.base import Drafter, DraftRequest
 from drafters.calibration import Calibration
-from drafters.fastest_of_n import FastestOfN
-
-
-MEMBER_LEARNING = 8  # calls of a fastest-of-N member before its cost decides where it is asked
 
 
 class DrafterBridge:
@@ -33,10 +29,6 @@ class DrafterBridge:
         self.live: set[str] = set()  # the requests of the last step's batch
         self.known: set[str] = set()  # every request the drafter has state for
         self.step_cost, self.draft_cost, self.acceptance = StepCost(), DraftCost(), Acceptance()
-        self.member_costs: list[DraftCost] = []  # fastest-of-N: each member's own drafting cost
-        self.member_calls: list[int] = []  # per member: its calls observed, and judged steps since it was last asked
-        self.member_idle: list[int] = []
-        self.batch = 0  # requests in this step's batch (what a judged member's plan starts from)
         self.calibration, self.rated = Calibration(), False  # rated: the drafter gives confidences
         # per request drafted last step: the tokens handed to the engine, its whole proposal and its confidences
         self.verifying: dict[str, tuple[int, list[int], list[float] | None]] = {}
@@ -51,10 +43,6 @@ class DrafterBridge:
 
     def bind(self, runner, drafter: Drafter, max_batch: int, planning: bool) -> None:
         self.runner, self.drafter, self.max_batch, self.planning = runner, drafter, max_batch, planning
-        if isinstance(drafter, FastestOfN) and planning:  # each member's cost on its own, and judged by it
-            self.member_costs = [DraftCost() for _ in drafter.members]
-            self.member_calls, self.member_idle = [0] * len(drafter.members), [0] * len(drafter.members)
-            drafter.judge = self._worth_asking
         self.vocab_size = runner.model_config.get_vocab_size()
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
@@ -101,12 +89,8 @@ class DrafterBridge:
         if self.planning:
             unseen = [lengths[row] - self.shown.get(req_ids[row], 0) for row in committed_rows]
             rates = self.acceptance.rates([req_ids[row] for row in committed_rows])
-            # fastest-of-N: what drafting costs for certain is its first member (the others are asked only where
-            # their judge finds they pay: _worth_asking)
-            cost = self.member_costs[self.drafter.order()[0]] if self.member_costs else self.draft_cost
-            budgets, _ = plan(geometric(rates, self.k), len(req_ids), self.step_cost, cost, explore=explore,
-                              unseen=unseen)
-            self.batch = len(req_ids)
+            budgets, _ = plan(geometric(rates, self.k), len(req_ids), self.step_cost,
+                              self.draft_cost, explore=explore, unseen=unseen)
         requests, prompt_lengths = [], batch.num_prompt_tokens[: len(req_ids)].tolist()
         for row, budget in zip(committed_rows, budgets):
             if budget == 0:  # rows without a committed token (partial prefill) have nothing to draft from either
@@ -185,28 +169,8 @@ class DrafterBridge:
                 counts.choices[sources[j]] = counts.choices.get(sources[j], 0) + 1
         # what drafting cost this step: the drafter's call and the bridge's work on its proposals (on the 0.8M policy
         # the second is as large as the first: bench.rollout --preset policy)
-        passes, seconds = max(len(valid) for _, _, valid, _ in made), time.perf_counter() - start
-        self.draft_cost.observe(passes, sum(len(valid) for _, _, valid, _ in made), unseen, seconds)
-        if self.member_costs:  # the bridge's own work charged to the member asked first (it answered every request)
-            spent = self.drafter.spent
-            overhead = seconds - sum(s for *_, s in spent)
-            for j, (m, passes, drafted, caught_up, s) in enumerate(spent):
-                self.member_costs[m].observe(passes, drafted, caught_up, s + (overhead if j == 0 else 0.0))
-                self.member_calls[m] += 1
-
-    def _worth_asking(self, member: int, delta, budgets, extra, unseen, committed: float, drafted: int) -> list[bool]:
-        """Fastest-of-N's judge: the requests its member `member` is worth asking this step (over the requests
-        drafting, `committed` expected committed tokens and `drafted` draft tokens so far). A member is asked
-        wherever it may help until its cost is known (MEMBER_LEARNING calls: a few calls fit four terms anyhow, and
-        a warm-up's one slow call once priced a draft model's catch-up at 0.5 ms a token), and again after
-        EXPLORE_EVERY judged steps without a call, so that neither its cost nor its acceptance freezes."""
-        if self.member_calls[member] < MEMBER_LEARNING or self.member_idle[member] >= EXPLORE_EVERY:
-            worth = [True] * len(delta)
-        else:
-            worth = worth_asking(delta, budgets, extra, unseen, self.batch + committed, self.batch + drafted,
-                                 self.step_cost, self.member_costs[member])
-        self.member_idle[member] = 0 if any(worth) else self.member_idle[member] + 1
-        return worth
+        passes = max(len(valid) for _, _, valid, _ in made)
+        self.draft_cost.observe(passes, sum(len(valid) for _, _, valid, _ in made), unseen, time.perf_counter() - start)
 
 
 def confidences_for(values, tokens: int, drafter: str) -> list[float]:

@@ -216,27 +216,3 @@ def plan(gains: list[list[float]] | np.ndarray, base_tokens: int, step: StepCost
     seconds = engine + (draft.predict(passes, drafted, caught_up) if draft is not None else 0.0)
     best = int(np.argmax(committed / np.maximum(seconds, 1e-9)))
     return np.bincount(owner[:best], minlength=n).tolist(), float(engine[best])
-
-
-def worth_asking(delta: list[float], budgets: list[int], extra: list[int], unseen: list[int], committed: float,
-                 tokens: int, step: StepCost, cost: DraftCost) -> list[bool]:
-    """Which requests one more drafter (a member of fastest-of-N after the first) is worth asking, given what the
-    drafters before it proposed: `delta[i]` the expected committed tokens it would add to request `i`'s best
-    proposal so far, `budgets[i]` the tokens it would draft there, `extra[i]` the draft tokens it would add to the
-    verify step, `unseen[i]` its catch-up; `committed`, `tokens`: the step's expected committed tokens and the tokens
-    it computes without it; `cost`: this drafter's own cost. The requests best `delta` first, as many as maximise
-    expected committed tokens per second of the step and this drafter's work; none where asking it never pays (a
-    draft model's forwards next to a near-free history lookup that is already sure)."""
-    delta = np.asarray(delta, dtype=float)
-    order = np.argsort(-delta, kind="stable")
-    zero = np.zeros(1)
-    gained = np.concatenate([zero, np.cumsum(delta[order])])
-    passes = np.concatenate([zero, np.maximum.accumulate(np.asarray(budgets, dtype=float)[order])])
-    drafted = np.concatenate([zero, np.cumsum(np.asarray(budgets, dtype=float)[order])])
-    verified = tokens + np.concatenate([zero, np.cumsum(np.asarray(extra, dtype=float)[order])])
-    caught_up = np.concatenate([zero, np.cumsum(np.asarray(unseen, dtype=float)[order])])
-    seconds = step.predict(verified) + cost.predict(passes, drafted, caught_up)
-    best = int(np.argmax((committed + gained) / np.maximum(seconds, 1e-9))) if step.seen.any() else len(order)
-    chosen = np.zeros(len(order), dtype=bool)
-    chosen[order[:best]] = True
-    return chosen.tolist()

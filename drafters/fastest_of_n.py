@@ -12,17 +12,11 @@ accepted tokens is the sum of its tokens' probabilities of being reached and acc
 expected to give that of its running rate on the request (shrunk towards its rate over every request) for each
 token it may draft. The chosen proposal's calibrated rates are this drafter's confidences, so the draft planner
 verifies it as far as that pays. No choice can change a trajectory; a bad one only costs speed.
-
-Under the draft planner (actor/draft_bridge.py) cost decides too: the bridge learns each member's own drafting cost
-from `spent`, and its `judge` says which requests a member after the first is worth asking, its expected gain over
-the proposals before it against its cost and the verify tokens it adds. A draft model's forwards are paid where they
-pay, and never make a near-free history lookup look as costly as a draft model.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 from drafters.base import Drafter, DraftRequest, load_drafter
 from drafters.calibration import Calibration
@@ -49,41 +43,21 @@ class FastestOfN(Drafter):
         self.choices: list[str] = []  # the member that drafted each request of the last proposal
         self.chosen: list[list[float]] = []  # the chosen proposals' calibrated rates
         self.seconds = [0.0 for _ in self.members]  # per member: drafting seconds per request asked, averaged
-        self.shown = [{} for _ in self.members]  # per member and request: the history length it last drafted from
-        # per member asked by the last proposal: (member, passes, drafted tokens, catch-up tokens, seconds)
-        self.spent: list[tuple[int, int, int, int, float]] = []
-        # set by the draft planner: judge(member, delta, budgets, extra, unseen, committed, drafted) -> which of the
-        # requests it may improve the member is worth asking (worth_asking in actor/draft_planner.py)
-        self.judge: Callable[..., list[bool]] | None = None
 
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
         mine: list[dict[int, tuple[list[int], list[float]]]] = [{} for _ in requests]  # per request: member -> proposal
         best = [(0.0, -1) for _ in requests]  # per request: the best expected accepted tokens so far, and its member
         budgets = [r.budget(k) for r in requests]
-        self.spent = []
-        for m in self.order():
+        for m in sorted(range(len(self.members)), key=self.seconds.__getitem__):
             asked = [i for i, r in enumerate(requests)
                      if best[i][1] < 0 or best[i][0] < self._expected(m, r, budgets[i])]
-            shown = self.shown[m]
-            unseen = [len(requests[i].token_ids) - shown.get(requests[i].request_id, 0) for i in asked]
-            if asked and self.spent and self.judge is not None:  # after the first member asked: is it worth its cost?
-                lengths = [len(mine[i][best[i][1]][0]) for i in range(len(requests))]
-                delta = [self._expected(m, requests[i], budgets[i]) - best[i][0] for i in asked]
-                worth = self.judge(m, delta, [budgets[i] for i in asked],
-                                   [max(budgets[i] - lengths[i], 0) for i in asked], unseen,
-                                   sum(gain for gain, _ in best), sum(lengths))
-                asked, unseen = [i for i, w in zip(asked, worth) if w], [u for u, w in zip(unseen, worth) if w]
             if not asked:
                 continue
             start = time.perf_counter()
             drafts = self.members[m].propose([requests[i] for i in asked], k)
             sureness = self.members[m].confidences()
-            seconds = time.perf_counter() - start
-            per_request = seconds / len(asked)
+            per_request = (time.perf_counter() - start) / len(asked)
             self.seconds[m] = per_request if self.seconds[m] == 0 else 0.9 * self.seconds[m] + 0.1 * per_request
-            self.spent.append((m, max(map(len, drafts), default=0), sum(map(len, drafts)), sum(unseen), seconds))
-            for i in asked:
-                shown[requests[i].request_id] = len(requests[i].token_ids)
             for j, i in enumerate(asked):
                 proposal = list(drafts[j])
                 own = sureness[j][: len(proposal)] if sureness is not None else \
@@ -102,10 +76,6 @@ class FastestOfN(Drafter):
 
     def confidences(self) -> list[list[float]]:
         return self.chosen
-
-    def order(self) -> list[int]:
-        """The members in the order they are asked: cheapest first, by measured drafting seconds per request."""
-        return sorted(range(len(self.members)), key=self.seconds.__getitem__)
 
     def sources(self) -> list[str]:
         return self.choices
@@ -144,8 +114,6 @@ class FastestOfN(Drafter):
             member.remove(request_id)
         self.labels.pop(request_id, None)
         self.last.pop(request_id, None)
-        for shown in self.shown:
-            shown.pop(request_id, None)
 
 
 def agreement(proposal: list[int], committed: list[int]) -> int:

@@ -4,7 +4,7 @@ observations, tracks acceptance per request, and drafts where verifying pays and
 import numpy as np
 import pytest
 
-from actor.draft_planner import Acceptance, DraftCost, StepCost, geometric, plan, worth_asking
+from actor.draft_planner import Acceptance, DraftCost, StepCost, geometric, plan
 
 
 def rated(rates: list[float], k: int) -> np.ndarray:
@@ -196,35 +196,3 @@ def test_a_step_larger_than_any_seen_is_taken_as_measured_and_a_stall_where_the_
     assert float(cost.predict(known)) <= 2 * before
     cost.observe(far, 50 * float(cost.predict(far)))
     assert float(cost.predict(far)) == pytest.approx(50 * float(learned(weight_bound).predict(far)), rel=0.01)
-
-
-def fixed_cost(seconds: float) -> DraftCost:
-    """A drafter whose every call costs `seconds`, whatever it drafts."""
-    cost = DraftCost()
-    for passes, tokens, unseen in [(1, 1, 0), (2, 8, 5), (4, 32, 0), (4, 128, 40), (3, 64, 9)]:
-        cost.observe(passes, tokens, unseen, seconds)
-    return cost
-
-
-def test_a_costly_member_is_not_asked_where_the_proposals_before_it_are_sure():
-    """Fastest-of-N once asked its draft model wherever that might beat a history lookup by a hair, and its
-    forwards cost more than the step; asked only where its expected gain pays for them, it is not asked here."""
-    step = learned(lambda n: 0.010 + 0.0005 * n)
-    sure = dict(budgets=[4] * 16, extra=[0] * 16, unseen=[0] * 16, committed=16 + 16 * 3.5, tokens=16 + 64)
-    assert worth_asking([0.05] * 16, step=step, cost=fixed_cost(0.040), **sure) == [False] * 16
-    assert worth_asking([0.05] * 16, step=step, cost=fixed_cost(0.0), **sure) == [True] * 16  # free: asked
-
-
-def test_a_member_is_asked_where_it_may_add_the_most():
-    step = learned(lambda n: 0.010 + 0.0005 * n)
-    delta = [3.0, 0.01, 2.5, 0.02]  # the lookup had nothing for requests 0 and 2
-    worth = worth_asking(delta, [4] * 4, [4] * 4, [0] * 4, committed=4.1, tokens=4, step=step, cost=fixed_cost(0.004))
-    assert worth == [True, False, True, False]
-    assert worth_asking(delta, [4] * 4, [4] * 4, [0] * 4, 4.1, 4, step, fixed_cost(0.5)) == [False] * 4
-    slow_catch_up = fixed_cost(0.004)
-    slow_catch_up.coef[3] = 1e-4  # 0.1 ms a history token it has not seen: 1 s for these
-    assert worth_asking(delta, [4] * 4, [4] * 4, [10_000] * 4, 4.1, 4, step, slow_catch_up) == [False] * 4
-
-
-def test_before_any_step_is_measured_every_member_is_asked():
-    assert worth_asking([0.1, 0.0], [4, 4], [4, 4], [0, 0], 2.0, 2, StepCost(), fixed_cost(1.0)) == [True, True]
