@@ -20,6 +20,7 @@ from tasks.dataset import jsonl_sources
 from tasks.jsonl import DataFormatError, load_jsonl
 
 CONFIG_DIR = Path(__file__).resolve().parent
+STALL_FLOOR_S = 10.0  # the least rollout.stall_timeout_s: five of an actor's heartbeats (actor/rollout.HEARTBEAT_S)
 
 
 class ConfigError(ValueError):
@@ -110,7 +111,10 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
         ("rollout.kv_cache_mib", cfg.rollout.kv_cache_mib >= 1, "must be >= 1"),
         ("rollout.max_restarts", cfg.rollout.max_restarts >= 0, "must be >= 0"),
         ("trainer.max_learner_restarts", cfg.trainer.max_learner_restarts >= 0, "must be >= 0"),
-        ("rollout.stall_timeout_s", cfg.rollout.stall_timeout_s >= 0, "must be >= 0 (0: never)"),
+        ("rollout.stall_timeout_s", cfg.rollout.stall_timeout_s == 0 or cfg.rollout.stall_timeout_s >= STALL_FLOOR_S,
+         f"must be 0 (never) or >= {STALL_FLOOR_S:g}: an actor speaks every 2 s, and longer apart during a long engine "
+         "step; below that a healthy actor is taken for hung, killed and replaced until rollout.max_restarts ends the "
+         "run"),
         ("rollout.update_wait_s", cfg.rollout.update_wait_s >= 0, "must be >= 0 (0: apply new weights at once)"),
         ("speculation.num_speculative_tokens", cfg.speculation.num_speculative_tokens >= 1, "must be >= 1"),
         ("speculation.max_batch", cfg.speculation.max_batch >= 0, "must be >= 0 (0: no limit)"),

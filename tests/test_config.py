@@ -40,6 +40,8 @@ def test_path_to_yaml_works(tmp_path):
     ("rollout.top_p=0", ["rollout.top_p", "(0, 1]"]),
     ("rollout.group_size=1", ["rollout.group_size"]),
     ("rollout.update_wait_s=-1", ["rollout.update_wait_s", ">= 0"]),
+    ("rollout.stall_timeout_s=1", ["rollout.stall_timeout_s", ">= 10", "hung"]),  # took healthy actors for hung
+    ("rollout.stall_timeout_s=-5", ["rollout.stall_timeout_s", "0 (never)"]),
     ("learner.zero_stage=4", ["learner.zero_stage"]),
     ("model.path=/nowhere", ["model.path", "/nowhere", "config.json"]),
     ("model.path=builtin:huge", ["model.path", "builtin:huge"]),
