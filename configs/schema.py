@@ -83,7 +83,8 @@ class RolloutConfig:
     kv_cache_mib: int = 256  # KV cache per device: the CPU engine's, or each GPU's of a tensor-parallel engine
     max_restarts: int = 3  # a rollout actor that dies is replaced (its unfinished groups re-issued) this often per run
     # an actor the learner has heard nothing from (no trajectory, no heartbeat) this long while it waits for groups is
-    # taken for hung, stopped and replaced like a dead one (0: never); beyond the longest weight application
+    # taken for hung, stopped and replaced like a dead one (0: never; else at least configs/load.STALL_FLOOR_S, 10 s);
+    # beyond the longest weight application
     stall_timeout_s: float = 300.0
     # how long a new weight version waits for the training groups in flight to finish under the weights they started
     # with before the actor applies it anyway, preempting them: their context is then recomputed under the new

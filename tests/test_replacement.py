@@ -114,6 +114,15 @@ def test_a_replacement_that_never_catches_up_is_replaced_until_the_limit(local_r
     ray.kill(p.actors[0])
 
 
+def test_the_least_stall_timeout_is_several_heartbeats():
+    """configs/load.py cannot import the actor; its floor on `rollout.stall_timeout_s` is written as a number that
+    must stay five of the actor's heartbeat periods, or a healthy actor between two heartbeats is taken for hung."""
+    from actor.rollout import HEARTBEAT_S
+    from configs.load import STALL_FLOOR_S
+
+    assert STALL_FLOOR_S >= 5 * HEARTBEAT_S
+
+
 @pytest.mark.parametrize("timeout_s,restarts", [(60, 1), (0, 0)], ids=["watched", "never"])
 def test_an_actor_silent_past_the_stall_timeout_is_stopped_and_replaced(local_ray, monkeypatch, timeout_s, restarts):
     """While the learner waits, an actor rank 0 has not heard from for `rollout.stall_timeout_s` (a hung engine, a
