@@ -21,7 +21,8 @@ its own in the same repeat, with a 95% t-interval of that paired ratio (`vllm` s
 with vanilla in tokens/s). The JSON also holds the workload's shape
 (length quantiles, the share of the makespan taken by the last 10% of requests, running batch over time), a
 per-step profile (engine forward + scheduler, coupled sampler, drafter bridge, drafter), the draft planner's
-choices (tokens allowed per request and step, its relative error on step seconds) and the speed-up at fixed batch
+choices (tokens allowed per request and step, its relative error on step seconds), for fastest-of-N each member's
+share of the drafts and its token acceptance on every proposal it made, and the speed-up at fixed batch
 sizes (the sweep: the preset's hardest prompt, `SWEEP_TOKENS` tokens per request); a PNG sits beside it, the engines' logs in the same name with .log.
 `--epochs-before N` measures a later epoch of training, as GRPO revisits its prompts: every engine first generates
 the same prompts N times with the seeds of the earlier epochs, unmeasured, so the history (suffix) drafter holds each
@@ -187,6 +188,13 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
             choices = sum((Counter(c.choices) for c in counts), Counter())
             if choices:  # a composite drafter: the share of draft steps each member drafted
                 run["choice_shares"] = {s: round(n / sum(choices.values()), 3) for s, n in sorted(choices.items())}
+            labels = {}  # and each member's token acceptance, on every proposal it made (chosen or not)
+            for c in counts:
+                for member, (yes, no) in c.member_labels.items():
+                    labels[member] = [labels.get(member, [0, 0])[0] + yes, labels.get(member, [0, 0])[1] + no]
+            if labels:
+                run["member_token_acceptance"] = {m: round(yes / max(yes + no, 1), 3)
+                                                  for m, (yes, no) in sorted(labels.items())}
         run.update(steps=steps, verify_steps=verify, tokens=sum(len(t) for t in run["sequences"]),
                    acceptance_length=round((accepted + verify) / verify, 3) if verify else 1.0)
         if sweep:  # equal-length requests at each concurrency: the hardest prompt (its answers run far longer than
@@ -329,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "makespans_s": [round(m, 3) for m in makespans], **paired(vanilla_s, makespans),
                          "tokens": first["tokens"], "acceptance_length": first["acceptance_length"],
                          "verify_steps": first["verify_steps"], "engine_steps": first["steps"]}
-        for key in ("profile_ms_per_step", "planner", "choice_shares"):
+        for key in ("profile_ms_per_step", "planner", "choice_shares", "member_token_acceptance"):
             if key in first:
                 systems[name][key] = first[key]
         if name in ("vanilla", "oracle", "specactor"):

@@ -91,6 +91,14 @@ class Drafter(ABC):
                 raise TypeError(f"option {name}={value!r} is not of type {want.__name__}")
         return dict(bound.arguments)
 
+    def member_labels(self) -> dict[str, dict[str, tuple[int, int]]] | None:
+        """Optional, for composite drafters: per request committed since the last call, per member, the labels of
+        that member's proposals on the committed tokens, chosen or not: draft tokens the verifier would have accepted
+        and tokens it would have rejected (at most one a proposal: its first disagreement; tokens past the committed
+        ones are unlabelled), reported as each member's token acceptance (`spec/member/<name>/token_acceptance`).
+        None: no members to score."""
+        return None
+
     def sources(self) -> list[str] | None:
         """Optional: for the last `propose` call, the name of what drafted each request (a composite drafter's
         member), reported as choice shares (`spec/choice/<name>`). None: this drafter itself."""

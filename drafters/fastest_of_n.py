@@ -11,7 +11,9 @@ confidences is given, per request, its own running acceptance rate on that reque
 accepted tokens is the sum of its tokens' probabilities of being reached and accepted; a member not yet asked is
 expected to give that of its running rate on the request (shrunk towards its rate over every request) for each
 token it may draft. The chosen proposal's calibrated rates are this drafter's confidences, so the draft planner
-verifies it as far as that pays. No choice can change a trajectory; a bad one only costs speed.
+verifies it as far as that pays. No choice can change a trajectory; a bad one only costs speed. The same labels,
+summed per member (`member_labels`), are each member's token acceptance in TensorBoard, so a member that has gone
+bad (a draft LM's zeroed weights) shows, and raises `spec/alarm`, even while the others are chosen instead.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class FastestOfN(Drafter):
         self.choices: list[str] = []  # the member that drafted each request of the last proposal
         self.chosen: list[list[float]] = []  # the chosen proposals' calibrated rates
         self.seconds = [0.0 for _ in self.members]  # per member: drafting seconds per request asked, averaged
+        self.fresh: dict[str, dict[str, tuple[int, int]]] = {}  # labels since the last `member_labels()` call
 
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
         mine: list[dict[int, tuple[list[int], list[float]]]] = [{} for _ in requests]  # per request: member -> proposal
@@ -98,12 +101,19 @@ class FastestOfN(Drafter):
         if last is None:
             return
         labels = self.labels.setdefault(request_id, [[0.0, 0.0] for _ in self.members])
+        fresh = self.fresh.setdefault(request_id, {})
         for m, (proposal, own) in last.items():
             self.tables[m].observe(own, proposal, committed)
             agreed = agreement(proposal, committed)
-            rejected = 1.0 if agreed < min(len(proposal), len(committed)) else 0.0
+            rejected = 1 if agreed < min(len(proposal), len(committed)) else 0
             labels[m][0], labels[m][1] = labels[m][0] + agreed, labels[m][1] + rejected
             self.overall[m] = [0.99 * self.overall[m][0] + agreed, 0.99 * self.overall[m][1] + rejected]
+            before = fresh.get(self.names[m], (0, 0))
+            fresh[self.names[m]] = (before[0] + agreed, before[1] + rejected)
+
+    def member_labels(self) -> dict[str, dict[str, tuple[int, int]]]:
+        fresh, self.fresh = self.fresh, {}
+        return fresh
 
     def swap_weights(self, weights) -> bool:
         """To every member with weights of its own (the draft LM): true if one took them."""
@@ -114,6 +124,7 @@ class FastestOfN(Drafter):
             member.remove(request_id)
         self.labels.pop(request_id, None)
         self.last.pop(request_id, None)
+        self.fresh.pop(request_id, None)
 
 
 def agreement(proposal: list[int], committed: list[int]) -> int:

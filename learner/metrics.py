@@ -1,5 +1,6 @@
 """The scalars a step's trajectories carry about the rollout that made them: lengths, truncation, generation time,
-and speculation (acceptance, the draft planner's choices, a composite drafter's member shares), for TensorBoard."""
+and speculation (acceptance, the draft planner's choices, a composite drafter's member shares and each member's
+token acceptance, the broken-drafter alarm), for TensorBoard."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import torch
 from transport.messages import Trajectory
 
 log = logging.getLogger(__name__)
-ALARM_DRAFTED = 100  # a step that drafted at least this many tokens and had none accepted raises spec/alarm
+# a step's drafter (or a composite's member) with at least ALARM_DRAFTED draft tokens (labelled tokens) accepted
+# under ALARM_RATE of the time raises spec/alarm: an acceptance length of ~1 (< 1.05 for a drafter), what a draft
+# LM's zeroed weights give; a working drafter, drafting only where the planner expects it to pay, stays far above
+ALARM_DRAFTED, ALARM_RATE = 100, 0.05
 
 
 def rollout_metrics(trajectories: list[Trajectory], method: str) -> dict[str, float]:
@@ -49,8 +53,22 @@ def rollout_metrics(trajectories: list[Trajectory], method: str) -> dict[str, fl
         metrics.update({f"spec/{name}/acceptance_length": metrics["spec/acceptance_length"],
                         f"spec/{name}/draft_tokens": float(drafted), f"spec/{name}/accepted_tokens": float(accepted),
                         f"spec/{name}/draft_seconds": sum(t.draft_seconds for t in trajectories)})
-        # a drafter whose every draft is rejected (zeroed weights, another tokenizer) costs time for nothing
-        metrics["spec/alarm"] = float(drafted >= ALARM_DRAFTED and accepted == 0)
-        if metrics["spec/alarm"]:
-            log.warning("drafter %s: none of this step's %d draft tokens was accepted", name, drafted)
+        # a drafter whose drafts are (nearly) all rejected (zeroed weights, another tokenizer) costs time for nothing
+        broken = [f"drafter {name}: {accepted} of this step's {drafted} draft tokens accepted "
+                  f"(acceptance length {metrics['spec/acceptance_length']:.3f})"] \
+            if drafted >= ALARM_DRAFTED and accepted < ALARM_RATE * verify_steps else []
+        labels: dict[str, list[int]] = {}  # a composite's members, each scored on every proposal it made
+        for t in trajectories:
+            for member, (yes, no) in t.drafter_labels.items():
+                total = labels.setdefault(member.rsplit(".", 1)[-1], [0, 0])
+                total[0], total[1] = total[0] + yes, total[1] + no
+        for member, (yes, no) in sorted(labels.items()):
+            if yes + no:  # the chance that one of its draft tokens is accepted, given the ones before it were
+                metrics[f"spec/member/{member}/token_acceptance"] = yes / (yes + no)
+            if yes + no >= ALARM_DRAFTED and yes < ALARM_RATE * (yes + no):
+                broken.append(f"member {member} of drafter {name}: {yes} of {yes + no} labelled draft tokens "
+                              "would have been accepted")
+        metrics["spec/alarm"] = float(bool(broken))
+        for line in broken:
+            log.warning("%s: drafting costs time for nothing (zeroed draft weights? another tokenizer?)", line)
     return metrics

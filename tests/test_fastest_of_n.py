@@ -127,3 +127,30 @@ def test_a_costly_member_is_asked_only_where_it_may_beat_the_cheaper_ones():
     before = [list(labels) for labels in fon.labels["a"]]
     fon.commit("a", [1, 1, 1, 1, 1])  # labels only the proposals that were made
     assert fon.labels["a"][0] == before[0] and fon.labels["a"][1][0] == before[1][0] + 4
+
+
+class Silent(Ones):
+    def propose(self, requests, k):
+        return [[] for _ in requests]
+
+
+def test_member_labels_score_every_proposal_made_once_and_forget_removed_requests():
+    fon = FastestOfN(MEMBERS)  # first call: Ones (no cost measured yet: the first) is expected to do well enough
+    fon.propose([request("a"), request("b")], 4)
+    fon.commit("a", [1, 1, 7])  # two accepted, the third rejected
+    fon.commit("b", [2])  # rejected at once
+    ones, twos = MEMBERS
+    assert fon.member_labels() == {"a": {ones: (2, 1)}, "b": {ones: (0, 1)}}  # Twos was not asked: no labels
+    assert fon.member_labels() == {}  # each label reported once
+    # a member with nothing to propose leaves every request to the next, which is then scored on each
+    fon = FastestOfN(["test_fastest_of_n.Silent", twos])
+    for _ in range(2):  # labels add up until they are asked for
+        fon.propose([request("a"), request("b")], 4)
+        fon.commit("a", [1, 1, 7])
+        fon.commit("b", [2])  # one accepted, the rest past the committed tokens: unlabelled, not rejected
+    assert fon.member_labels() == {"a": {"test_fastest_of_n.Silent": (0, 0), twos: (0, 2)},
+                                   "b": {"test_fastest_of_n.Silent": (0, 0), twos: (2, 0)}}
+    fon.propose([request("a")], 4)
+    fon.commit("a", [2, 2, 2, 2, 2])
+    fon.remove("a")
+    assert fon.member_labels() == {}

@@ -258,6 +258,9 @@ def test_speculative_run_logs_acceptance_planner_and_choices(tmp_path):
         for e in events.Scalars(tag):
             per_step[e.step] = per_step.get(e.step, 0.0) + e.value
     assert per_step and all(v == pytest.approx(1.0) for v in per_step.values())
+    members = {t for t in events.Tags()["scalars"] if t.startswith("spec/member/")}  # scored on every proposal
+    assert members <= {"spec/member/suffix/token_acceptance", "spec/member/draft_lm/token_acceptance"} and members
+    assert all(0 <= e.value <= 1 for tag in members for e in events.Scalars(tag))
 
 
 @pytest.mark.parametrize("model", ["builtin:dense", "builtin:moe"])

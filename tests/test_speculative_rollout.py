@@ -106,16 +106,18 @@ def test_no_silent_fallback_to_vllms_own_sampler(monkeypatch):
         make_engine(cfg, model)
 
 
-def test_a_draft_lm_swapped_mid_rollout_leaves_every_trajectory_unchanged(plain):
+@pytest.mark.parametrize("method", ["draft_lm", "fastest_of_n"])
+def test_a_draft_lm_swapped_mid_rollout_leaves_every_trajectory_unchanged(plain, method):
     """New draft LM weights (here: the draft's own, perturbed, then zeroed) swapped in between engine steps while
-    requests are in flight: the drafts change, the tokens do not."""
+    requests are in flight, alone or as a member of fastest-of-N: the drafts change, the tokens do not."""
     import torch
     from vllm import SamplingParams
     from vllm.inputs.engine import tokens_input
 
     from actor.draft_bridge import swap_draft_weights
 
-    cfg = load_config("grpo_tiny", ["speculation.method=draft_lm", "speculation.num_speculative_tokens=4"])
+    members = ["speculation.drafters=[suffix,draft_lm]"] if method == "fastest_of_n" else []
+    cfg = load_config("grpo_tiny", [f"speculation.method={method}", *members, "speculation.num_speculative_tokens=4"])
     llm = make_engine(cfg, resolve("builtin:dense"))
     try:
         engine, tokenizer, task = llm.llm_engine, llm.get_tokenizer(), ArithmeticTask(seed=3)
@@ -146,3 +148,6 @@ def test_a_draft_lm_swapped_mid_rollout_leaves_every_trajectory_unchanged(plain)
         for i in range(PROMPTS):
             assert done[f"{s}-{i}"] == plain[s * PROMPTS + i][0], f"request {s}-{i} changed after a draft swap"
     assert sum(c.accepted_tokens for c in stats.values()) > 0
+    if method == "fastest_of_n":  # every member's proposals were labelled, the draft LM's through all three versions
+        labelled = {name for c in stats.values() for name, (yes, no) in c.member_labels.items() if yes + no}
+        assert labelled == {"suffix", "draft_lm"}

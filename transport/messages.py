@@ -39,6 +39,9 @@ class Trajectory(msgspec.Struct, tag="trajectory", frozen=True):
     planned_tokens: int = 0  # draft tokens the planner allowed it over those steps
     cost_error: float = 0.0  # sum over those steps of the planner's relative error on the engine step's seconds
     drafter_choices: dict[str, int] = {}  # draft steps per member of a composite drafter (fastest_of_n)
+    # per member of a composite drafter: [tokens of its proposals the verifier would have accepted, rejected]
+    # (every proposal it made, chosen or not, labelled on the committed tokens: Drafter.member_labels)
+    drafter_labels: dict[str, list[int]] = {}
 
 
 class TensorSpec(msgspec.Struct, frozen=True):

@@ -62,6 +62,23 @@ def test_confidences_if_given_rate_each_draft_token_of_the_last_proposal(make):
             assert len(rated) == len(proposal) and all(0.0 <= float(c) <= 1.0 for c in rated)
 
 
+def test_member_labels_if_given_count_each_committed_requests_labels_once(make):
+    drafter = make()
+    reqs = [request(f"r{i}", h) for i, h in enumerate(histories(3))]
+    proposals = drafter.propose(reqs, K)
+    for r, proposal in zip(reqs, proposals):
+        drafter.commit(r.request_id, [*proposal[:1], 0])
+    labels = drafter.member_labels()
+    if labels is None:  # optional: a drafter without members
+        return
+    assert set(labels) <= {r.request_id for r in reqs}
+    for r, proposal in zip(reqs, proposals):
+        for accepted, rejected in labels.get(r.request_id, {}).values():
+            # a member's proposal is labelled on the committed tokens only: at most two here, at most one rejected
+            assert 0 <= accepted <= 2 and rejected in (0, 1) and accepted + rejected <= 2
+    assert drafter.member_labels() == {}
+
+
 def test_empty_batch_and_empty_proposals(make):
     drafter = make()
     assert drafter.propose([], K) == []

@@ -1,0 +1,54 @@
+"""The speculation scalars a step's trajectories carry to TensorBoard (learner/metrics.py): acceptance, each member
+of a composite drafter's token acceptance on every proposal it made, and the alarm for a drafter (or a member) whose
+drafts are nearly all rejected, the zeroed-draft-weights failure."""
+
+import logging
+
+import pytest
+
+from learner.metrics import ALARM_DRAFTED, rollout_metrics
+from transport.messages import SCHEMA_VERSION, Trajectory
+
+
+def trajectory(verify_steps: int, drafted: int, accepted: int, labels: dict | None = None) -> Trajectory:
+    return Trajectory(SCHEMA_VERSION, 0, 0, 0, 2, 0, [1, 2], [3] * 10, [-1.0] * 10, [0] * 10, 1.0, "stop", 0.5,
+                      verify_steps, drafted, accepted, drafter_labels=labels or {})
+
+
+@pytest.mark.parametrize(("accepted", "alarm"), [(0, 1.0), (4, 1.0), (5, 0.0), (60, 0.0)])
+def test_a_drafter_accepted_about_never_raises_the_alarm(accepted, alarm, caplog):
+    """100 verify steps of 200 drafts: acceptance length under 1.05 (fewer than 5 accepted) is a broken drafter."""
+    with caplog.at_level(logging.WARNING, logger="learner.metrics"):
+        metrics = rollout_metrics([trajectory(50, 100, accepted // 2), trajectory(50, 100, accepted - accepted // 2)],
+                                  "draft_lm")
+    assert metrics["spec/acceptance_length"] == pytest.approx(1 + accepted / 100)
+    assert metrics["spec/alarm"] == alarm
+    assert ("drafter draft_lm" in caplog.text) == bool(alarm)
+
+
+def test_too_few_drafts_raise_no_alarm():
+    assert rollout_metrics([trajectory(10, ALARM_DRAFTED - 1, 0)], "ngram")["spec/alarm"] == 0.0
+
+
+def test_each_member_gets_its_token_acceptance_and_a_broken_one_the_alarm(caplog):
+    """Fastest-of-N's draft LM gone bad while the suffix drafter is chosen: the composite's acceptance looks fine,
+    the member's labels do not."""
+    good = {"suffix": [300, 60], "drafters.draft_lm.DraftLM": [2, 120]}
+    with caplog.at_level(logging.WARNING, logger="learner.metrics"):
+        metrics = rollout_metrics([trajectory(100, 400, 300, good), trajectory(1, 4, 4, {"suffix": [4, 0]})],
+                                  "fastest_of_n")
+    assert metrics["spec/member/suffix/token_acceptance"] == pytest.approx(304 / 364)
+    assert metrics["spec/member/DraftLM/token_acceptance"] == pytest.approx(2 / 122)
+    assert metrics["spec/acceptance_length"] > 3 and metrics["spec/alarm"] == 1.0
+    assert "member DraftLM of drafter fastest_of_n" in caplog.text and "of this step's" not in caplog.text
+    healthy = rollout_metrics([trajectory(100, 400, 300, {"suffix": [300, 60], "draft_lm": [200, 90]})],
+                              "fastest_of_n")
+    assert healthy["spec/alarm"] == 0.0 and healthy["spec/member/draft_lm/token_acceptance"] == pytest.approx(200 / 290)
+    few = rollout_metrics([trajectory(100, 400, 300, {"suffix": [300, 60], "draft_lm": [0, ALARM_DRAFTED - 1]})],
+                          "fastest_of_n")
+    assert few["spec/alarm"] == 0.0  # too few labels to call it broken
+
+
+def test_without_speculation_there_are_no_spec_scalars_per_drafter():
+    metrics = rollout_metrics([trajectory(0, 0, 0)], "none")
+    assert "spec/alarm" not in metrics and not [k for k in metrics if k.startswith("spec/member/")]
