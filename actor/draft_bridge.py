@@ -199,6 +199,14 @@ def token_ids_within(proposal, vocab_size: int) -> list[int] | None:
     return ids if not ids or (min(ids) >= 0 and max(ids) < vocab_size) else None
 
 
+def remember_outputs(worker, outputs: list[tuple[list[int], list[int]]]) -> None:
+    """Other actors' finished outputs, (prompt, response) token ids, for the drafter's history (`Drafter.remember`)."""
+    bridge = getattr(worker.model_runner, "drafter", None)
+    if isinstance(bridge, DrafterBridge):
+        for prompt, response in outputs:
+            bridge.drafter.remember(prompt, response)
+
+
 def swap_draft_weights(worker, weights: list) -> bool:
     """New weights for the drafter's own model, between engine steps (`Drafter.swap_weights`); False: it has none."""
     bridge = getattr(worker.model_runner, "drafter", None)

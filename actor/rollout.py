@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 
 from actor.engine import completion_text, make_engine, sampling_params
 from actor.evaluation import EVAL_SEED_BASE, Evaluation
-from actor.draft_bridge import swap_draft_weights
+from actor.draft_bridge import remember_outputs, swap_draft_weights
 from actor.vllm_hooks import SpecCounts, apply_weights, take_spec_counts
 from sampling.coupled import group_seed
 from tasks.dataset import eval_set, open_dataset
@@ -75,7 +75,8 @@ class RolloutActor:
                       "preempting_updates": 0,  # weight versions applied with training groups still in flight
                       "sent_while_generating": 0,  # streamed while other requests were still in the engine
                       "draft_tokens": 0, "accepted_tokens": 0, "verify_steps": 0, "invalid_drafts": 0, "rewinds": 0,
-                      "draft_version": 0, "draft_swaps": 0}  # of the draft LM (distilled online, if asked)
+                      "draft_version": 0, "draft_swaps": 0,  # of the draft LM (distilled online, if asked)
+                      "remembered_outputs": 0}  # other actors' outputs handed to the drafter's history
 
     def run(self) -> dict:
         """Generates until `stop()`; returns counters."""
@@ -236,6 +237,11 @@ class RolloutActor:
                                    f"{self.cfg.speculation.method!r} has no draft LM to take them")
             self.stats["draft_version"], self.stats["draft_swaps"] = draft[0], self.stats["draft_swaps"] + 1
             self._send(WeightAck(SCHEMA_VERSION, self.actor_id, draft[0], time.time() - start, "draft"))
+        for history in self.weights.take_history():  # what the other actors sampled, for a history drafter
+            outputs = [(o.prompt_ids, o.response_ids) for o in history.outputs if o.actor_id != self.actor_id]
+            if outputs and self.cfg.speculation.method != "none":
+                self.llm.collective_rpc(remember_outputs, args=(outputs,))
+                self.stats["remembered_outputs"] += len(outputs)
         if update is not None and update[0] > self.version:  # (older: a re-send for a replacement actor)
             self.waiting = (update, time.time() if self.waiting is None else self.waiting[1])
         if self.waiting is None or (in_flight and time.time() - self.waiting[1] < self.cfg.rollout.update_wait_s):

@@ -91,6 +91,11 @@ class Drafter(ABC):
                 raise TypeError(f"option {name}={value!r} is not of type {want.__name__}")
         return dict(bound.arguments)
 
+    def remember(self, prompt_ids: list[int], response_ids: list[int]) -> None:
+        """Optional: a finished output of `prompt_ids` that another actor sampled (the learner sends every step's
+        outputs to every actor, since a prompt's next epoch may land on any of them): history for a drafter that
+        keeps it, as its own finished requests are. Ignored by default."""
+
     def member_labels(self) -> dict[str, dict[str, tuple[int, int]]] | None:
         """Optional, for composite drafters: per request committed since the last call, per member, the labels of
         that member's proposals on the committed tokens, chosen or not: draft tokens the verifier would have accepted

@@ -115,6 +115,10 @@ class FastestOfN(Drafter):
         fresh, self.fresh = self.fresh, {}
         return fresh
 
+    def remember(self, prompt_ids: list[int], response_ids: list[int]) -> None:
+        for member in self.members:
+            member.remember(prompt_ids, response_ids)
+
     def swap_weights(self, weights) -> bool:
         """To every member with weights of its own (the draft LM): true if one took them."""
         return any([member.swap_weights(weights) for member in self.members])

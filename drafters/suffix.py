@@ -3,7 +3,8 @@ epoch, so what the policy wrote for the same prompt (the group's live siblings, 
 is the best draft source there is.
 
 Per prompt, a table from every context (the last 1..max_n tokens of one sequence) to the counts of the token that
-followed it, over the prompt, each live sibling's output and the last `max_sequences` finished outputs; every
+followed it, over the prompt, each live sibling's output and the last `max_sequences` finished outputs (this engine's, and those other actors
+sampled, which the learner sends every step: `remember`); every
 sequence is counted on its own, so two siblings never interleave into one. A proposal walks the table: at each
 step the longest known context of the request's own tail and, of the tokens that followed it, the one the target
 is likeliest to sample, while that likelihood is at least `min_share` (so drafts are as long as the history is
@@ -16,7 +17,8 @@ chance that the lead over the runner-up outlasts the counts' sampling error, tim
 draws a token the history knows (`n / (n + 1)` of `n` counts). Work per proposal is O(k * max_n) (sampling: and the
 noise of each matched context's candidates), per committed token O(max_n). Memory is bounded: `max_sequences`
 finished outputs per prompt, and the least recently used prompts beyond `max_prompts` are forgotten. State is a
-cache of what the engine showed this drafter: a replacement actor starts empty and learns from what comes next, and
+cache of what it was shown: a replacement actor starts empty and learns from what comes next (its own requests and
+the learner's history of every actor's), and
 trajectories never depend on it (the coupled sampler decides every token)."""
 
 from __future__ import annotations
@@ -93,6 +95,19 @@ class SuffixDrafter(Drafter):
         if entry is None:
             return
         entry.live.discard(request_id)
+        self._keep(entry, sequence)
+
+    def remember(self, prompt_ids: list[int], response_ids: list[int]) -> None:
+        """Another actor's finished output of a prompt: history like this engine's own."""
+        prompt = tuple(int(t) for t in prompt_ids)
+        sequence = _Sequence("", prompt, [*prompt, *(int(t) for t in response_ids)])  # no request has id ""
+        entry = self._prompt(prompt)
+        self.prompts.move_to_end(prompt)
+        self._count(sequence, None, +1)
+        self._keep(entry, sequence)
+
+    def _keep(self, entry: _Prompt, sequence: _Sequence) -> None:
+        """`sequence` (counted) joins its prompt's finished outputs; the oldest beyond `max_sequences` leave."""
         entry.past.append(sequence)
         while len(entry.past) > self.max_sequences:
             self._count(entry.past.popleft(), None, -1)

@@ -55,18 +55,16 @@ class Learner:
             # the draft LM distilled beside the policy, published on the same channel (learner/distill.py)
             self.distiller = RemoteDistiller(cfg) if cfg.speculation.distill.every_versions > 0 else None
             draft_tensors = self.distiller.tensors + 1 if self.distiller else 0
-            # a subscriber that stops reading holds up at most two versions here (a bucket holds >= 1 tensor)
+            # a subscriber that stops reading holds up two versions here at most (>= 1 tensor a bucket, a History)
             self.publisher = WeightPublisher(cfg.transport.host, gate=self.gate,
-                                             queued_buckets=2 * (tensor_count(policy_dir) + 1 + draft_tensors))
+                                             queued_buckets=2 * (tensor_count(policy_dir) + 2 + draft_tensors))
             vocab = json.loads((Path(policy_dir) / "config.json").read_text())["vocab_size"]
             self.intake = Intake(cfg.rollout.group_size, cfg.algorithm.max_staleness, plan, vocab,
                                  cfg.model.max_model_len, whole_steps=cfg.trainer.deterministic)
             self.rollouts = RolloutLog(cfg.logging.dir, cfg.seed) if cfg.logging.rollouts else None
         self.published, self.lead = None, 0  # rank 0: the newest weight buckets sent, their cursor lead (schedule.py)
-        self.draft_published: list | None = None  # rank 0: the same for the draft LM, when distilled
-        self.draft_version = 0
-        self.version = 0
-        self.skipped_steps = 0  # optimizer steps not taken: their gradient was not finite
+        self.draft_published, self.draft_version = None, 0  # rank 0: the same for the draft LM, when distilled
+        self.version, self.skipped_steps = 0, 0  # skipped: optimizer steps not taken, their gradient not finite
         self.groups: list[list[Trajectory]] = []  # rank 0: what `collect` gathered for the next `train`
         self.reference = None  # the frozen reference policy when algorithm.kl_coef > 0
         self.lock = threading.Lock()  # collect() and a replacement actor's reissue()/republish() run concurrently
@@ -311,6 +309,8 @@ class Learner:
         with self.lock:
             self.lead = self.intake.lead(self.version)  # between steps: exact (tasks/schedule.py)
         sent = self.publisher.publish(self.version, self.published, lead=self.lead)
+        if self.cfg.speculation.method != "none":  # the step's outputs, for every actor's history drafter
+            self.publisher.publish_history(self.version, [t for g in self.groups for t in g])
         draft = self.distiller.take_outgoing() if self.distiller is not None else None
         if draft is not None:
             self.draft_version, self.draft_published = draft[0], pack_buckets(

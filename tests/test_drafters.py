@@ -223,3 +223,19 @@ def test_suffix_counts_a_request_back_from_preemption_once():
     drafter.propose([req("a", [1, 2, 3, 4])], 4)  # and comes back with its whole history
     fresh.propose([req("a", [1, 2, 3, 4])], 4)
     assert drafter.prompts[tuple(PROMPT)].counts == fresh.prompts[tuple(PROMPT)].counts
+
+
+def test_suffix_drafts_from_outputs_other_actors_sampled_as_from_its_own():
+    """The learner sends every step's outputs to every actor (a prompt's next epoch may land on any of them):
+    remembered, they are the prompt's history exactly as this engine's own finished requests are."""
+    drafter, own = SuffixDrafter(max_sequences=2), SuffixDrafter(max_sequences=2)
+    drafter.remember(PROMPT, [1, 2, 3, 4])
+    own.propose([req("a", [1, 2, 3, 4])], 4)
+    own.remove("a")
+    assert drafter.prompts[tuple(PROMPT)].counts == own.prompts[tuple(PROMPT)].counts
+    assert drafter.propose([req("b", [1, 2])], 4) == [[3, 4]]
+    drafter.remember(PROMPT, [1, 2, 7, 7])
+    drafter.remember(PROMPT, [1, 2, 7, 7])  # two samples of one output count twice; [1, 2, 3, 4] is the oldest: gone
+    assert drafter.propose([req("c", [1, 2])], 4) == [[7, 7]] and len(drafter.prompts[tuple(PROMPT)].past) == 2
+    drafter.remove("b")  # a live request finishing still joins, and the window stays at max_sequences
+    assert len(drafter.prompts[tuple(PROMPT)].past) == 2

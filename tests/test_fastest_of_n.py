@@ -154,3 +154,18 @@ def test_member_labels_score_every_proposal_made_once_and_forget_removed_request
     fon.commit("a", [2, 2, 2, 2, 2])
     fon.remove("a")
     assert fon.member_labels() == {}
+
+
+class Remembering(Ones):
+    def __init__(self):
+        self.outputs = []
+
+    def remember(self, prompt_ids, response_ids):
+        self.outputs.append((prompt_ids, response_ids))
+
+
+def test_other_actors_outputs_reach_every_member():
+    fon = FastestOfN(["test_fastest_of_n.Remembering", "suffix"])
+    fon.remember([5, 6], [1, 2, 3])
+    assert fon.members[0].outputs == [([5, 6], [1, 2, 3])]
+    assert fon.members[1].propose([DraftRequest("a", seed=0, position=1, token_ids=[5, 6, 1])], 4) == [[2, 3]]

@@ -263,6 +263,19 @@ def test_speculative_run_logs_acceptance_planner_and_choices(tmp_path):
     assert all(0 <= e.value <= 1 for tag in members for e in events.Scalars(tag))
 
 
+def test_each_actors_history_drafter_learns_what_the_other_actors_sampled(tmp_path):
+    """A prompt's next epoch may land on any actor: the learner sends every trained output to every actor, and each
+    hands the others' to its history drafter."""
+    logdir = tmp_path / "history"
+    assert launch.main(["--config", "grpo_tiny", "trainer.steps=3", f"logging.dir={logdir}", *SMALL,
+                        "rollout.num_actors=2", "speculation.method=suffix"]) == 0
+    summary = json.loads((logdir / "summary.json").read_text())
+    remembered = [actor["remembered_outputs"] for actor in summary["actors"]]
+    # the first two steps' outputs at least (the last step's history may arrive after an actor stopped); each actor
+    # samples half of a step's groups, so the other half reaches it this way
+    assert len(remembered) == 2 and all(n >= 2 * 4 for n in remembered), remembered
+
+
 @pytest.mark.parametrize("model", ["builtin:dense", "builtin:moe"])
 def test_after_a_sync_the_actor_samples_what_the_learner_computes(model):
     """A weight version published over ZeroMQ is what the actor's vLLM engine samples from: every behaviour logprob

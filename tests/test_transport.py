@@ -89,6 +89,39 @@ def test_weight_buckets_arrive_whole_and_bounded():
     sub.close()
 
 
+def test_a_steps_history_reaches_subscribers_beside_its_weights_and_forged_ones_are_dropped():
+    from transport.messages import History, Output
+
+    pub = WeightPublisher("127.0.0.1")
+    sub = WeightSubscriber(pub.endpoint)
+    buckets = pack_buckets(iter([("w", torch.ones(3))]), bucket_bytes=1 << 20)
+    deadline, result = time.time() + 5, None
+    while result is None and time.time() < deadline:  # PUB/SUB: resend until the subscription is live
+        pub.publish_history(4, [trajectory(1), trajectory(2, n=5)])
+        pub.publish(4, buckets)
+        result = sub.poll(200)
+    histories = sub.take_history()
+    assert result[0] == 4 and histories and sub.take_history() == []  # taken once
+    assert histories[-1].version == 4 and [o.response_ids for o in histories[-1].outputs] == [[0, 1, 2], list(range(5))]
+    assert histories[-1].outputs[0] == Output(actor_id=0, prompt_ids=[1, 2], response_ids=[0, 1, 2])
+    raw = zmq.Context.instance().socket(zmq.PUB)
+    port = raw.bind_to_random_port("tcp://127.0.0.1")
+    forged_sub = WeightSubscriber(f"tcp://127.0.0.1:{port}")
+    good = msgspec.msgpack.encode(History(SCHEMA_VERSION, 1, [Output(1, [3], [4, 5])]))
+    forged = [[msgspec.msgpack.encode(History(SCHEMA_VERSION + 1, 1, []))], [good, b"extra frame"],
+              [msgspec.msgpack.encode(History(SCHEMA_VERSION, -1, []))], [good.replace(b"history", b"historx")]]
+    deadline = time.time() + 5
+    while not forged_sub._histories and time.time() < deadline:
+        for frames in [*forged, [good]]:
+            raw.send_multipart(frames)
+        forged_sub.poll(200)
+    histories = forged_sub.take_history()
+    assert histories and all(h.outputs == [Output(1, [3], [4, 5])] for h in histories) and forged_sub.dropped >= 4
+    for closing in (pub, sub, forged_sub):
+        closing.close()
+    raw.close(0)
+
+
 def test_a_subscriber_that_never_reads_costs_the_publisher_a_bounded_queue():
     """Past `queued_buckets`, a stuck subscriber's buckets are dropped (it would take the next whole version);
     a subscriber that reads as versions come still gets every one whole."""

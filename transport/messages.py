@@ -80,4 +80,20 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     seq: int
 
 
+class Output(msgspec.Struct, frozen=True):
+    actor_id: int  # the actor that sampled it
+    prompt_ids: list[int]
+    response_ids: list[int]
+
+
+class History(msgspec.Struct, tag="history", frozen=True):
+    """What the learner trained at a step, sent on the weight channel to every actor after the step's weights: each
+    actor's history drafter learns the outputs other actors sampled (drafters/suffix.py: a prompt's next epoch may
+    land on any actor). Drafting only: no trajectory depends on it."""
+
+    schema: int
+    version: int  # the policy version the learner published with it
+    outputs: list[Output]
+
+
 Message = Trajectory | WeightBucket | WeightAck | Heartbeat

@@ -20,7 +20,7 @@ import logging
 import math
 import socket
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
 
 import msgspec
@@ -28,7 +28,7 @@ import torch
 import zmq
 
 from transport.auth import ClientKeys, Gate, dial
-from transport.messages import SCHEMA_VERSION, Message, TensorSpec, WeightBucket
+from transport.messages import SCHEMA_VERSION, History, Message, Output, TensorSpec, Trajectory, WeightBucket
 
 
 def dialable(host: str) -> str:
@@ -191,12 +191,20 @@ class WeightPublisher:
             sent += sum(t.numel() * t.element_size() for _, t in bucket)
         return sent
 
+    def publish_history(self, version: int, trajectories: list[Trajectory]) -> int:
+        """Sends the outputs the learner trained at `version` to every subscriber (`History`); returns the bytes."""
+        outputs = [Output(t.actor_id, t.prompt_ids, t.response_ids) for t in trajectories]
+        frame = _encoder.encode(History(SCHEMA_VERSION, version, outputs))
+        self.socket.send(frame, copy=False)
+        return len(frame)
+
     def close(self) -> None:
         self.socket.close(0)
 
 
 MAX_BUCKETS = 1 << 20  # a version of more buckets than this is not one a learner sent
 MAX_PENDING_VERSIONS = 4  # partial versions a subscriber assembles at once, per model
+MAX_HISTORIES = 8  # `History` messages a subscriber keeps until taken (the newest)
 MODELS = ("policy", "draft")  # the weights a publisher sends: the policy, and the draft LM it distils
 DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16", "float64", "int64", "int32",
                                                   "int8", "uint8", "bool")}  # what a weight bucket may carry
@@ -225,7 +233,8 @@ class WeightSubscriber:
             dial(self.socket, keys)
         self.socket.setsockopt(zmq.SUBSCRIBE, b"")
         self.socket.connect(endpoint)
-        self._decoder = msgspec.msgpack.Decoder(WeightBucket)
+        self._decoder = msgspec.msgpack.Decoder(WeightBucket | History)
+        self._histories: deque[History] = deque(maxlen=MAX_HISTORIES)
         # per model: partial versions being assembled, and the newest complete one not yet taken
         self._pending: dict[str, dict[int, dict[int, list[tuple[str, torch.Tensor]]]]] = {m: {} for m in MODELS}
         self._complete: dict[str, tuple[int, list[tuple[str, torch.Tensor]]]] = {}
@@ -242,12 +251,24 @@ class WeightSubscriber:
         """The newest complete draft LM version received by the last `poll`, or None."""
         return self._complete.pop("draft", None)
 
+    def take_history(self) -> list[History]:
+        """The `History` messages received by the last `poll` (the newest `MAX_HISTORIES`), oldest first."""
+        histories = list(self._histories)
+        self._histories.clear()
+        return histories
+
     def _receive(self, timeout_ms: int) -> None:
         while self.socket.poll(timeout_ms):
             timeout_ms = 0
             frames = self.socket.recv_multipart(copy=False)
             try:
                 header = self._decoder.decode(frames[0].buffer)
+                if isinstance(header, History):
+                    if header.schema != SCHEMA_VERSION or len(frames) != 1 or header.version < 0:
+                        raise ValueError(f"history of schema {header.schema}, version {header.version}, "
+                                         f"{len(frames) - 1} extra frames")
+                    self._histories.append(header)
+                    continue
                 if header.schema != SCHEMA_VERSION or len(frames) != len(header.tensors) + 1:
                     raise ValueError(f"schema {header.schema}, {len(frames) - 1} tensor frames")
                 if not 0 <= header.bucket < header.num_buckets <= MAX_BUCKETS or header.version < 0 \
@@ -257,7 +278,7 @@ class WeightSubscriber:
                 tensors = [(spec.name, _tensor(spec, frame.buffer)) for spec, frame in zip(header.tensors, frames[1:])]
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
                 self.dropped += 1
-                log.warning("dropped a malformed weight bucket: %s", e)
+                log.warning("dropped a malformed message on the weight channel: %s", e)
                 continue
             pending = self._pending[header.model]
             buckets = pending.setdefault(header.version, {})

@@ -79,6 +79,17 @@ def test_member_labels_if_given_count_each_committed_requests_labels_once(make):
     assert drafter.member_labels() == {}
 
 
+def test_other_actors_outputs_are_taken_without_breaking_drafting(make):
+    drafter = make()
+    hist = histories(3)
+    drafter.remember(hist[0][:10], hist[0][10:])  # history for drafters that keep it; ignored by the rest
+    drafter.remember([], [])
+    reqs = [request(f"r{i}", h) for i, h in enumerate(hist)]
+    proposals = drafter.propose(reqs, K)
+    check_shape(proposals, reqs)
+    assert any(proposals)
+
+
 def test_empty_batch_and_empty_proposals(make):
     drafter = make()
     assert drafter.propose([], K) == []
