@@ -199,12 +199,19 @@ def token_ids_within(proposal, vocab_size: int) -> list[int] | None:
     return ids if not ids or (min(ids) >= 0 and max(ids) < vocab_size) else None
 
 
-def remember_outputs(worker, outputs: list[tuple[list[int], list[int]]]) -> None:
-    """Other actors' finished outputs, (prompt, response) token ids, for the drafter's history (`Drafter.remember`)."""
+def remember_outputs(worker, outputs: list[tuple[list[int], list[int], int]]) -> None:
+    """Other actors' finished outputs, (prompt ids, response ids, policy version), for the drafter's history."""
     bridge = getattr(worker.model_runner, "drafter", None)
     if isinstance(bridge, DrafterBridge):
-        for prompt, response in outputs:
-            bridge.drafter.remember(prompt, response)
+        for prompt, response, version in outputs:
+            bridge.drafter.remember(prompt, response, version)
+
+
+def new_policy_version(worker, version: int) -> None:
+    """The policy the engine samples from is `version` from the next step on (`Drafter.new_policy`)."""
+    bridge = getattr(worker.model_runner, "drafter", None)
+    if isinstance(bridge, DrafterBridge):
+        bridge.drafter.new_policy(version)
 
 
 def swap_draft_weights(worker, weights: list) -> bool:

@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 
 from actor.engine import completion_text, make_engine, sampling_params
 from actor.evaluation import EVAL_SEED_BASE, Evaluation
-from actor.draft_bridge import remember_outputs, swap_draft_weights
+from actor.draft_bridge import new_policy_version, remember_outputs, swap_draft_weights
 from actor.vllm_hooks import SpecCounts, apply_weights, take_spec_counts
 from sampling.coupled import group_seed
 from tasks.dataset import eval_set, open_dataset
@@ -61,6 +61,9 @@ class RolloutActor:
         self.outbox = Outbox(trajectory_endpoint, f"actor-{actor_id}", hwm=cfg.transport.trajectory_queue, keys=keys)
         self.weights = WeightSubscriber(weight_endpoint, keys=keys)  # keys: CURVE, as the driver admitted them
         self.version = version  # of the weights in model_dir
+        self.speculating = cfg.speculation.method != "none"
+        if self.speculating:
+            self.llm.collective_rpc(new_policy_version, args=(version,))
         self.waiting: tuple[tuple[int, list], float] | None = None  # a newer version and when it arrived, unapplied
         # the learner's cursor lead (tasks/schedule.py), sent with every version; until then a resumed run's offset
         self.lead = plan.lead_at(version, delivered=0)
@@ -238,8 +241,9 @@ class RolloutActor:
             self.stats["draft_version"], self.stats["draft_swaps"] = draft[0], self.stats["draft_swaps"] + 1
             self._send(WeightAck(SCHEMA_VERSION, self.actor_id, draft[0], time.time() - start, "draft"))
         for history in self.weights.take_history():  # what the other actors sampled, for a history drafter
-            outputs = [(o.prompt_ids, o.response_ids) for o in history.outputs if o.actor_id != self.actor_id]
-            if outputs and self.cfg.speculation.method != "none":
+            outputs = [(o.prompt_ids, o.response_ids, o.version) for o in history.outputs
+                       if o.actor_id != self.actor_id]
+            if outputs and self.speculating:
                 self.llm.collective_rpc(remember_outputs, args=(outputs,))
                 self.stats["remembered_outputs"] += len(outputs)
         if update is not None and update[0] > self.version:  # (older: a re-send for a replacement actor)
@@ -256,6 +260,8 @@ class RolloutActor:
         if not self.llm.reset_prefix_cache(reset_running_requests=True):
             raise RuntimeError(f"actor {self.actor_id}: vLLM could not reset its prefix cache after weights v{version}")
         self.version, self.lead = version, self.weights.lead
+        if self.speculating:
+            self.llm.collective_rpc(new_policy_version, args=(version,))
         self.stats["weight_updates"] += 1
         self._send(WeightAck(SCHEMA_VERSION, self.actor_id, version, time.time() - start))
 

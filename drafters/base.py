@@ -91,10 +91,14 @@ class Drafter(ABC):
                 raise TypeError(f"option {name}={value!r} is not of type {want.__name__}")
         return dict(bound.arguments)
 
-    def remember(self, prompt_ids: list[int], response_ids: list[int]) -> None:
-        """Optional: a finished output of `prompt_ids` that another actor sampled (the learner sends every step's
-        outputs to every actor, since a prompt's next epoch may land on any of them): history for a drafter that
-        keeps it, as its own finished requests are. Ignored by default."""
+    def remember(self, prompt_ids: list[int], response_ids: list[int], version: int) -> None:
+        """Optional: a finished output of `prompt_ids` that another actor sampled, starting under policy `version`
+        (the learner sends every step's outputs to every actor, since a prompt's next epoch may land on any of them):
+        history for a drafter that keeps it, as its own finished requests are. Ignored by default."""
+
+    def new_policy(self, version: int) -> None:
+        """Optional: the verifier samples from policy `version` from the next engine step on (the actor applied new
+        weights, or started with them). Ignored by default."""
 
     def member_labels(self) -> dict[str, dict[str, tuple[int, int]]] | None:
         """Optional, for composite drafters: per request committed since the last call, per member, the labels of

@@ -115,9 +115,13 @@ class FastestOfN(Drafter):
         fresh, self.fresh = self.fresh, {}
         return fresh
 
-    def remember(self, prompt_ids: list[int], response_ids: list[int]) -> None:
+    def remember(self, prompt_ids: list[int], response_ids: list[int], version: int) -> None:
         for member in self.members:
-            member.remember(prompt_ids, response_ids)
+            member.remember(prompt_ids, response_ids, version)
+
+    def new_policy(self, version: int) -> None:
+        for member in self.members:
+            member.new_policy(version)
 
     def swap_weights(self, weights) -> bool:
         """To every member with weights of its own (the draft LM): true if one took them."""

@@ -16,7 +16,9 @@ several where it is not (the most frequent token is right only as often as it is
 chance that the lead over the runner-up outlasts the counts' sampling error, times the chance that the target
 draws a token the history knows (`n / (n + 1)` of `n` counts). Work per proposal is O(k * max_n) (sampling: and the
 noise of each matched context's candidates), per committed token O(max_n). Memory is bounded: `max_sequences`
-finished outputs per prompt, and the least recently used prompts beyond `max_prompts` are forgotten. State is a
+finished outputs per prompt (with `max_versions` W, only those started within the last W policy versions: the policy
+drifts, and so does what its old outputs say of it), and the least recently used prompts beyond `max_prompts` are
+forgotten. State is a
 cache of what it was shown: a replacement actor starts empty and learns from what comes next (its own requests and
 the learner's history of every actor's), and
 trajectories never depend on it (the coupled sampler decides every token)."""
@@ -43,15 +45,19 @@ class _Sequence:
     request_id: str
     prompt: tuple[int, ...]
     tokens: list[int]  # prompt followed by the committed output
+    version: int = 0  # the policy version it started under (as far as this drafter was told: `new_policy`)
 
 
 class SuffixDrafter(Drafter):
     def __init__(self, max_n: int = 8, min_n: int = 2, min_share: float = 0.3, max_sequences: int = 32,
-                 max_prompts: int = 512):
+                 max_prompts: int = 512, max_versions: int = 0):
+        """`max_versions` W > 0: a finished output stays history only while it started within the last W policy
+        versions (0: whatever its version)."""
         self.check_options(dict(max_n=max_n, min_n=min_n, min_share=min_share, max_sequences=max_sequences,
-                                max_prompts=max_prompts))
+                                max_prompts=max_prompts, max_versions=max_versions))
         self.max_n, self.min_n, self.min_share = max_n, min_n, min_share
-        self.max_sequences, self.max_prompts = max_sequences, max_prompts
+        self.max_sequences, self.max_prompts, self.max_versions = max_sequences, max_prompts, max_versions
+        self.version = 0  # the policy's, as the actor last said (`new_policy`)
         self.prompts: OrderedDict[tuple[int, ...], _Prompt] = OrderedDict()
         self.sequences: dict[str, _Sequence] = {}
         self.chances: list[list[float]] = []  # the last proposal's confidences
@@ -63,9 +69,9 @@ class SuffixDrafter(Drafter):
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={o['min_n']}, max_n={o['max_n']}")
         if not 0 < o["min_share"] <= 1:
             raise ValueError(f"need 0 < min_share <= 1, got min_share={o['min_share']}")
-        if o["max_sequences"] < 0 or o["max_prompts"] < 1:
-            raise ValueError(f"need max_sequences >= 0 and max_prompts >= 1, got max_sequences={o['max_sequences']}, "
-                             f"max_prompts={o['max_prompts']}")
+        if o["max_sequences"] < 0 or o["max_prompts"] < 1 or o["max_versions"] < 0:
+            raise ValueError(f"need max_sequences >= 0, max_prompts >= 1 and max_versions >= 0, got max_sequences="
+                             f"{o['max_sequences']}, max_prompts={o['max_prompts']}, max_versions={o['max_versions']}")
         return o
 
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
@@ -97,17 +103,35 @@ class SuffixDrafter(Drafter):
         entry.live.discard(request_id)
         self._keep(entry, sequence)
 
-    def remember(self, prompt_ids: list[int], response_ids: list[int]) -> None:
+    def remember(self, prompt_ids: list[int], response_ids: list[int], version: int) -> None:
         """Another actor's finished output of a prompt: history like this engine's own."""
         prompt = tuple(int(t) for t in prompt_ids)
-        sequence = _Sequence("", prompt, [*prompt, *(int(t) for t in response_ids)])  # no request has id ""
+        sequence = _Sequence("", prompt, [*prompt, *(int(t) for t in response_ids)], version)  # no request has id ""
+        if not self._recent(sequence):
+            return
         entry = self._prompt(prompt)
         self.prompts.move_to_end(prompt)
         self._count(sequence, None, +1)
         self._keep(entry, sequence)
 
+    def new_policy(self, version: int) -> None:
+        """Outputs that started more than `max_versions` versions before `version` stop being history."""
+        self.version = version
+        for entry in self.prompts.values() if self.max_versions else ():
+            if not all(map(self._recent, entry.past)):
+                for old in [s for s in entry.past if not self._recent(s)]:
+                    self._count(old, None, -1)
+                entry.past = deque(s for s in entry.past if self._recent(s))
+
+    def _recent(self, sequence: _Sequence) -> bool:
+        return not self.max_versions or sequence.version > self.version - self.max_versions
+
     def _keep(self, entry: _Prompt, sequence: _Sequence) -> None:
-        """`sequence` (counted) joins its prompt's finished outputs; the oldest beyond `max_sequences` leave."""
+        """`sequence` (counted) joins its prompt's finished outputs if it is recent enough (else its counts go); the
+        oldest beyond `max_sequences` leave."""
+        if not self._recent(sequence):
+            self._count(sequence, None, -1)
+            return
         entry.past.append(sequence)
         while len(entry.past) > self.max_sequences:
             self._count(entry.past.popleft(), None, -1)
@@ -122,7 +146,7 @@ class SuffixDrafter(Drafter):
                 self._count(sequence, None, -1)
                 self.prompts[sequence.prompt].live.discard(rid)
             tokens = [int(t) for t in history]
-            sequence = self.sequences[rid] = _Sequence(rid, tuple(tokens[:prompt_len]), tokens)
+            sequence = self.sequences[rid] = _Sequence(rid, tuple(tokens[:prompt_len]), tokens, self.version)
             entry = self._prompt(sequence.prompt)
             for old in [s for s in entry.past if s.request_id == rid]:  # back after a preemption: not a new sample
                 entry.past.remove(old)

@@ -229,13 +229,35 @@ def test_suffix_drafts_from_outputs_other_actors_sampled_as_from_its_own():
     """The learner sends every step's outputs to every actor (a prompt's next epoch may land on any of them):
     remembered, they are the prompt's history exactly as this engine's own finished requests are."""
     drafter, own = SuffixDrafter(max_sequences=2), SuffixDrafter(max_sequences=2)
-    drafter.remember(PROMPT, [1, 2, 3, 4])
+    drafter.remember(PROMPT, [1, 2, 3, 4], 0)
     own.propose([req("a", [1, 2, 3, 4])], 4)
     own.remove("a")
     assert drafter.prompts[tuple(PROMPT)].counts == own.prompts[tuple(PROMPT)].counts
     assert drafter.propose([req("b", [1, 2])], 4) == [[3, 4]]
-    drafter.remember(PROMPT, [1, 2, 7, 7])
-    drafter.remember(PROMPT, [1, 2, 7, 7])  # two samples of one output count twice; [1, 2, 3, 4] is the oldest: gone
+    drafter.remember(PROMPT, [1, 2, 7, 7], 0)
+    drafter.remember(PROMPT, [1, 2, 7, 7], 0)  # two samples of one output count twice; [1, 2, 3, 4] is the oldest: gone
     assert drafter.propose([req("c", [1, 2])], 4) == [[7, 7]] and len(drafter.prompts[tuple(PROMPT)].past) == 2
     drafter.remove("b")  # a live request finishing still joins, and the window stays at max_sequences
     assert len(drafter.prompts[tuple(PROMPT)].past) == 2
+
+
+def test_suffix_history_keeps_only_outputs_of_the_last_versions_when_asked():
+    drafter, unbounded = SuffixDrafter(max_versions=2), SuffixDrafter()
+    for d in (drafter, unbounded):
+        d.new_policy(5)
+        d.propose([req("a", [1, 2, 3, 4])], 4)  # started under version 5
+        d.remember(PROMPT, [1, 2, 8, 8], 4)  # another actor's, started under 4
+        d.remember(PROMPT, [1, 2, 9, 9], 3)  # too old for a window of 2 versions (4 and 5): never counted
+    assert [s.tokens[-2:] for s in drafter.prompts[tuple(PROMPT)].past] == [[8, 8]]
+    assert len(unbounded.prompts[tuple(PROMPT)].past) == 2
+    drafter.new_policy(6)  # 4 leaves the window; a's output, finishing now, started under 5: kept
+    drafter.remove("a")
+    assert [s.tokens[-2:] for s in drafter.prompts[tuple(PROMPT)].past] == [[3, 4]]
+    fresh = SuffixDrafter()
+    fresh.propose([req("b", [1, 2, 3, 4])], 4)
+    fresh.remove("b")
+    assert drafter.prompts[tuple(PROMPT)].counts == fresh.prompts[tuple(PROMPT)].counts  # the old counts are gone
+    drafter.new_policy(8)
+    assert not drafter.prompts[tuple(PROMPT)].past and drafter.propose([req("c", [1, 2])], 4) == [[]]
+    with pytest.raises(ValueError, match="max_versions"):
+        SuffixDrafter(max_versions=-1)

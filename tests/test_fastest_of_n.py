@@ -160,12 +160,16 @@ class Remembering(Ones):
     def __init__(self):
         self.outputs = []
 
-    def remember(self, prompt_ids, response_ids):
-        self.outputs.append((prompt_ids, response_ids))
+    def remember(self, prompt_ids, response_ids, version):
+        self.outputs.append((prompt_ids, response_ids, version))
+
+    def new_policy(self, version):
+        self.outputs.append(version)
 
 
-def test_other_actors_outputs_reach_every_member():
+def test_other_actors_outputs_and_policy_versions_reach_every_member():
     fon = FastestOfN(["test_fastest_of_n.Remembering", "suffix"])
-    fon.remember([5, 6], [1, 2, 3])
-    assert fon.members[0].outputs == [([5, 6], [1, 2, 3])]
+    fon.remember([5, 6], [1, 2, 3], 0)
+    fon.new_policy(1)
+    assert fon.members[0].outputs == [([5, 6], [1, 2, 3], 0), 1] and fon.members[1].version == 1
     assert fon.members[1].propose([DraftRequest("a", seed=0, position=1, token_ids=[5, 6, 1])], 4) == [[2, 3]]

@@ -84,6 +84,7 @@ class Output(msgspec.Struct, frozen=True):
     actor_id: int  # the actor that sampled it
     prompt_ids: list[int]
     response_ids: list[int]
+    version: int  # the policy version its first token was sampled under
 
 
 class History(msgspec.Struct, tag="history", frozen=True):

@@ -82,8 +82,9 @@ def test_member_labels_if_given_count_each_committed_requests_labels_once(make):
 def test_other_actors_outputs_are_taken_without_breaking_drafting(make):
     drafter = make()
     hist = histories(3)
-    drafter.remember(hist[0][:10], hist[0][10:])  # history for drafters that keep it; ignored by the rest
-    drafter.remember([], [])
+    drafter.new_policy(3)
+    drafter.remember(hist[0][:10], hist[0][10:], 2)  # history for drafters that keep it; ignored by the rest
+    drafter.remember([], [], 3)
     reqs = [request(f"r{i}", h) for i, h in enumerate(hist)]
     proposals = drafter.propose(reqs, K)
     check_shape(proposals, reqs)
