@@ -7,9 +7,10 @@ cheap members have nothing for gets every member. Expectations come from full in
 the coupled sampler commits exactly the target's tokens whoever drafted, so after a verify step every proposal
 that was made is labelled token by token on the committed tokens (drafters/calibration.py), chosen or not. Per
 member, a calibration table maps a draft token's confidence to its acceptance rate; a member that reports no
-confidences is given, per request, its own running acceptance rate on that request's labels. A proposal's expected
+confidences is given, per request, its own running acceptance rate on that request's labels (shrunk towards its rate
+on the prompt's other requests, the group's siblings and earlier epochs' samples). A proposal's expected
 accepted tokens is the sum of its tokens' probabilities of being reached and accepted; a member not yet asked is
-expected to give that of its running rate on the request (shrunk towards its rate over every request) for each
+expected to give that of its running rate on the request (shrunk towards the prompt's, then every request's) for each
 token it may draft. The chosen proposal's calibrated rates are this drafter's confidences, so the draft planner
 verifies it as far as that pays. No choice can change a trajectory; a bad one only costs speed. The same labels,
 summed per member (`member_labels`), are each member's token acceptance in TensorBoard, so a member that has gone
@@ -19,9 +20,12 @@ bad (a draft LM's zeroed weights) shows, and raises `spec/alarm`, even while the
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 
 from drafters.base import Drafter, DraftRequest, load_drafter
 from drafters.calibration import Calibration
+
+MAX_PROMPTS = 4096  # prompts whose members' labels are kept (the least recently labelled forgotten first)
 
 
 class FastestOfN(Drafter):
@@ -40,6 +44,9 @@ class FastestOfN(Drafter):
         self.prior = prior
         self.tables = [Calibration() for _ in self.members]
         self.labels: dict[str, list[list[float]]] = {}  # per request and member: [accepted, rejected] labels
+        self.prompt_of: dict[str, tuple[int, ...]] = {}  # per request: its prompt
+        # per prompt and member: the same over all of its requests, the group's siblings and earlier epochs' samples
+        self.by_prompt: OrderedDict[tuple[int, ...], list[list[float]]] = OrderedDict()
         self.overall = [[0.5, 0.5] for _ in self.members]  # per member: the same over every request, forgetting
         self.last: dict[str, dict[int, tuple[list[int], list[float]]]] = {}  # per request: members' last proposals
         self.choices: list[str] = []  # the member that drafted each request of the last proposal
@@ -51,6 +58,9 @@ class FastestOfN(Drafter):
         mine: list[dict[int, tuple[list[int], list[float]]]] = [{} for _ in requests]  # per request: member -> proposal
         best = [(0.0, -1) for _ in requests]  # per request: the best expected accepted tokens so far, and its member
         budgets = [r.budget(k) for r in requests]
+        for r in requests:
+            if r.request_id not in self.prompt_of:
+                self.prompt_of[r.request_id] = tuple(r.token_ids[: len(r.token_ids) - r.position])
         for m in sorted(range(len(self.members)), key=self.seconds.__getitem__):
             asked = [i for i, r in enumerate(requests)
                      if best[i][1] < 0 or best[i][0] < self._expected(m, r, budgets[i])]
@@ -84,10 +94,15 @@ class FastestOfN(Drafter):
         return self.choices
 
     def _own_rate(self, request_id: str, m: int) -> float:
-        """Member `m`'s acceptance rate on this request's labels, shrunk towards its rate over every request."""
+        """Member `m`'s acceptance rate on this request's labels, shrunk towards its rate on the other requests of the
+        prompt (siblings, earlier epochs), itself shrunk towards its rate over every request."""
         accepted, rejected = self.labels[request_id][m] if request_id in self.labels else (0.0, 0.0)
-        overall = self.overall[m][0] / max(self.overall[m][0] + self.overall[m][1], 1e-9)
-        return (accepted + self.prior * overall) / (accepted + rejected + self.prior)
+        rate = self.overall[m][0] / max(self.overall[m][0] + self.overall[m][1], 1e-9)
+        prompt = self.by_prompt.get(self.prompt_of.get(request_id))
+        if prompt is not None:
+            others = prompt[m][0] - accepted, prompt[m][1] - rejected
+            rate = (others[0] + self.prior * rate) / (others[0] + others[1] + self.prior)
+        return (accepted + self.prior * rate) / (accepted + rejected + self.prior)
 
     def _expected(self, m: int, request: DraftRequest, budget: int) -> float:
         """Member `m`'s expected accepted tokens on `request` before it is asked: its running rate there, per token."""
@@ -101,12 +116,18 @@ class FastestOfN(Drafter):
         if last is None:
             return
         labels = self.labels.setdefault(request_id, [[0.0, 0.0] for _ in self.members])
+        key = self.prompt_of.get(request_id)
+        prompt = self.by_prompt.setdefault(key, [[0.0, 0.0] for _ in self.members])
+        self.by_prompt.move_to_end(key)
+        if len(self.by_prompt) > MAX_PROMPTS:
+            self.by_prompt.popitem(last=False)
         fresh = self.fresh.setdefault(request_id, {})
         for m, (proposal, own) in last.items():
             self.tables[m].observe(own, proposal, committed)
             agreed = agreement(proposal, committed)
             rejected = 1 if agreed < min(len(proposal), len(committed)) else 0
             labels[m][0], labels[m][1] = labels[m][0] + agreed, labels[m][1] + rejected
+            prompt[m][0], prompt[m][1] = prompt[m][0] + agreed, prompt[m][1] + rejected
             self.overall[m] = [0.99 * self.overall[m][0] + agreed, 0.99 * self.overall[m][1] + rejected]
             before = fresh.get(self.names[m], (0, 0))
             fresh[self.names[m]] = (before[0] + agreed, before[1] + rejected)
@@ -133,6 +154,7 @@ class FastestOfN(Drafter):
         self.labels.pop(request_id, None)
         self.last.pop(request_id, None)
         self.fresh.pop(request_id, None)
+        self.prompt_of.pop(request_id, None)
 
 
 def agreement(proposal: list[int], committed: list[int]) -> int:

@@ -173,3 +173,18 @@ def test_other_actors_outputs_and_policy_versions_reach_every_member():
     fon.new_policy(1)
     assert fon.members[0].outputs == [([5, 6], [1, 2, 3], 0), 1] and fon.members[1].version == 1
     assert fon.members[1].propose([DraftRequest("a", seed=0, position=1, token_ids=[5, 6, 1])], 4) == [[2, 3]]
+
+
+def test_a_new_request_starts_from_what_its_prompts_other_requests_showed():
+    """Siblings (and earlier epochs) of a prompt say which member suits it before the request has labels of its own."""
+    fon = FastestOfN(MEMBERS)
+    other = DraftRequest("x0", seed=0, position=0, token_ids=[7, 8])
+    for i in range(6):  # prompt [5, 6] commits 2s, prompt [7, 8] 1s: every member is labelled on both
+        fon.propose([request(f"a{i}"), DraftRequest(f"x{i}", seed=0, position=0, token_ids=[7, 8])], 4)
+        fon.commit(f"a{i}", [2, 2, 2, 2, 9])
+        fon.commit(f"x{i}", [1, 1, 1, 1, 9])
+    ones, twos = range(2)
+    fon.propose([request("new"), DraftRequest("new-x", seed=0, position=0, token_ids=[7, 8])], 4)
+    assert fon._own_rate("new", twos) > fon._own_rate("new", ones)  # no labels of its own yet: its prompt's
+    assert fon._own_rate("new-x", ones) > fon._own_rate("new-x", twos)
+    assert fon.propose([request("new"), other], 4) == [[2, 2, 2, 2], [1, 1, 1, 1]]
