@@ -3,9 +3,9 @@ epoch, so what the policy wrote for the same prompt (the group's live siblings, 
 is the best draft source there is.
 
 Per prompt, a table from every context (the last 1..max_n tokens of one sequence) to the counts of the token that
-followed it, over the prompt, each live sibling's output and the last `max_sequences` finished outputs (this engine's, and those other actors
-sampled, which the learner sends every step: `remember`); every
-sequence is counted on its own, so two siblings never interleave into one. A proposal walks the table: at each
+followed it, over the prompt, each live sibling's output and the last `max_sequences` finished outputs (this
+engine's, and those other actors sampled, which the learner sends every step: `remember`); every sequence is counted
+on its own, so two siblings never interleave into one. A proposal walks the table: at each
 step the longest known context of the request's own tail and, of the tokens that followed it, the one the target
 is likeliest to sample, while that likelihood is at least `min_share` (so drafts are as long as the history is
 sure). For a greedy request that is the most frequent token (likelihood: its share of the counts). A sampling

@@ -11,7 +11,7 @@ from configs.load import load_config
 
 class Channel:  # transport.zmq.WeightSubscriber's interface: `poll` hands each complete version over once
     def __init__(self):
-        self.arrived, self.lead = [], 0
+        self.arrived, self.lead, self.histories = [], 0, []
 
     def poll(self, timeout_ms):
         return self.arrived.pop(0) if self.arrived else None
@@ -19,13 +19,17 @@ class Channel:  # transport.zmq.WeightSubscriber's interface: `poll` hands each 
     def take_draft(self):
         return None
 
+    def take_history(self):
+        histories, self.histories = self.histories, []
+        return histories
+
 
 class Engine:  # the vLLM calls `poll_weights` makes
     def __init__(self):
-        self.applied, self.resets = [], 0
+        self.applied, self.resets, self.drafter = [], 0, []
 
     def collective_rpc(self, fn, args):
-        self.applied.append(args[0])
+        (self.drafter if fn.__module__ == "actor.draft_bridge" else self.applied).append((fn.__name__, args[0]))
 
     def reset_prefix_cache(self, reset_running_requests):
         self.resets += reset_running_requests
@@ -35,9 +39,9 @@ class Engine:  # the vLLM calls `poll_weights` makes
 def actor(wait_s: float) -> RolloutActor:
     a = object.__new__(RolloutActor)
     a.cfg = load_config("grpo_tiny", [f"rollout.update_wait_s={wait_s}"])
-    a.actor_id, a.version, a.waiting, a.lead = 0, 3, None, 0
+    a.actor_id, a.version, a.waiting, a.lead, a.speculating = 0, 3, None, 0, False
     a.weights, a.llm, a.sent = Channel(), Engine(), []
-    a.stats = {"weight_updates": 0, "preempting_updates": 0, "draft_version": 0}
+    a.stats = {"weight_updates": 0, "preempting_updates": 0, "draft_version": 0, "remembered_outputs": 0}
     a._send = a.sent.append
     return a
 
@@ -51,11 +55,11 @@ def test_a_version_waits_for_the_groups_in_flight_then_the_newest_is_applied():
     a.poll_weights(0, in_flight=True)
     assert a.version == 3 and a.llm.applied == []
     a.poll_weights(0, in_flight=False)  # the last group in flight finished
-    assert a.version == 5 and a.llm.applied == [["v5"]] and a.llm.resets == 1
-    assert a.stats == {"weight_updates": 1, "preempting_updates": 0, "draft_version": 0}
+    assert a.version == 5 and a.llm.applied == [("apply_weights", ["v5"])] and a.llm.resets == 1
+    assert a.stats == {"weight_updates": 1, "preempting_updates": 0, "draft_version": 0, "remembered_outputs": 0}
     assert [m.version for m in a.sent] == [5]
     a.poll_weights(0, in_flight=False)  # applied once
-    assert a.llm.applied == [["v5"]]
+    assert a.llm.applied == [("apply_weights", ["v5"])]
 
 
 def test_past_the_wait_the_version_preempts_the_groups_in_flight():
@@ -66,7 +70,7 @@ def test_past_the_wait_the_version_preempts_the_groups_in_flight():
     time.sleep(0.06)
     a.weights.arrived.append((5, ["v5"]))  # the wait counts from the first version that waited
     a.poll_weights(0, in_flight=True)
-    assert a.version == 5 and a.llm.applied == [["v5"]] and a.stats["preempting_updates"] == 1
+    assert a.version == 5 and a.llm.applied == [("apply_weights", ["v5"])] and a.stats["preempting_updates"] == 1
 
 
 def test_with_no_wait_a_version_is_applied_at_once_and_an_old_one_never():
@@ -78,4 +82,22 @@ def test_with_no_wait_a_version_is_applied_at_once_and_an_old_one_never():
     a.weights.arrived.append((2, ["v2"]))
     a.poll_weights(0, in_flight=False)
     a.poll_weights(0, in_flight=False)
-    assert a.version == 4 and a.llm.applied == [["v4"]] and a.waiting is None
+    assert a.version == 4 and a.llm.applied == [("apply_weights", ["v4"])] and a.waiting is None
+
+
+def test_other_actors_outputs_and_each_new_version_reach_a_speculating_actors_drafter():
+    from transport.messages import SCHEMA_VERSION, History, Output
+
+    a = actor(wait_s=0)
+    a.speculating = True
+    a.weights.histories.append(History(SCHEMA_VERSION, 4, [Output(0, [1], [2, 3], 3), Output(1, [5], [6], 3)]))
+    a.weights.arrived.append((4, ["v4"]))
+    a.poll_weights(0)
+    # its own outputs (actor 0) are in its drafter already: only actor 1's are handed over; then the new version
+    assert a.llm.drafter == [("remember_outputs", [([5], [6], 3)]), ("new_policy_version", 4)]
+    assert a.stats["remembered_outputs"] == 1
+    plain = actor(wait_s=0)  # not speculating: no drafter to tell
+    plain.weights.histories.append(History(SCHEMA_VERSION, 4, [Output(1, [5], [6], 3)]))
+    plain.weights.arrived.append((4, ["v4"]))
+    plain.poll_weights(0)
+    assert plain.llm.drafter == [] and plain.version == 4
