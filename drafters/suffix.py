@@ -5,23 +5,21 @@ is the best draft source there is.
 Per prompt, a table from every context (the last 1..max_n tokens of one sequence) to the counts of the token that
 followed it, over the prompt, each live sibling's output and the last `max_sequences` finished outputs (this
 engine's, and those other actors sampled, which the learner sends every step: `remember`); every sequence is counted
-on its own, so two siblings never interleave into one. A proposal walks the table: at each
-step the longest known context of the request's own tail and, of the tokens that followed it, the one the target
-is likeliest to sample, while that likelihood is at least `min_share` (so drafts are as long as the history is
-sure). For a greedy request that is the most frequent token (likelihood: its share of the counts). A sampling
-request draws with the coupled sampler's own noise (sampling/coupled.py): the counts are samples of the policy's
-distribution, so the token with the largest `log(count) + G(seed, position, token)` is the one the target draws
-wherever that distribution resembles the history's, the likely token where the policy is sure and the right one of
-several where it is not (the most frequent token is right only as often as it is drawn). Its likelihood is the
-chance that the lead over the runner-up outlasts the counts' sampling error, times the chance that the target
-draws a token the history knows (`n / (n + 1)` of `n` counts). Work per proposal is O(k * max_n) (sampling: and the
-noise of each matched context's candidates), per committed token O(max_n). Memory is bounded: `max_sequences`
-finished outputs per prompt (with `max_versions` W, only those started within the last W policy versions: the policy
-drifts, and so does what its old outputs say of it), and the least recently used prompts beyond `max_prompts` are
-forgotten. State is a
-cache of what it was shown: a replacement actor starts empty and learns from what comes next (its own requests and
-the learner's history of every actor's), and
-trajectories never depend on it (the coupled sampler decides every token)."""
+on its own, so two siblings never interleave into one. A proposal walks the table: at each step the longest known
+context of the request's own tail and, of the tokens that followed it, the one the target is likeliest to sample,
+while that likelihood is at least `min_share` (so drafts are as long as the history is sure). For a greedy request
+that is the most frequent token (likelihood: its share of the counts). A sampling request draws with the coupled
+sampler's own noise (sampling/coupled.py): the counts are samples of the policy's distribution, so the token with the
+largest `log(count) + G(seed, position, token)` is the one the target draws wherever that distribution resembles the
+history's, the likely token where the policy is sure and the right one of several where it is not (the most frequent
+token is right only as often as it is drawn). Its likelihood is the chance that the lead over the runner-up outlasts
+the counts' sampling error, times the chance that the target draws a token the history knows (`n / (n + 1)` of `n`
+counts). Work per proposal is O(k * max_n) (sampling: and the noise of each matched context's candidates), per
+committed token O(max_n). Memory is bounded: `max_sequences` finished outputs per prompt (with `max_versions` W, only
+those started within the last W policy versions: the policy drifts, and so does what its old outputs say of it), and
+the least recently used prompts beyond `max_prompts` are forgotten. State is a cache of what it was shown: a
+replacement actor starts empty and learns from what comes next (its own requests and the learner's history of every
+actor's), and trajectories never depend on it (the coupled sampler decides every token)."""
 
 from __future__ import annotations
 
