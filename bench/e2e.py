@@ -24,8 +24,9 @@ to its last over the steps between: the first step holds the engines' start; a m
 alternate between a long and a short one and their median is either), the actors' engine seconds per step
 (`rollout_s`), a profile of where a step's time goes (means per step: the learner's GRPO step and its wait for the
 step's groups; the actors' idle seconds, nothing admissible to run until new weights; the share of rows with zero
-advantage, which get no backward pass), acceptance length per step (live; and for the distilled draft LM, replayed
-on each step's trajectories beside the run's starting draft LM), and the final held-out reward (T = 1), which must
+advantage, which get no backward pass), acceptance length per step (live; for fastest-of-N also each member's token
+acceptance on every proposal it made, chosen or not; and for the distilled draft LM, replayed on each step's
+trajectories beside the run's starting draft LM), and the final held-out reward (T = 1), which must
 agree across the asynchronous systems within the noise between repeats of one system: the coupled sampler makes
 the trajectories independent of the drafter, but asynchrony makes them depend on when weights arrive. JSON, with a
 PNG of acceptance over steps beside it.
@@ -127,6 +128,9 @@ def run(system: str, steps: int, overrides: list[str], logdir: Path, log: Path) 
                     "actor_idle_s": sum(a["idle_seconds"] for a in summary["actors"]) / len(summary["actors"]) / steps},
         "acceptance_by_step": [] if "speculation.method=none" in SYSTEMS[system] else
         [round(e.value, 3) for e in events.Scalars("spec/acceptance_length")],
+        # each member of fastest-of-N, scored on every proposal it made, chosen or not: [step, token acceptance]
+        "member_acceptance_by_step": {tag.split("/")[2]: [[e.step, round(e.value, 3)] for e in events.Scalars(tag)]
+                                      for tag in events.Tags()["scalars"] if tag.startswith("spec/member/")},
         "heldout_reward": events.Scalars("eval/reward_mean")[-1].value,
         # the draft LM's acceptance replayed by the learner on each step's trajectories, and its version
         # and the run's starting (frozen) draft LM replayed on the same trajectories: a paired comparison
@@ -182,12 +186,18 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4))
+    fig, (left, members, middle, right) = plt.subplots(1, 4, figsize=(21, 4))
     for name, system in result["systems"].items():
         if system["acceptance_by_step"]:
             left.plot(system["acceptance_by_step"], label=name)
     left.set(xlabel="step", ylabel="acceptance length (tokens per verify step)", title="drafters over the run (live)")
     left.legend()
+    for name, system in result["systems"].items():
+        for member, series in system.get("member_acceptance_by_step", {}).items():
+            members.plot(*zip(*series), label=f"{name}: {member}")
+    members.set(xlabel="step", ylabel="token acceptance (every proposal it made)", title="fastest-of-N's members")
+    if members.lines:
+        members.legend()
     distilled = result["systems"].get("distilled", {})
     if "replayed_acceptance_by_step" in distilled:  # the same trajectories, two draft LMs
         middle.plot(distilled["replayed_acceptance_by_step"], label="distilled (running)")
@@ -249,6 +259,12 @@ def main(argv: list[str] | None = None) -> dict:
             "profile": {key: round(statistics.median(r["profile"][key] for r in runs[name]), 3)
                         for key in first["profile"]},
             "acceptance_by_step": first["acceptance_by_step"],
+            **({"member_acceptance_by_step": first["member_acceptance_by_step"],
+                # per member: its token acceptance over the run (mean over steps), median over repeats
+                "member_token_acceptance": {m: round(statistics.median(
+                    statistics.fmean(v for _, v in r["member_acceptance_by_step"][m]) for r in runs[name]
+                    if r["member_acceptance_by_step"].get(m)), 3) for m in first["member_acceptance_by_step"]}}
+               if first["member_acceptance_by_step"] else {}),
             # acceptance over the run's last quarter / its first quarter (median over repeats; 1: no drift)
             "acceptance_trend": median_trend(runs[name], "acceptance_by_step"),
             **{key: first[key] for key in ("replayed_acceptance_by_step", "initial_replayed_acceptance_by_step",

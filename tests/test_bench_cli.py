@@ -212,3 +212,36 @@ def test_the_oracle_replays_the_sync_run_of_its_repeat_right_after_it(tmp_path):
     requests = [DraftRequest(request_id="a", seed=8, position=1, token_ids=[0, 1]),
                 DraftRequest(request_id="b", seed=5, position=0, token_ids=[0])]
     assert oracle.propose(requests, 2) == [[2, 3], []]  # from its position on; a seed sync never sampled: nothing
+
+
+def test_each_member_of_fastest_of_n_gets_its_acceptance_over_the_run(tmp_path, monkeypatch):
+    """bench.e2e reads a run's TensorBoard scalars: fastest-of-N's members' token acceptance, step by step."""
+    import json
+    import subprocess
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    import bench.e2e
+
+    def launch(command, **kwargs):  # a finished 4-step run: its events and summary
+        logdir = tmp_path / "run"
+        writer = SummaryWriter(str(logdir))
+        for step in range(4):
+            for tag, value in {"rl/reward_mean": 0.5, "rl/train_seconds": 0.1, "rl/wait_seconds": 0.2,
+                               "rl/zero_advantage_fraction": 0.5, "spec/acceptance_length": 2.0,
+                               "spec/member/suffix/token_acceptance": 0.5 + step / 10}.items():
+                writer.add_scalar(tag, value, step, walltime=100.0 + step)
+            if step != 2:  # the draft LM made no proposal at step 2
+                writer.add_scalar("spec/member/draft_lm/token_acceptance", 0.8, step, walltime=100.0 + step)
+        writer.add_scalar("eval/reward_mean", 0.3, 4)
+        writer.close()
+        (logdir / "summary.json").write_text(json.dumps(
+            {"learner": {"trained": 32, "dropped_stale": 0},
+             "actors": [{"actor": 0, "generate_seconds": 2.0, "idle_seconds": 0.0}]}))
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(bench.e2e.subprocess, "run", launch)
+    run = bench.e2e.run("fastest_of_n", 4, [], tmp_path / "run", tmp_path / "log.txt")
+    assert run["member_acceptance_by_step"] == {"suffix": [[0, 0.5], [1, 0.6], [2, 0.7], [3, 0.8]],
+                                                "draft_lm": [[0, 0.8], [1, 0.8], [3, 0.8]]}
+    assert run["acceptance_by_step"] == [2.0] * 4
