@@ -68,7 +68,7 @@ class RolloutActor:
         # the learner's cursor lead (tasks/schedule.py), sent with every version; until then a resumed run's offset
         self.lead = plan.lead_at(version, delivered=0)
         self.first_k = first_k  # this actor's first group (a replacement resumes where the dead actor stopped)
-        self.seq = incarnation << INCARNATION_SHIFT
+        self.seq, self.incarnation = incarnation << INCARNATION_SHIFT, incarnation
         self.stopping = threading.Event()
         self.evaluations: queue.Queue[Evaluation] = queue.Queue()  # asked by evaluate(), run by run()
         self.rewinds: queue.Queue[int] = queue.Queue()  # asked by rewind(), done by run()
@@ -240,9 +240,10 @@ class RolloutActor:
                                    f"{self.cfg.speculation.method!r} has no draft LM to take them")
             self.stats["draft_version"], self.stats["draft_swaps"] = draft[0], self.stats["draft_swaps"] + 1
             self._send(WeightAck(SCHEMA_VERSION, self.actor_id, draft[0], time.time() - start, "draft"))
-        for history in self.weights.take_history():  # what the other actors sampled, for a history drafter
+        for history in self.weights.take_history():  # what the others sampled (a dead predecessor too), for drafting
+            mine = (self.actor_id, self.incarnation)
             outputs = [(o.prompt_ids, o.response_ids, o.version) for o in history.outputs
-                       if o.actor_id != self.actor_id]
+                       if (o.actor_id, o.seq >> INCARNATION_SHIFT) != mine]
             if outputs and self.speculating:
                 self.llm.collective_rpc(remember_outputs, args=(outputs,))
                 self.stats["remembered_outputs"] += len(outputs)

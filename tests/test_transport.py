@@ -103,11 +103,11 @@ def test_a_steps_history_reaches_subscribers_beside_its_weights_and_forged_ones_
     histories = sub.take_history()
     assert result[0] == 4 and histories and sub.take_history() == []  # taken once
     assert histories[-1].version == 4 and [o.response_ids for o in histories[-1].outputs] == [[0, 1, 2], list(range(5))]
-    assert histories[-1].outputs[0] == Output(actor_id=0, prompt_ids=[1, 2], response_ids=[0, 1, 2], version=0)
+    assert histories[-1].outputs[0] == Output(actor_id=0, seq=1, prompt_ids=[1, 2], response_ids=[0, 1, 2], version=0)
     raw = zmq.Context.instance().socket(zmq.PUB)
     port = raw.bind_to_random_port("tcp://127.0.0.1")
     forged_sub = WeightSubscriber(f"tcp://127.0.0.1:{port}")
-    good = msgspec.msgpack.encode(History(SCHEMA_VERSION, 1, [Output(1, [3], [4, 5], 0)]))
+    good = msgspec.msgpack.encode(History(SCHEMA_VERSION, 1, [Output(1, 0, [3], [4, 5], 0)]))
     forged = [[msgspec.msgpack.encode(History(SCHEMA_VERSION + 1, 1, []))], [good, b"extra frame"],
               [msgspec.msgpack.encode(History(SCHEMA_VERSION, -1, []))], [good.replace(b"history", b"historx")]]
     deadline = time.time() + 5
@@ -116,7 +116,7 @@ def test_a_steps_history_reaches_subscribers_beside_its_weights_and_forged_ones_
             raw.send_multipart(frames)
         forged_sub.poll(200)
     histories = forged_sub.take_history()
-    assert histories and all(h.outputs == [Output(1, [3], [4, 5], 0)] for h in histories) and forged_sub.dropped >= 4
+    assert histories and all(h.outputs == [Output(1, 0, [3], [4, 5], 0)] for h in histories) and forged_sub.dropped >= 4
     for closing in (pub, sub, forged_sub):
         closing.close()
     raw.close(0)

@@ -5,7 +5,7 @@ actor's choice of the moment, and that the newest version is the one applied."""
 
 import time
 
-from actor.rollout import RolloutActor
+from actor.rollout import INCARNATION_SHIFT, RolloutActor
 from configs.load import load_config
 
 
@@ -39,7 +39,7 @@ class Engine:  # the vLLM calls `poll_weights` makes
 def actor(wait_s: float) -> RolloutActor:
     a = object.__new__(RolloutActor)
     a.cfg = load_config("grpo_tiny", [f"rollout.update_wait_s={wait_s}"])
-    a.actor_id, a.version, a.waiting, a.lead, a.speculating = 0, 3, None, 0, False
+    a.actor_id, a.incarnation, a.version, a.waiting, a.lead, a.speculating = 0, 0, 3, None, 0, False
     a.weights, a.llm, a.sent = Channel(), Engine(), []
     a.stats = {"weight_updates": 0, "preempting_updates": 0, "draft_version": 0, "remembered_outputs": 0}
     a._send = a.sent.append
@@ -90,14 +90,17 @@ def test_other_actors_outputs_and_each_new_version_reach_a_speculating_actors_dr
 
     a = actor(wait_s=0)
     a.speculating = True
-    a.weights.histories.append(History(SCHEMA_VERSION, 4, [Output(0, [1], [2, 3], 3), Output(1, [5], [6], 3)]))
+    a.incarnation = 1  # a replacement: its dead predecessor's outputs are not in its drafter
+    own, predecessor = 1 << INCARNATION_SHIFT, 7
+    outputs = [Output(0, own, [1], [2, 3], 3), Output(1, 5, [5], [6], 3), Output(0, predecessor, [8], [9], 2)]
+    a.weights.histories.append(History(SCHEMA_VERSION, 4, outputs))
     a.weights.arrived.append((4, ["v4"]))
     a.poll_weights(0)
-    # its own outputs (actor 0) are in its drafter already: only actor 1's are handed over; then the new version
-    assert a.llm.drafter == [("remember_outputs", [([5], [6], 3)]), ("new_policy_version", 4)]
-    assert a.stats["remembered_outputs"] == 1
+    # its own outputs are in its drafter already: the others are handed over; then the new version
+    assert a.llm.drafter == [("remember_outputs", [([5], [6], 3), ([8], [9], 2)]), ("new_policy_version", 4)]
+    assert a.stats["remembered_outputs"] == 2
     plain = actor(wait_s=0)  # not speculating: no drafter to tell
-    plain.weights.histories.append(History(SCHEMA_VERSION, 4, [Output(1, [5], [6], 3)]))
+    plain.weights.histories.append(History(SCHEMA_VERSION, 4, [Output(1, 5, [5], [6], 3)]))
     plain.weights.arrived.append((4, ["v4"]))
     plain.poll_weights(0)
     assert plain.llm.drafter == [] and plain.version == 4

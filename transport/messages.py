@@ -82,6 +82,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
 
 class Output(msgspec.Struct, frozen=True):
     actor_id: int  # the actor that sampled it
+    seq: int  # its trajectory's sequence number (the high bits: the actor's incarnation, a replacement's own)
     prompt_ids: list[int]
     response_ids: list[int]
     version: int  # the policy version its first token was sampled under

@@ -193,7 +193,7 @@ class WeightPublisher:
 
     def publish_history(self, version: int, trajectories: list[Trajectory]) -> int:
         """Sends the outputs the learner trained at `version` to every subscriber (`History`); returns the bytes."""
-        outputs = [Output(t.actor_id, t.prompt_ids, t.response_ids, min(t.policy_versions, default=version))
+        outputs = [Output(t.actor_id, t.seq, t.prompt_ids, t.response_ids, min(t.policy_versions, default=version))
                    for t in trajectories]
         frame = _encoder.encode(History(SCHEMA_VERSION, version, outputs))
         self.socket.send(frame, copy=False)
