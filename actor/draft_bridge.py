@@ -18,6 +18,7 @@ import time
 from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, StepCost, geometric, plan
 from drafters.base import Drafter, DraftRequest
 from drafters.calibration import Calibration
+from transport.messages import add_labels
 
 
 class DrafterBridge:
@@ -80,10 +81,7 @@ class DrafterBridge:
         for req_id, committed in commits:  # the drafter always hears what was committed, drafting or not
             self.drafter.commit(req_id, committed)
         for req_id, members in (self.drafter.member_labels() or {}).items():  # a composite's members, scored
-            tally = sampler.counts_for(req_id).member_labels
-            for name, (accepted, rejected) in members.items():
-                before = tally.get(name, (0, 0))
-                tally[name] = (before[0] + accepted, before[1] + rejected)
+            add_labels(sampler.counts_for(req_id).member_labels, members)
         self.drafter_seconds += time.perf_counter() - plugin
         self.verifying = {}
         drafts: list[list[int]] = [[] for _ in req_ids]

@@ -215,7 +215,7 @@ class RolloutActor:
                 completion.finish_reason or "length", time.time() - sample.start, spec.verify_steps,
                 spec.draft_tokens, spec.accepted_tokens, spec.draft_seconds, spec.planned_steps,
                 spec.planned_tokens, spec.cost_error, spec.choices,
-                {name: list(labels) for name, labels in spec.member_labels.items()},
+                spec.member_labels,
             ))
             if not sent:
                 return

@@ -40,7 +40,7 @@ class SpecCounts:
     cost_error: float = 0.0  # sum over those steps of the planner's relative error on the step's engine seconds
     choices: dict[str, int] = field(default_factory=dict)  # draft steps per source, for composite drafters
     # per member of a composite drafter: its proposals' tokens the verifier would have accepted, and rejected
-    member_labels: dict[str, tuple[int, int]] = field(default_factory=dict)
+    member_labels: dict[str, list[int]] = field(default_factory=dict)
     logprobs: list[float] = field(default_factory=list)  # each committed token's, under the distribution it came from
 
 

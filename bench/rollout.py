@@ -44,6 +44,7 @@ from pathlib import Path
 from actor.engine import set_env_defaults
 from bench.engine_process import in_fresh_process
 from bench.stats import paired
+from transport.messages import add_labels
 
 PRESETS = {
     # `ops`: the number of operations of each prompt's problem (a group of `group_size` samples per prompt)
@@ -188,10 +189,9 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
             choices = sum((Counter(c.choices) for c in counts), Counter())
             if choices:  # a composite drafter: the share of draft steps each member drafted
                 run["choice_shares"] = {s: round(n / sum(choices.values()), 3) for s, n in sorted(choices.items())}
-            labels = {}  # and each member's token acceptance, on every proposal it made (chosen or not)
+            labels: dict[str, list[int]] = {}  # and each member's token acceptance, on every proposal it made
             for c in counts:
-                for member, (yes, no) in c.member_labels.items():
-                    labels[member] = [labels.get(member, [0, 0])[0] + yes, labels.get(member, [0, 0])[1] + no]
+                add_labels(labels, c.member_labels)
             if labels:
                 run["member_token_acceptance"] = {m: round(yes / max(yes + no, 1), 3)
                                                   for m, (yes, no) in sorted(labels.items())}

@@ -116,9 +116,10 @@ class SuffixDrafter(Drafter):
         """Outputs that started more than `max_versions` versions before `version` stop being history."""
         self.version = version
         for entry in self.prompts.values() if self.max_versions else ():
-            if not all(map(self._recent, entry.past)):
-                for old in [s for s in entry.past if not self._recent(s)]:
-                    self._count(old, None, -1)
+            old = [s for s in entry.past if not self._recent(s)]
+            for sequence in old:
+                self._count(sequence, None, -1)
+            if old:
                 entry.past = deque(s for s in entry.past if self._recent(s))
 
     def _recent(self, sequence: _Sequence) -> bool:

@@ -9,7 +9,7 @@ from collections import Counter
 
 import torch
 
-from transport.messages import Trajectory
+from transport.messages import Trajectory, add_labels
 
 log = logging.getLogger(__name__)
 # a step's drafter (or a composite's member) with at least ALARM_DRAFTED draft tokens (labelled tokens) accepted
@@ -59,9 +59,7 @@ def rollout_metrics(trajectories: list[Trajectory], method: str) -> dict[str, fl
             if drafted >= ALARM_DRAFTED and accepted < ALARM_RATE * verify_steps else []
         labels: dict[str, list[int]] = {}  # a composite's members, each scored on every proposal it made
         for t in trajectories:
-            for member, (yes, no) in t.drafter_labels.items():
-                total = labels.setdefault(member.rsplit(".", 1)[-1], [0, 0])
-                total[0], total[1] = total[0] + yes, total[1] + no
+            add_labels(labels, {member.rsplit(".", 1)[-1]: pair for member, pair in t.drafter_labels.items()})
         for member, (yes, no) in sorted(labels.items()):
             if yes + no:  # the chance that one of its draft tokens is accepted, given the ones before it were
                 metrics[f"spec/member/{member}/token_acceptance"] = yes / (yes + no)

@@ -10,6 +10,8 @@ speculation counts of `Trajectory`) keeps it, since msgspec decoders skip unknow
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import msgspec
 
 SCHEMA_VERSION = 1
@@ -42,6 +44,14 @@ class Trajectory(msgspec.Struct, tag="trajectory", frozen=True):
     # per member of a composite drafter: [tokens of its proposals the verifier would have accepted, rejected]
     # (every proposal it made, chosen or not, labelled on the committed tokens: Drafter.member_labels)
     drafter_labels: dict[str, list[int]] = {}
+
+
+def add_labels(total: dict[str, list[int]], labels: Mapping[str, Sequence[int]]) -> None:
+    """Adds per-member [accepted, rejected] draft-token labels (as `Trajectory.drafter_labels` holds) into `total`."""
+    for name, (accepted, rejected) in labels.items():
+        into = total.setdefault(name, [0, 0])
+        into[0] += accepted
+        into[1] += rejected
 
 
 class TensorSpec(msgspec.Struct, frozen=True):
