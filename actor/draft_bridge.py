@@ -8,10 +8,12 @@ is asked for the tokens that pay at the request's acceptance so far (as any draf
 verified only as far as each token's calibrated gain pays: drafting is paid by then, verifying a token that is
 rejected still costs a step's share on the verifier. Every verify step labels the
 proposals it checked (drafters/calibration.py). The drafter sees ids, seeds, positions and views of the requests'
-histories, never copies."""
+histories, never copies. A drafter that raises or breaks its contract is switched off for the engine's life
+(`switch_off`): drafts only ever save time, so the engine decodes on without them, tokens unchanged."""
 
 from __future__ import annotations
 
+import logging
 import operator
 import time
 
@@ -19,6 +21,8 @@ from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, StepCost, 
 from drafters.base import Drafter, DraftRequest
 from drafters.calibration import Calibration
 from transport.messages import add_labels
+
+log = logging.getLogger(__name__)
 
 
 class DrafterBridge:
@@ -38,6 +42,7 @@ class DrafterBridge:
         self.step_end: float | None = None  # when the last propose() returned: the next step's engine time starts
         # in propose(), and of that in the drafter's propose(), commit() and remove() (a benchmark's profile)
         self.seconds = self.drafter_seconds = 0.0
+        self.failure = ""  # why the drafter was switched off ("": it was not)
 
     def load_model(self, *args, **kwargs) -> None:  # vLLM hands over the target model; drafters bring their own
         pass
@@ -75,17 +80,14 @@ class DrafterBridge:
         for req_id, committed in commits:
             if req_id in self.verifying:
                 self._learn(req_id, committed)
-        plugin = time.perf_counter()  # the drafter's remove() and commit() are its own time, not the bridge's
-        for req_id in gone:
-            self.drafter.remove(req_id)
-        for req_id, committed in commits:  # the drafter always hears what was committed, drafting or not
-            self.drafter.commit(req_id, committed)
-        for req_id, members in (self.drafter.member_labels() or {}).items():  # a composite's members, scored
-            add_labels(sampler.counts_for(req_id).member_labels, members)
-        self.drafter_seconds += time.perf_counter() - plugin
+        if not self.failure:
+            try:
+                self._tell(gone, commits)
+            except Exception as e:
+                self.switch_off(e)
         self.verifying = {}
         drafts: list[list[int]] = [[] for _ in req_ids]
-        if self.max_batch and len(req_ids) > self.max_batch:  # the configured bound: no drafting above it
+        if self.failure or (self.max_batch and len(req_ids) > self.max_batch):  # no drafting above the bound
             committed_rows = []
         budgets, explore = [self.k] * len(committed_rows), self.undrafted_steps >= EXPLORE_EVERY
         lengths = num_tokens_no_spec[: len(req_ids)].tolist()  # plain ints: a numpy scalar per request costs more
@@ -105,7 +107,14 @@ class DrafterBridge:
                 token_ids=token_ids_cpu[row, :length], temperature=params.temperature, top_k=params.top_k,
                 top_p=params.top_p, max_tokens=budget)))
         if requests:
-            self._draft(requests, drafts, len(req_ids), verify_all=explore or not self.planning)
+            try:
+                self._draft(requests, drafts, len(req_ids), verify_all=explore or not self.planning)
+            except Exception as e:
+                self.switch_off(e)
+                drafts = [[] for _ in req_ids]
+        if self.failure:  # every request from now on says it was decoded without the drafter
+            for req_id in req_ids:
+                sampler.counts_for(req_id).drafter_failure = self.failure
         for row in committed_rows:
             counts = sampler.counts_for(req_ids[row])
             counts.planned_steps += 1
@@ -113,6 +122,37 @@ class DrafterBridge:
         self.undrafted_steps = 0 if any(drafts) else self.undrafted_steps + 1
         self.predicted = float(self.step_cost.predict(len(req_ids) + sum(len(d) for d in drafts)))
         return drafts
+
+    def _tell(self, gone: list[str], commits: list[tuple[str, list[int]]]) -> None:
+        """The drafter hears which requests left and what was committed (drafting or not), and a composite's
+        members' labels go to their requests' counts; its own time, not the bridge's."""
+        start, sampler = time.perf_counter(), self.runner._sample
+        for req_id in gone:
+            self.drafter.remove(req_id)
+        for req_id, committed in commits:
+            self.drafter.commit(req_id, committed)
+        for req_id, members in (self.drafter.member_labels() or {}).items():
+            add_labels(sampler.counts_for(req_id).member_labels, members)
+        self.drafter_seconds += time.perf_counter() - start
+
+    def switch_off(self, error: Exception) -> None:
+        """The drafter raised or broke its contract: no more calls to it in this engine, whose steps go on without
+        drafts (the same tokens, at plain decoding's speed). Said once in the log, with the traceback, and on every
+        request's counts from then on (`Trajectory.drafter_failure`: TensorBoard's spec/drafter_failed and
+        spec/alarm)."""
+        self.failure = f"drafter {type(self.drafter).__name__} switched off: {type(error).__name__}: {error}"
+        self.verifying = {}
+        log.error("%s; this engine decodes on without drafts", self.failure, exc_info=error)
+
+    def call(self, method: str, *args, off=None):
+        """The drafter's `method` outside the engine step (remember, new_policy, swap_weights): `off` once the
+        drafter is switched off, or when this call raises (which switches it off)."""
+        if not self.failure:
+            try:
+                return getattr(self.drafter, method)(*args)
+            except Exception as e:
+                self.switch_off(e)
+        return off
 
     def _learn(self, req_id: str, committed: list[int]) -> None:
         """What the verifier committed after this request's last draft: its acceptance, and its tokens' labels."""
@@ -202,17 +242,18 @@ def remember_outputs(worker, outputs: list[tuple[list[int], list[int], int]]) ->
     bridge = getattr(worker.model_runner, "drafter", None)
     if isinstance(bridge, DrafterBridge):
         for prompt, response, version in outputs:
-            bridge.drafter.remember(prompt, response, version)
+            bridge.call("remember", prompt, response, version)
 
 
 def new_policy_version(worker, version: int) -> None:
     """The policy the engine samples from is `version` from the next step on (`Drafter.new_policy`)."""
     bridge = getattr(worker.model_runner, "drafter", None)
     if isinstance(bridge, DrafterBridge):
-        bridge.drafter.new_policy(version)
+        bridge.call("new_policy", version)
 
 
 def swap_draft_weights(worker, weights: list) -> bool:
-    """New weights for the drafter's own model, between engine steps (`Drafter.swap_weights`); False: it has none."""
+    """New weights for the drafter's own model, between engine steps (`Drafter.swap_weights`); False: it has none.
+    A switched-off drafter takes them and drops them: the engine no longer drafts."""
     bridge = getattr(worker.model_runner, "drafter", None)
-    return isinstance(bridge, DrafterBridge) and bridge.drafter.swap_weights(weights)
+    return isinstance(bridge, DrafterBridge) and bool(bridge.call("swap_weights", weights, off=True))

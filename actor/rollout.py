@@ -79,7 +79,8 @@ class RolloutActor:
                       "sent_while_generating": 0,  # streamed while other requests were still in the engine
                       "draft_tokens": 0, "accepted_tokens": 0, "verify_steps": 0, "invalid_drafts": 0, "rewinds": 0,
                       "draft_version": 0, "draft_swaps": 0,  # of the draft LM (distilled online, if asked)
-                      "remembered_outputs": 0}  # other actors' outputs handed to the drafter's history
+                      "remembered_outputs": 0,  # other actors' outputs handed to the drafter's history
+                      "drafter_failure": ""}  # why the drafter was switched off (actor/draft_bridge.py), if it was
 
     def run(self) -> dict:
         """Generates until `stop()`; returns counters."""
@@ -215,12 +216,13 @@ class RolloutActor:
                 completion.finish_reason or "length", time.time() - sample.start, spec.verify_steps,
                 spec.draft_tokens, spec.accepted_tokens, spec.draft_seconds, spec.planned_steps,
                 spec.planned_tokens, spec.cost_error, spec.choices,
-                spec.member_labels,
+                spec.member_labels, spec.drafter_failure,
             ))
             if not sent:
                 return
             for key in ("verify_steps", "draft_tokens", "accepted_tokens", "invalid_drafts"):
                 self.stats[key] += getattr(spec, key)
+            self.stats["drafter_failure"] = spec.drafter_failure or self.stats["drafter_failure"]
             self.seq += 1
             self.stats["trajectories"] += 1
             self.stats["tokens"] += len(ids)

@@ -27,8 +27,8 @@ from sampling.coupled import PLACEHOLDER, coupled_sample, verify
 class SpecCounts:
     """What the coupled sampler recorded for one request: the logprob of every token it committed (in order; vLLM
     may cut the last step's short at a stop or `max_tokens`, so a completion's are the first `len(token_ids)`), and
-    its speculation: verify steps that carried drafts, tokens drafted and accepted, and proposals dropped as invalid
-    (token ids outside the vocabulary)."""
+    its speculation: verify steps that carried drafts, tokens drafted and accepted, proposals dropped as invalid
+    (token ids outside the vocabulary), and why the drafter was switched off while it ran, if it was."""
 
     verify_steps: int = 0
     draft_tokens: int = 0
@@ -42,6 +42,7 @@ class SpecCounts:
     # per member of a composite drafter: its proposals' tokens the verifier would have accepted, and rejected
     member_labels: dict[str, list[int]] = field(default_factory=dict)
     logprobs: list[float] = field(default_factory=list)  # each committed token's, under the distribution it came from
+    drafter_failure: str = ""  # DrafterBridge.switch_off's message
 
 
 def caller_id(req_id: str) -> str:

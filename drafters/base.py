@@ -6,7 +6,8 @@ target model, in `actor/`) decides what is kept; a drafter never changes a traje
 it is produced. After every verify step the drafter is told what was committed, and it may keep state per request
 until the request is removed.
 Requests may arrive in any order and any subset from one call to the next; `token_ids` is always the whole
-truth, so a drafter that lost or never had state for a request must still answer.
+truth, so a drafter that lost or never had state for a request must still answer. A drafter that raises (or
+breaks this contract) is switched off in its engine, which decodes on without drafts (actor/draft_bridge.py).
 
 A plugin is a plain class implementing `Drafter`, constructed with keyword options from the config
 (`speculation.options`) and named by a built-in name (`ngram`, `draft_lm`), a dotted path (`pkg.mod.Class`) or

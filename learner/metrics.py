@@ -1,6 +1,6 @@
 """The scalars a step's trajectories carry about the rollout that made them: lengths, truncation, generation time,
 and speculation (acceptance, the draft planner's choices, a composite drafter's member shares and each member's
-token acceptance, the broken-drafter alarm), for TensorBoard."""
+token acceptance, the broken-drafter alarm, drafters switched off for raising), for TensorBoard."""
 
 from __future__ import annotations
 
@@ -66,7 +66,13 @@ def rollout_metrics(trajectories: list[Trajectory], method: str) -> dict[str, fl
             if yes + no >= ALARM_DRAFTED and yes < ALARM_RATE * (yes + no):
                 broken.append(f"member {member} of drafter {name}: {yes} of {yes + no} labelled draft tokens "
                               "would have been accepted")
-        metrics["spec/alarm"] = float(bool(broken))
         for line in broken:
             log.warning("%s: drafting costs time for nothing (zeroed draft weights? another tokenizer?)", line)
+        # an engine whose drafter raised decodes on without it (actor/draft_bridge.py switch_off): same tokens, slower
+        failed = Counter(t.drafter_failure for t in trajectories if t.drafter_failure)
+        metrics["spec/drafter_failed"] = sum(failed.values()) / len(trajectories)
+        for failure, n in sorted(failed.items()):
+            log.warning("%s: %d of this step's %d trajectories were decoded without drafts", failure, n,
+                        len(trajectories))
+        metrics["spec/alarm"] = float(bool(broken or failed))
     return metrics

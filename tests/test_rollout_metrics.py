@@ -4,6 +4,7 @@ drafts are nearly all rejected, the zeroed-draft-weights failure."""
 
 import logging
 
+import msgspec
 import pytest
 
 from learner.metrics import ALARM_DRAFTED, rollout_metrics
@@ -47,6 +48,18 @@ def test_each_member_gets_its_token_acceptance_and_a_broken_one_the_alarm(caplog
     few = rollout_metrics([trajectory(100, 400, 300, {"suffix": [300, 60], "draft_lm": [0, ALARM_DRAFTED - 1]})],
                           "fastest_of_n")
     assert few["spec/alarm"] == 0.0  # too few labels to call it broken
+
+
+def test_trajectories_decoded_without_a_switched_off_drafter_raise_the_alarm(caplog):
+    """A drafter that raised was switched off in its engine (actor/draft_bridge.py): the run goes on, so TensorBoard
+    and the log must say that its rollouts no longer draft."""
+    failure = "drafter Raises switched off: IndexError: broke"
+    with caplog.at_level(logging.WARNING, logger="learner.metrics"):
+        metrics = rollout_metrics(
+            [trajectory(50, 100, 60), msgspec.structs.replace(trajectory(0, 0, 0), drafter_failure=failure)], "draft_lm")
+    assert metrics["spec/drafter_failed"] == 0.5 and metrics["spec/alarm"] == 1.0
+    assert f"{failure}: 1 of this step's 2 trajectories were decoded without drafts" in caplog.text
+    assert rollout_metrics([trajectory(50, 100, 60)], "draft_lm")["spec/drafter_failed"] == 0.0
 
 
 def test_without_speculation_there_are_no_spec_scalars_per_drafter():

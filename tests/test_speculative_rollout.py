@@ -151,3 +151,47 @@ def test_a_draft_lm_swapped_mid_rollout_leaves_every_trajectory_unchanged(plain,
     if method == "fastest_of_n":  # every member's proposals were labelled, the draft LM's through all three versions
         labelled = {name for c in stats.values() for name, (yes, no) in c.member_labels.items() if yes + no}
         assert labelled == {"suffix", "draft_lm"}
+
+
+def _break_the_drafter(worker) -> None:
+    """The engine's drafter plugin raises from its next proposal on (what a buggy plugin does mid-run)."""
+    def propose(requests, k):
+        raise ZeroDivisionError("a plugin's bug")
+
+    worker.model_runner.drafter.drafter.propose = propose
+
+
+def test_a_drafter_that_raises_mid_rollout_is_switched_off_and_leaves_every_trajectory_unchanged(plain):
+    """The rollout goes on without drafts (actor/draft_bridge.py switch_off), emitting plain decoding's tokens, and
+    every request running from then on carries the reason for the learner's spec/alarm."""
+    from vllm import SamplingParams
+    from vllm.inputs.engine import tokens_input
+
+    cfg = load_config("grpo_tiny", ["speculation.method=ngram", "speculation.num_speculative_tokens=4"])
+    llm = make_engine(cfg, resolve("builtin:dense"))
+    try:
+        engine, tokenizer, task = llm.llm_engine, llm.get_tokenizer(), ArithmeticTask(seed=3)
+        for s, (temperature, top_p) in enumerate(SETTINGS):
+            for i in range(PROMPTS):
+                ids = tokenizer(task[i].prompt, add_special_tokens=False).input_ids
+                engine.add_request(f"{s}-{i}", tokens_input(ids), SamplingParams(
+                    seed=100 * s + i, temperature=temperature, top_p=top_p, max_tokens=160, logprobs=0))
+        done, finished_at, steps = {}, {}, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id], finished_at[out.request_id] = list(out.outputs[0].token_ids), steps
+            steps += 1
+            if steps == 10:
+                llm.collective_rpc(_break_the_drafter)
+        stats = llm.collective_rpc(take_spec_counts, args=(list(done),))[0]
+    finally:
+        close_engine(llm)
+    assert steps > 10 and len(done) == len(SETTINGS) * PROMPTS
+    for s in range(len(SETTINGS)):
+        for i in range(PROMPTS):
+            assert done[f"{s}-{i}"] == plain[s * PROMPTS + i][0], f"request {s}-{i} changed when its drafter broke"
+    assert sum(c.draft_tokens for c in stats.values()) > 0  # it drafted before it broke
+    later = [r for r, step in finished_at.items() if step > 11]  # still running when it proposed next
+    assert later and {stats[r].drafter_failure for r in later} == {
+        "drafter NgramDrafter switched off: ZeroDivisionError: a plugin's bug"}

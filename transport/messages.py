@@ -44,6 +44,7 @@ class Trajectory(msgspec.Struct, tag="trajectory", frozen=True):
     # per member of a composite drafter: [tokens of its proposals the verifier would have accepted, rejected]
     # (every proposal it made, chosen or not, labelled on the committed tokens: Drafter.member_labels)
     drafter_labels: dict[str, list[int]] = {}
+    drafter_failure: str = ""  # why the engine's drafter was switched off while this ran ("": it was not)
 
 
 def add_labels(total: dict[str, list[int]], labels: Mapping[str, Sequence[int]]) -> None:

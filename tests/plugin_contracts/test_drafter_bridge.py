@@ -1,16 +1,19 @@
 """What the engine side promises every drafter plugin (actor/draft_bridge.DrafterBridge), checked against a stand-in
 for vLLM's model runner: commits always arrive, even on steps where the bridge does not draft, proposals with
 ids outside the vocabulary never reach the engine (dropped and counted, the run goes on), and the draft planner
-learns each request's acceptance from what the verifier committed and withholds drafts where they cannot pay."""
+learns each request's acceptance from what the verifier committed and withholds drafts where they cannot pay, and a
+drafter that raises or breaks its contract is switched off, the engine decoding on without it."""
 
+import logging
 import time
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from actor.draft_bridge import DrafterBridge, confidences_for
-from actor.vllm_hooks import CoupledSampling, SpecCounts
+from actor.draft_bridge import (DrafterBridge, confidences_for, new_policy_version, remember_outputs,
+                                 swap_draft_weights)
+from actor.vllm_hooks import CoupledSampling, SpecCounts, caller_id
 from drafters.base import Drafter
 from drafters.calibration import EDGES
 
@@ -137,10 +140,57 @@ def test_a_rated_drafter_is_not_asked_for_drafts_its_requests_keep_refusing():
     assert b.verifying.keys() == {"a-1"}  # b was not drafted for at all
 
 
-def test_confidences_that_do_not_rate_every_draft_token_stop_the_engine_with_the_drafters_name():
-    b, _ = bridge(Rated([[1, 2]], [[0.5]]), ["a-1"])
-    with pytest.raises(RuntimeError, match="Rated: 1 confidences for a proposal of 2 tokens"):
-        propose(b, [[5]])
+def test_confidences_that_do_not_rate_every_draft_token_switch_the_drafter_off_with_its_name(caplog):
+    b, runner = bridge(Rated([[1, 2]], [[0.5]]), ["a-1"])
+    with caplog.at_level(logging.ERROR, logger="actor.draft_bridge"):
+        assert propose(b, [[5]]) == [[]]
+    assert "Rated: 1 confidences for a proposal of 2 tokens" in b.failure
+    assert runner._sample.counts["a"].drafter_failure == b.failure and b.failure in caplog.text
+
+
+class Raises(Recording):
+    """Proposes like Recording until its `fail_at`-th call of `method`, which raises."""
+
+    def __init__(self, method: str, fail_at: int):
+        super().__init__([[1, 2], [3, 4]])
+        self.calls, self.method, self.fail_at = 0, method, fail_at
+
+    def __getattribute__(self, name):
+        if name == object.__getattribute__(self, "method"):
+            self.calls += 1
+            if self.calls == self.fail_at:
+                raise IndexError(f"{name} broke")
+        return object.__getattribute__(self, name)
+
+
+@pytest.mark.parametrize("method", ["propose", "commit", "remove", "member_labels", "new_policy"])
+def test_a_drafter_that_raises_is_switched_off_and_the_engine_decodes_on_without_it(method, caplog):
+    """A plugin's exception must not kill the rollout (a dead engine, a restarted actor, the same exception again):
+    drafts only save time, so the engine goes on without them. The drafter is never called again, the log says why
+    once with the traceback, and every request from then on carries the reason (TensorBoard's spec/alarm)."""
+    drafter = Raises(method, fail_at=1 if method in ("remove", "new_policy") else 2)
+    b, runner = bridge(drafter, ["a-1", "b-1"])
+    with caplog.at_level(logging.ERROR, logger="actor.draft_bridge"):
+        if method == "new_policy":
+            new_policy_version(SimpleNamespace(model_runner=SimpleNamespace(drafter=b)), 3)
+        assert propose(b, [[5], [6]]) in ([[1, 2], [3, 4]], [[], []])
+        if method == "remove":  # a request leaves the engine: the drafter is told
+            del runner.requests["b-1"]
+            runner.input_batch.req_ids, runner.input_batch.num_reqs = ["a-1"], 1
+            assert propose(b, [[5]]) == [[]]
+        else:
+            assert propose(b, [[1, 2, 9], [3, 7]]) == [[], []]
+        calls, commits = drafter.calls, len(drafter.commits)
+        for _ in range(3):
+            assert propose(b, [[5]] * runner.input_batch.num_reqs) == [[]] * runner.input_batch.num_reqs
+    assert b.failure.startswith("drafter Raises switched off: IndexError: ") and "broke" in b.failure
+    assert drafter.calls == calls and len(drafter.commits) == commits  # never called again
+    assert caplog.text.count("switched off") == 1 and "Traceback" in caplog.text
+    live = [caller_id(r) for r in runner.input_batch.req_ids]  # (in the "remove" case b-1 left before the failure)
+    assert [runner._sample.counts[r].drafter_failure for r in live] == [b.failure] * len(live)
+    worker = SimpleNamespace(model_runner=SimpleNamespace(drafter=b))
+    remember_outputs(worker, [([1], [2], 0)])
+    assert swap_draft_weights(worker, [("w", 0)])  # taken and dropped: the engine no longer drafts
 
 
 def test_confidences_are_read_as_probabilities_and_non_numbers_stop_the_engine_with_the_drafters_name():
