@@ -3,6 +3,7 @@ machine without vLLM can check (the coupled sampler, verification against plain 
 
     python -m bench.gpu_torch --out runs/bench/gpu_torch.json [--quick] [--prompts N --task-seed S --max-tokens T]
                               [--sections noise sampler verify group distiller] [--attention sdpa|eager]
+                              [--settings bfloat16,T=1 bfloat16,T=0 float32,T=1]
 
 1. `noise`: the coupled sampler's noise and samples are the same on the GPU as on the CPU (its contract says they
    are: integer hashing only), over every token of a 152k vocabulary, at T = 1 and under top-k / top-p.
@@ -43,6 +44,7 @@ from sampling.coupled import coupled_sample, gumbel, noise_bits, processed_logit
 
 VOCAB = 151_936  # Qwen's
 SECTIONS = ("noise", "sampler", "verify", "group", "distiller")
+SETTINGS = ("bfloat16,T=1", "bfloat16,T=0", "float32,T=1")
 
 
 def timed(fn, repeats: int) -> list[float]:
@@ -298,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=8, help="group_vs_alone: sequences per group")
     parser.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
                         help="verify/group: the transformers attention implementation")
+    parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS),
+                        help="verify/group: which dtype and temperature settings to run (default: all)")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                         help="which measurements to run (default: all)")
     parser.add_argument("--draft-shapes", nargs="*", default=[], type=draft_shape, metavar="HIDDEN,LAYERS",
@@ -315,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
 
     quick, sections = args.quick, set(args.sections)
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "sections": args.sections,
+                    "settings": args.settings,
                     "attention": args.attention,
                     "verify_workload": {"prompts": args.prompts, "task_seed": args.task_seed,
                                         "max_tokens": args.max_tokens, "groups": args.groups,
@@ -339,11 +344,14 @@ def main(argv: list[str] | None = None) -> int:
                 dict(zero_layers=24, num_heads=64, intermediate_size=6144, hidden_size=2048)  # the gpu preset's
             config = build_padded_target(policy, Path(tmp), **shape)
             result["target"] = {**shape, "parameters": parameter_count(config)}
-            for dtype, temperatures in ((torch.bfloat16, (1.0, 0.0)), (torch.float32, (1.0,))):
+            for dtype in (torch.bfloat16, torch.float32):
+                settings = [(name, float(name.split("T=")[1])) for name in args.settings
+                            if name.startswith(str(dtype).removeprefix("torch.") + ",")]
+                if not settings:
+                    continue
                 model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, attn_implementation=args.attention)
                 model = model.cuda().eval()
-                for temperature in temperatures:
-                    name = f"{str(dtype).removeprefix('torch.')},T={temperature:g}"
+                for name, temperature in settings:
                     runs = {"verify": ("verify_vs_decode", lambda: verify_vs_decode(
                                 model, prompts, eos, args.max_tokens, temperature)),
                             "group": ("group_vs_alone", lambda: group_vs_alone(
@@ -352,8 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                         if section not in sections or (section == "group" and temperature == 0):
                             continue  # greedy rows of one prompt are all one sequence
                         begin = time.perf_counter()
-                        result.setdefault(key, {})[name] = run()
-                        print(key, name, result[key][name], f"{time.perf_counter() - begin:.0f} s", flush=True)
+                        result.setdefault(key, {})[name] = {**run(), "seconds": round(time.perf_counter() - begin)}
+                        print(key, name, result[key][name], flush=True)
                 del model
                 torch.cuda.empty_cache()
     if "distiller" in sections:
