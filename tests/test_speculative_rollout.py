@@ -106,19 +106,14 @@ def test_no_silent_fallback_to_vllms_own_sampler(monkeypatch):
         make_engine(cfg, model)
 
 
-@pytest.mark.parametrize("method", ["draft_lm", "fastest_of_n"])
-def test_a_draft_lm_swapped_mid_rollout_leaves_every_trajectory_unchanged(plain, method):
-    """New draft LM weights (here: the draft's own, perturbed, then zeroed) swapped in between engine steps while
-    requests are in flight, alone or as a member of fastest-of-N: the drafts change, the tokens do not."""
-    import torch
+def stepped_rollouts(overrides: list[str], between_steps) -> tuple[dict, dict, int, dict]:
+    """The rollouts of `rollouts()`, stepped by hand with `between_steps(llm, steps)` after each engine step: each
+    request's tokens, the step it finished at, the steps taken and the speculation counts."""
     from vllm import SamplingParams
     from vllm.inputs.engine import tokens_input
 
-    from actor.draft_bridge import swap_draft_weights
-
-    members = ["speculation.drafters=[suffix,draft_lm]"] if method == "fastest_of_n" else []
-    cfg = load_config("grpo_tiny", [f"speculation.method={method}", *members, "speculation.num_speculative_tokens=4"])
-    llm = make_engine(cfg, resolve("builtin:dense"))
+    llm = make_engine(load_config("grpo_tiny", [*overrides, "speculation.num_speculative_tokens=4"]),
+                      resolve("builtin:dense"))
     try:
         engine, tokenizer, task = llm.llm_engine, llm.get_tokenizer(), ArithmeticTask(seed=3)
         for s, (temperature, top_p) in enumerate(SETTINGS):
@@ -126,23 +121,38 @@ def test_a_draft_lm_swapped_mid_rollout_leaves_every_trajectory_unchanged(plain,
                 ids = tokenizer(task[i].prompt, add_special_tokens=False).input_ids
                 engine.add_request(f"{s}-{i}", tokens_input(ids), SamplingParams(
                     seed=100 * s + i, temperature=temperature, top_p=top_p, max_tokens=160, logprobs=0))
-        from transformers import AutoModelForCausalLM
-
-        state = AutoModelForCausalLM.from_pretrained(str(resolve("builtin:draft"))).state_dict()
-        generator = torch.Generator().manual_seed(0)
-        versions = [[(n, t + 0.05 * torch.randn(t.shape, generator=generator)) for n, t in state.items()],
-                    [(n, torch.zeros_like(t)) for n, t in state.items()]]
-        done, steps = {}, 0
+        done, finished_at, steps = {}, {}, 0
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
-                    done[out.request_id] = list(out.outputs[0].token_ids)
+                    done[out.request_id], finished_at[out.request_id] = list(out.outputs[0].token_ids), steps
             steps += 1
-            if steps in (5, 15):  # mid-rollout: every request is still running
-                assert llm.collective_rpc(swap_draft_weights, args=(versions.pop(0),)) == [True]
-        stats = llm.collective_rpc(take_spec_counts, args=(list(done),))[0]
+            between_steps(llm, steps)
+        return done, finished_at, steps, llm.collective_rpc(take_spec_counts, args=(list(done),))[0]
     finally:
         close_engine(llm)
+
+
+@pytest.mark.parametrize("method", ["draft_lm", "fastest_of_n"])
+def test_a_draft_lm_swapped_mid_rollout_leaves_every_trajectory_unchanged(plain, method):
+    """New draft LM weights (here: the draft's own, perturbed, then zeroed) swapped in between engine steps while
+    requests are in flight, alone or as a member of fastest-of-N: the drafts change, the tokens do not."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from actor.draft_bridge import swap_draft_weights
+
+    state = AutoModelForCausalLM.from_pretrained(str(resolve("builtin:draft"))).state_dict()
+    generator = torch.Generator().manual_seed(0)
+    versions = [[(n, t + 0.05 * torch.randn(t.shape, generator=generator)) for n, t in state.items()],
+                [(n, torch.zeros_like(t)) for n, t in state.items()]]
+
+    def swap(llm, steps: int) -> None:
+        if steps in (5, 15):  # mid-rollout: every request is still running
+            assert llm.collective_rpc(swap_draft_weights, args=(versions.pop(0),)) == [True]
+
+    members = ["speculation.drafters=[suffix,draft_lm]"] if method == "fastest_of_n" else []
+    done, _, steps, stats = stepped_rollouts([f"speculation.method={method}", *members], swap)
     assert not versions and steps > 15
     for s in range(len(SETTINGS)):
         for i in range(PROMPTS):
@@ -164,29 +174,9 @@ def _break_the_drafter(worker) -> None:
 def test_a_drafter_that_raises_mid_rollout_is_switched_off_and_leaves_every_trajectory_unchanged(plain):
     """The rollout goes on without drafts (actor/draft_bridge.py switch_off), emitting plain decoding's tokens, and
     every request running from then on carries the reason for the learner's spec/alarm."""
-    from vllm import SamplingParams
-    from vllm.inputs.engine import tokens_input
-
-    cfg = load_config("grpo_tiny", ["speculation.method=ngram", "speculation.num_speculative_tokens=4"])
-    llm = make_engine(cfg, resolve("builtin:dense"))
-    try:
-        engine, tokenizer, task = llm.llm_engine, llm.get_tokenizer(), ArithmeticTask(seed=3)
-        for s, (temperature, top_p) in enumerate(SETTINGS):
-            for i in range(PROMPTS):
-                ids = tokenizer(task[i].prompt, add_special_tokens=False).input_ids
-                engine.add_request(f"{s}-{i}", tokens_input(ids), SamplingParams(
-                    seed=100 * s + i, temperature=temperature, top_p=top_p, max_tokens=160, logprobs=0))
-        done, finished_at, steps = {}, {}, 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id], finished_at[out.request_id] = list(out.outputs[0].token_ids), steps
-            steps += 1
-            if steps == 10:
-                llm.collective_rpc(_break_the_drafter)
-        stats = llm.collective_rpc(take_spec_counts, args=(list(done),))[0]
-    finally:
-        close_engine(llm)
+    done, finished_at, steps, stats = stepped_rollouts(
+        ["speculation.method=ngram", "speculation.planner=false"],  # without the planner: drafts from step 1 on
+        lambda llm, steps: steps == 10 and llm.collective_rpc(_break_the_drafter))
     assert steps > 10 and len(done) == len(SETTINGS) * PROMPTS
     for s in range(len(SETTINGS)):
         for i in range(PROMPTS):
