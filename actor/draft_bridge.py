@@ -112,9 +112,11 @@ class DrafterBridge:
             except Exception as e:
                 self.switch_off(e)
                 drafts = [[] for _ in req_ids]
-        if self.failure:  # every request from now on says it was decoded without the drafter
+        members_off = "; ".join(self.call("failures", off=[]))  # a composite's members switched off
+        if self.failure or members_off:  # every request from now on says it was decoded without them
+            reason = self.failure or f"drafter {type(self.drafter).__name__}: {members_off}"
             for req_id in req_ids:
-                sampler.counts_for(req_id).drafter_failure = self.failure
+                sampler.counts_for(req_id).drafter_failure = reason
         for row in committed_rows:
             counts = sampler.counts_for(req_ids[row])
             counts.planned_steps += 1
@@ -145,8 +147,8 @@ class DrafterBridge:
         log.error("%s; this engine decodes on without drafts", self.failure, exc_info=error)
 
     def call(self, method: str, *args, off=None):
-        """The drafter's `method` outside the engine step (remember, new_policy, swap_weights): `off` once the
-        drafter is switched off, or when this call raises (which switches it off)."""
+        """The drafter's `method` outside proposing and committing (remember, new_policy, swap_weights, failures):
+        `off` once the drafter is switched off, or when this call raises (which switches it off)."""
         if not self.failure:
             try:
                 return getattr(self.drafter, method)(*args)

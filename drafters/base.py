@@ -109,6 +109,12 @@ class Drafter(ABC):
         None: no members to score."""
         return None
 
+    def failures(self) -> list[str]:
+        """Optional, for composite drafters: one line per member switched off for raising (its name and the
+        exception), reported as a drafter switched off is (`spec/drafter_failed`, `spec/alarm`) while the other
+        members draft on. Empty: none."""
+        return []
+
     def sources(self) -> list[str] | None:
         """Optional: for the last `propose` call, the name of what drafted each request (a composite drafter's
         member), reported as choice shares (`spec/choice/<name>`). None: this drafter itself."""

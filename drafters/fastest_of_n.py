@@ -14,11 +14,14 @@ expected to give that of its running rate on the request (shrunk towards the pro
 token it may draft. The chosen proposal's calibrated rates are this drafter's confidences, so the draft planner
 verifies it as far as that pays. No choice can change a trajectory; a bad one only costs speed. The same labels,
 summed per member (`member_labels`), are each member's token acceptance in TensorBoard, so a member that has gone
-bad (a draft LM's zeroed weights) shows, and raises `spec/alarm`, even while the others are chosen instead.
+bad (a draft LM's zeroed weights) shows, and raises `spec/alarm`, even while the others are chosen instead. A
+member that raises or answers out of contract is switched off and the others race on (`failures()` says so, for the
+same alarm); once every member is off, the composite raises and the engine switches it off (actor/draft_bridge.py).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 
@@ -26,6 +29,7 @@ from drafters.base import Drafter, DraftRequest, load_drafter
 from drafters.calibration import Calibration
 
 MAX_PROMPTS = 4096  # prompts whose members' labels are kept (the least recently labelled forgotten first)
+log = logging.getLogger(__name__)
 
 
 class FastestOfN(Drafter):
@@ -53,6 +57,7 @@ class FastestOfN(Drafter):
         self.chosen: list[list[float]] = []  # the chosen proposals' calibrated rates
         self.seconds = [0.0 for _ in self.members]  # per member: drafting seconds per request asked, averaged
         self.fresh: dict[str, dict[str, tuple[int, int]]] = {}  # labels since the last `member_labels()` call
+        self.off: dict[int, str] = {}  # members switched off for raising: why
 
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
         mine: list[dict[int, tuple[list[int], list[float]]]] = [{} for _ in requests]  # per request: member -> proposal
@@ -63,29 +68,67 @@ class FastestOfN(Drafter):
                 self.prompt_of[r.request_id] = tuple(r.token_ids[: len(r.token_ids) - r.position])
         for m in sorted(range(len(self.members)), key=self.seconds.__getitem__):
             asked = [i for i, r in enumerate(requests)
-                     if best[i][1] < 0 or best[i][0] < self._expected(m, r, budgets[i])]
+                     if m not in self.off and (best[i][1] < 0 or best[i][0] < self._expected(m, r, budgets[i]))]
             if not asked:
                 continue
             start = time.perf_counter()
-            drafts = self.members[m].propose([requests[i] for i in asked], k)
-            sureness = self.members[m].confidences()
+            answer = self._call(m, "propose", [requests[i] for i in asked], k)
+            sureness = self._call(m, "confidences") if answer is not None else None
+            if answer is None or m in self.off:
+                continue
             per_request = (time.perf_counter() - start) / len(asked)
             self.seconds[m] = per_request if self.seconds[m] == 0 else 0.9 * self.seconds[m] + 0.1 * per_request
-            for j, i in enumerate(asked):
-                proposal = list(drafts[j])
-                own = sureness[j][: len(proposal)] if sureness is not None else \
-                    [self._own_rate(requests[i].request_id, m)] * len(proposal)
-                mine[i][m] = (proposal, list(own))
+            try:
+                proposals = self._answers(requests, asked, answer, sureness, m)
+            except (TypeError, ValueError) as e:  # out of contract: as if it had raised
+                self._switch_off(m, e)
+                continue
+            for i, proposal, own in proposals:
+                mine[i][m] = (proposal, own)
                 gain = sum(self.tables[m].gains(own))
                 if best[i][1] < 0 or gain > best[i][0]:
                     best[i] = (gain, m)
         out, self.choices, self.chosen = [], [], []
-        for request, proposals, (_, m) in zip(requests, mine, best):  # the first member asked answered every request
+        for request, proposals, (_, m) in zip(requests, mine, best):  # the first member on answered every request
             self.last[request.request_id] = proposals
-            self.choices.append(self.names[m])
-            self.chosen.append(self.tables[m].rates(proposals[m][1]))
-            out.append(proposals[m][0])
+            self.choices.append(self.names[m] if m >= 0 else "")
+            self.chosen.append(self.tables[m].rates(proposals[m][1]) if m >= 0 else [])
+            out.append(proposals[m][0] if m >= 0 else [])
         return out
+
+    def _answers(self, requests: list[DraftRequest], asked: list[int], drafts, sureness, m: int
+                 ) -> list[tuple[int, list[int], list[float]]]:
+        """Member `m`'s proposals for the requests `asked` (indices into `requests`), with its confidence in each token
+        (or its running rate on the request); ValueError or TypeError where they break the drafter contract."""
+        if len(drafts) != len(asked) or (sureness is not None and len(sureness) != len(asked)):
+            raise ValueError(f"{len(drafts)} proposals and {'no' if sureness is None else len(sureness)} confidence "
+                             f"lists for {len(asked)} requests")
+        out = []
+        for j, i in enumerate(asked):
+            proposal = list(drafts[j])
+            own = list(map(float, sureness[j][: len(proposal)])) if sureness is not None else \
+                [self._own_rate(requests[i].request_id, m)] * len(proposal)
+            if len(own) < len(proposal):
+                raise ValueError(f"{len(own)} confidences for a proposal of {len(proposal)} tokens")
+            out.append((i, proposal, own))
+        return out
+
+    def _call(self, m: int, method: str, *args):
+        """Member `m`'s `method`; None once it raised (which switches it off)."""
+        try:
+            return getattr(self.members[m], method)(*args)
+        except Exception as e:
+            self._switch_off(m, e)
+            return None
+
+    def _switch_off(self, m: int, error: Exception) -> None:
+        self.off[m] = f"member {self.names[m]} switched off: {type(error).__name__}: {error}"
+        log.error("fastest-of-N: %s; the others race on", self.off[m], exc_info=error)
+        if len(self.off) == len(self.members):
+            raise RuntimeError(f"every member is switched off ({'; '.join(self.off.values())})") from error
+
+    def failures(self) -> list[str]:
+        return list(self.off.values())
 
     def confidences(self) -> list[list[float]]:
         return self.chosen
@@ -109,9 +152,12 @@ class FastestOfN(Drafter):
         rate = min(self._own_rate(request.request_id, m), 0.99)
         return rate * (1 - rate**budget) / (1 - rate)  # the sum of rate**j over j = 1..budget
 
+    def _each(self, method: str, *args) -> list:
+        """`method` of every member still on, in order: their answers (None from one that raised and is now off)."""
+        return [self._call(m, method, *args) for m in range(len(self.members)) if m not in self.off]
+
     def commit(self, request_id: str, committed: list[int]) -> None:
-        for member in self.members:
-            member.commit(request_id, committed)
+        self._each("commit", request_id, committed)
         last = self.last.pop(request_id, None)
         if last is None:
             return
@@ -137,20 +183,17 @@ class FastestOfN(Drafter):
         return fresh
 
     def remember(self, prompt_ids: list[int], response_ids: list[int], version: int) -> None:
-        for member in self.members:
-            member.remember(prompt_ids, response_ids, version)
+        self._each("remember", prompt_ids, response_ids, version)
 
     def new_policy(self, version: int) -> None:
-        for member in self.members:
-            member.new_policy(version)
+        self._each("new_policy", version)
 
     def swap_weights(self, weights) -> bool:
         """To every member with weights of its own (the draft LM): true if one took them."""
-        return any([member.swap_weights(weights) for member in self.members])
+        return any(self._each("swap_weights", weights))
 
     def remove(self, request_id: str) -> None:
-        for member in self.members:
-            member.remove(request_id)
+        self._each("remove", request_id)
         self.labels.pop(request_id, None)
         self.last.pop(request_id, None)
         self.fresh.pop(request_id, None)

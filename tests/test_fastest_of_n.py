@@ -188,3 +188,53 @@ def test_a_new_request_starts_from_what_its_prompts_other_requests_showed():
     assert fon._own_rate("new", twos) > fon._own_rate("new", ones)  # no labels of its own yet: its prompt's
     assert fon._own_rate("new-x", ones) > fon._own_rate("new-x", twos)
     assert fon.propose([request("new"), other], 4) == [[2, 2, 2, 2], [1, 1, 1, 1]]
+
+
+class Broken(Ones):
+    """Proposes 3s; its `method` raises (a plugin's bug), or for `confidences` answers out of contract."""
+
+    method = "propose"
+
+    def __init__(self):
+        self.calls = 0
+
+    def __getattribute__(self, name):
+        if name == type(self).method:
+            self.calls += 1
+            if name == "confidences":
+                return lambda: [[0.5]]  # one confidence list for two requests
+            raise KeyError(f"{name} broke")
+        return object.__getattribute__(self, name)
+
+    def propose(self, requests, k):
+        return [[3] * k for _ in requests]
+
+    def confidences(self):
+        return None
+
+
+@pytest.mark.parametrize("method", ["propose", "commit", "remove", "remember", "confidences"])
+def test_a_member_that_raises_is_switched_off_and_the_others_race_on(method, monkeypatch, caplog):
+    """One broken plugin among the members costs its own proposals, not the composite's: it is never called again,
+    the others keep drafting, and `failures()` names it for the engine's alarm. Once every member is off, the
+    composite raises (and the engine switches it off)."""
+    monkeypatch.setattr(Broken, "method", method)
+    fon = FastestOfN(["test_fastest_of_n.Broken", "test_fastest_of_n.Twos"])
+    broken = fon.members[0]
+    for _ in range(3):
+        drafts = fon.propose([request("a"), request("b")], 4)
+        fon.commit("a", [2, 2, 2, 2, 9])
+        fon.remember([5, 6], [2, 2], 0)
+        fon.remove("b")
+    why = "ValueError: 2 proposals and 1 confidence lists for 2 requests" if method == "confidences" else \
+        f"KeyError: '{method} broke'"
+    assert fon.failures() == [f"member test_fastest_of_n.Broken switched off: {why}"]
+    calls = broken.calls
+    assert fon.propose([request("a"), request("b")], 4) == [[2, 2, 2, 2]] * 2 and drafts == [[2, 2, 2, 2]] * 2
+    fon.commit("a", [2, 9])
+    fon.remove("a")
+    assert broken.calls == calls  # never asked again
+    assert "fastest-of-N: member test_fastest_of_n.Broken switched off" in caplog.text
+    monkeypatch.setattr(Twos, "propose", lambda self, requests, k: 1 / 0)
+    with pytest.raises(RuntimeError, match="every member is switched off"):
+        fon.propose([request("c")], 4)

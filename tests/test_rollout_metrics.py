@@ -55,8 +55,8 @@ def test_trajectories_decoded_without_a_switched_off_drafter_raise_the_alarm(cap
     and the log must say that its rollouts no longer draft."""
     failure = "drafter Raises switched off: IndexError: broke"
     with caplog.at_level(logging.WARNING, logger="learner.metrics"):
-        metrics = rollout_metrics(
-            [trajectory(50, 100, 60), msgspec.structs.replace(trajectory(0, 0, 0), drafter_failure=failure)], "draft_lm")
+        off = msgspec.structs.replace(trajectory(0, 0, 0), drafter_failure=failure)
+        metrics = rollout_metrics([trajectory(50, 100, 60), off], "draft_lm")
     assert metrics["spec/drafter_failed"] == 0.5 and metrics["spec/alarm"] == 1.0
     assert f"{failure}: 1 of this step's 2 trajectories were decoded without drafts" in caplog.text
     assert rollout_metrics([trajectory(50, 100, 60)], "draft_lm")["spec/drafter_failed"] == 0.0

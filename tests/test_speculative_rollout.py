@@ -164,18 +164,27 @@ def test_a_draft_lm_swapped_mid_rollout_leaves_every_trajectory_unchanged(plain,
 
 
 def _break_the_drafter(worker) -> None:
-    """The engine's drafter plugin raises from its next proposal on (what a buggy plugin does mid-run)."""
+    """The engine's drafter plugin (under fastest-of-N: its draft LM member) raises from its next proposal on (what a
+    buggy plugin does mid-run)."""
     def propose(requests, k):
         raise ZeroDivisionError("a plugin's bug")
 
-    worker.model_runner.drafter.drafter.propose = propose
+    drafter = worker.model_runner.drafter.drafter
+    (drafter.members[drafter.names.index("draft_lm")] if hasattr(drafter, "members") else drafter).propose = propose
 
 
-def test_a_drafter_that_raises_mid_rollout_is_switched_off_and_leaves_every_trajectory_unchanged(plain):
-    """The rollout goes on without drafts (actor/draft_bridge.py switch_off), emitting plain decoding's tokens, and
-    every request running from then on carries the reason for the learner's spec/alarm."""
+BROKEN = {"ngram": "drafter NgramDrafter switched off: ZeroDivisionError: a plugin's bug",
+          "fastest_of_n": "drafter FastestOfN: member draft_lm switched off: ZeroDivisionError: a plugin's bug"}
+
+
+@pytest.mark.parametrize("method", BROKEN)
+def test_a_drafter_that_raises_mid_rollout_is_switched_off_and_leaves_every_trajectory_unchanged(plain, method):
+    """The rollout goes on without drafts (actor/draft_bridge.py switch_off), or under fastest-of-N without the
+    broken member, emitting plain decoding's tokens; every request running from then on carries the reason for the
+    learner's spec/alarm."""
+    members = ["speculation.drafters=[suffix,draft_lm]"] if method == "fastest_of_n" else []
     done, finished_at, steps, stats = stepped_rollouts(
-        ["speculation.method=ngram", "speculation.planner=false"],  # without the planner: drafts from step 1 on
+        [f"speculation.method={method}", *members, "speculation.planner=false"],  # no planner: drafts from step 1
         lambda llm, steps: steps == 10 and llm.collective_rpc(_break_the_drafter))
     assert steps > 10 and len(done) == len(SETTINGS) * PROMPTS
     for s in range(len(SETTINGS)):
@@ -183,5 +192,7 @@ def test_a_drafter_that_raises_mid_rollout_is_switched_off_and_leaves_every_traj
             assert done[f"{s}-{i}"] == plain[s * PROMPTS + i][0], f"request {s}-{i} changed when its drafter broke"
     assert sum(c.draft_tokens for c in stats.values()) > 0  # it drafted before it broke
     later = [r for r, step in finished_at.items() if step > 11]  # still running when it proposed next
-    assert later and {stats[r].drafter_failure for r in later} == {
-        "drafter NgramDrafter switched off: ZeroDivisionError: a plugin's bug"}
+    assert later and {stats[r].drafter_failure for r in later} == {BROKEN[method]}
+    drafted = max(stats[r].verify_steps for r in later)  # engine steps that verified drafts for one request
+    # no request drafted after the break (at most the 11 steps before it), or under fastest-of-N the suffix member did
+    assert drafted > 11 if method == "fastest_of_n" else drafted <= 11

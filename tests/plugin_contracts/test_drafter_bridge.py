@@ -213,3 +213,14 @@ def test_a_drafters_commits_count_as_its_own_time_not_the_bridges():
     b, _ = bridge(SlowCommits([[1], [2]]), ["a-1", "b-1"], max_batch=1)  # no drafting: only the commits
     propose(b, [[5], [6]])
     assert b.drafter_seconds >= 0.1 and b.seconds - b.drafter_seconds < 0.05
+
+
+def test_a_composites_member_switched_off_is_reported_while_the_composite_drafts_on():
+    class Composite(Recording):
+        def failures(self):
+            return ["member m switched off: KeyError: 'x'"]
+
+    b, runner = bridge(Composite([[1, 2], [3, 4]]), ["a-1", "b-1"])
+    assert propose(b, [[5], [6]]) == [[1, 2], [3, 4]] and not b.failure
+    assert [c.drafter_failure for c in runner._sample.counts.values()] == [
+        "drafter Composite: member m switched off: KeyError: 'x'"] * 2
