@@ -16,6 +16,7 @@ log = logging.getLogger(__name__)
 # under ALARM_RATE of the time raises spec/alarm: an acceptance length of ~1 (< 1.05 for a drafter), what a draft
 # LM's zeroed weights give; a working drafter, drafting only where the planner expects it to pay, stays far above
 ALARM_DRAFTED, ALARM_RATE = 100, 0.05
+WARNED: set[str] = set()  # drafter failures this process has warned about (Trajectory.drafter_failure)
 
 
 def rollout_metrics(trajectories: list[Trajectory], method: str) -> dict[str, float]:
@@ -72,7 +73,9 @@ def rollout_metrics(trajectories: list[Trajectory], method: str) -> dict[str, fl
         failed = Counter(t.drafter_failure for t in trajectories if t.drafter_failure)
         metrics["spec/drafter_failed"] = sum(failed.values()) / len(trajectories)
         for failure, n in sorted(failed.items()):
-            log.warning("%s: %d of this step's %d trajectories were decoded without drafts", failure, n,
-                        len(trajectories))
+            if failure not in WARNED:  # it lasts the engine's life: said once, then in TensorBoard only
+                WARNED.add(failure)
+                log.warning("%s: %d of this step's %d trajectories were decoded without drafts (from now on "
+                            "spec/drafter_failed in TensorBoard)", failure, n, len(trajectories))
         metrics["spec/alarm"] = float(bool(broken or failed))
     return metrics

@@ -53,12 +53,16 @@ def test_each_member_gets_its_token_acceptance_and_a_broken_one_the_alarm(caplog
 def test_trajectories_decoded_without_a_switched_off_drafter_raise_the_alarm(caplog):
     """A drafter that raised was switched off in its engine (actor/draft_bridge.py): the run goes on, so TensorBoard
     and the log must say that its rollouts no longer draft."""
-    failure = "drafter Raises switched off: IndexError: broke"
+    failure = "drafter Raises switched off: IndexError: broke (test_rollout_metrics)"
     with caplog.at_level(logging.WARNING, logger="learner.metrics"):
         off = msgspec.structs.replace(trajectory(0, 0, 0), drafter_failure=failure)
         metrics = rollout_metrics([trajectory(50, 100, 60), off], "draft_lm")
     assert metrics["spec/drafter_failed"] == 0.5 and metrics["spec/alarm"] == 1.0
     assert f"{failure}: 1 of this step's 2 trajectories were decoded without drafts" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="learner.metrics"):
+        again = rollout_metrics([off, off], "draft_lm")
+    assert again["spec/drafter_failed"] == 1.0 and again["spec/alarm"] == 1.0 and not caplog.text  # said once
     assert rollout_metrics([trajectory(50, 100, 60)], "draft_lm")["spec/drafter_failed"] == 0.0
 
 
