@@ -189,8 +189,10 @@ class FastestOfN(Drafter):
         self._each("new_policy", version)
 
     def swap_weights(self, weights) -> bool:
-        """To every member with weights of its own (the draft LM): true if one took them."""
-        return any(self._each("swap_weights", weights))
+        """To every member with weights of its own (the draft LM): true if one took them, or if a member is switched
+        off (it may have been the one: the weights are dropped, as the engine drops them for a drafter it switched
+        off)."""
+        return any(self._each("swap_weights", weights)) or bool(self.off)
 
     def remove(self, request_id: str) -> None:
         self._each("remove", request_id)

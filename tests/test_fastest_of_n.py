@@ -235,6 +235,7 @@ def test_a_member_that_raises_is_switched_off_and_the_others_race_on(method, mon
     fon.remove("a")
     assert broken.calls == calls  # never asked again
     assert "fastest-of-N: member test_fastest_of_n.Broken switched off" in caplog.text
+    assert fon.swap_weights([("w", 0)])  # (Twos has no weights) taken for the member switched off, and dropped
     monkeypatch.setattr(Twos, "propose", lambda self, requests, k: 1 / 0)
     with pytest.raises(RuntimeError, match="every member is switched off"):
         fon.propose([request("c")], 4)
