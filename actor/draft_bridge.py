@@ -112,7 +112,7 @@ class DrafterBridge:
             except Exception as e:
                 self.switch_off(e)
                 drafts = [[] for _ in req_ids]
-        members_off = "; ".join(self.call("failures", off=[]))  # a composite's members switched off
+        members_off = "; ".join(self.call("failures", off=[]) or [])  # a composite's members switched off
         if self.failure or members_off:  # every request from now on says it was decoded without them
             reason = self.failure or f"drafter {type(self.drafter).__name__}: {members_off}"
             for req_id in req_ids:
