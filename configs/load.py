@@ -13,6 +13,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from configs.knobs import ranges
 from configs.schema import Config
 from drafters.base import DrafterLoadError, drafter_class
 from models.zoo import BUILTIN_NAMES, BUILTIN_PREFIX
@@ -20,7 +21,6 @@ from tasks.dataset import jsonl_sources
 from tasks.jsonl import DataFormatError, load_jsonl
 
 CONFIG_DIR = Path(__file__).resolve().parent
-STALL_FLOOR_S = 10.0  # the least rollout.stall_timeout_s: five of an actor's heartbeats (actor/rollout.HEARTBEAT_S)
 
 
 class ConfigError(ValueError):
@@ -91,86 +91,48 @@ def _refuse_numbers_for_switches(given: DictConfig, cfg: DictConfig, where: str)
 
 
 def _check_values(cfg: DictConfig, path: Path) -> None:
-    """Range checks the types alone cannot express."""
+    """Each key against its range (configs/schema.py), then the rules that span sections, then what the values
+    name outside the config: the model, the drafters, the places the run binds and writes, a checkpoint, data."""
     for key, value in _leaves(OmegaConf.to_container(cfg)):
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{path}: key '{key}' = {value!r} must be a finite number")
-    rules = [
-        ("trainer.steps", cfg.trainer.steps >= 1, "must be >= 1"),
-        ("trainer.checkpoint_every", cfg.trainer.checkpoint_every >= 0, "must be >= 0"),
-        ("rollout.num_actors", cfg.rollout.num_actors >= 1, "must be >= 1"),
-        ("rollout.tensor_parallel_size", cfg.rollout.tensor_parallel_size >= 1, "must be >= 1"),
-        ("rollout.prompts_per_step", cfg.rollout.prompts_per_step >= 1, "must be >= 1"),
-        ("rollout.group_size", cfg.rollout.group_size >= 2, "must be >= 2 (GRPO compares samples within a group)"),
-        ("rollout.max_tokens", cfg.rollout.max_tokens >= 1, "must be >= 1"),
-        ("rollout.max_tokens", cfg.rollout.max_tokens < cfg.model.max_model_len,
-         f"must be < model.max_model_len ({cfg.model.max_model_len}): the prompt needs room too"),
-        ("rollout.temperature", cfg.rollout.temperature >= 0, "must be >= 0"),
-        ("rollout.top_p", 0 < cfg.rollout.top_p <= 1, "must be in (0, 1]"),
-        ("rollout.top_k", cfg.rollout.top_k >= 0, "must be >= 0 (0: off)"),
-        ("rollout.kv_cache_mib", cfg.rollout.kv_cache_mib >= 1, "must be >= 1"),
-        ("rollout.max_restarts", cfg.rollout.max_restarts >= 0, "must be >= 0"),
-        ("trainer.max_learner_restarts", cfg.trainer.max_learner_restarts >= 0, "must be >= 0"),
-        ("rollout.stall_timeout_s", cfg.rollout.stall_timeout_s == 0 or cfg.rollout.stall_timeout_s >= STALL_FLOOR_S,
-         f"must be 0 (never) or >= {STALL_FLOOR_S:g}: an actor speaks every 2 s, and longer apart during a long engine "
-         "step; below that a healthy actor is taken for hung, killed and replaced until rollout.max_restarts ends the "
-         "run"),
-        ("rollout.update_wait_s", cfg.rollout.update_wait_s >= 0, "must be >= 0 (0: apply new weights at once)"),
-        ("speculation.num_speculative_tokens", cfg.speculation.num_speculative_tokens >= 1, "must be >= 1"),
-        ("speculation.max_batch", cfg.speculation.max_batch >= 0, "must be >= 0 (0: no limit)"),
-        ("learner.num_ranks", cfg.learner.num_ranks >= 1, "must be >= 1"),
-        ("learner.zero_stage", cfg.learner.zero_stage in (0, 1, 2, 3), "must be 0, 1, 2 or 3"),
-        ("learner.lr", cfg.learner.lr > 0, "must be > 0"),
-        ("learner.weight_decay", cfg.learner.weight_decay >= 0, "must be >= 0"),
-        ("learner.grad_clip", cfg.learner.grad_clip >= 0, "must be >= 0 (0: no clipping)"),
-        ("learner.micro_batch_size", cfg.learner.micro_batch_size >= 1, "must be >= 1"),
-        ("algorithm.max_staleness", cfg.algorithm.max_staleness >= 0, "must be >= 0"),
-        ("algorithm.max_staleness", cfg.algorithm.max_staleness == 0 or not cfg.trainer.deterministic,
-         "must be 0 when trainer.deterministic is true (a synchronous schedule: every token sampled under the "
-         "weights it is trained against)"),
-        ("algorithm.clip_low", 0 < cfg.algorithm.clip_low < 1, "must be in (0, 1)"),
-        ("algorithm.clip_high", cfg.algorithm.clip_high > 0, "must be > 0"),
-        ("algorithm.kl_coef", cfg.algorithm.kl_coef >= 0, "must be >= 0"),
-        ("algorithm.length_penalty", 0 <= cfg.algorithm.length_penalty <= 1, "must be in [0, 1]"),
-        ("seed", 0 <= cfg.seed < 1 << 63, "must be in [0, 2^63)"),
-        ("transport.trajectory_queue", cfg.transport.trajectory_queue >= 1, "must be >= 1"),
-        ("transport.max_message_mib", 1 <= cfg.transport.max_message_mib <= 1024,
-         "must be in [1, 1024] (a trajectory is a few MiB at most)"),
-        ("transport.trajectory_queue", cfg.transport.trajectory_queue * cfg.transport.max_message_mib <= 16384,
-         f"times transport.max_message_mib ({cfg.transport.max_message_mib}) must be <= 16384 MiB: what peers "
-         "can make the learner's inbox hold"),
-        ("transport.weight_bucket_mib", 1 <= cfg.transport.weight_bucket_mib <= 4096, "must be in [1, 4096]"),
-        ("data.max_ops", cfg.data.max_ops >= 1, "must be >= 1"),
-        ("data.max_operand", cfg.data.max_operand >= 1, "must be >= 1"),
-        ("data.tail_exponent", cfg.data.tail_exponent >= 0, "must be >= 0 (0: every difficulty equally often)"),
-        ("data.size", cfg.data.size >= 0, "must be >= 0 (0: a new problem per prompt)"),
-        ("data.eval_size", cfg.data.eval_size >= 1, "must be >= 1"),
-        ("trainer.eval_every", cfg.trainer.eval_every >= 0, "must be >= 0 (0: no held-out evaluation)"),
-        ("learner.warmup_steps", cfg.learner.warmup_steps >= 0, "must be >= 0"),
-        ("model.max_model_len", cfg.model.max_model_len >= 16, "must be >= 16"),
-        ("speculation.distill.every_versions", cfg.speculation.distill.every_versions >= 0,
-         "must be >= 0 (0: the draft LM stays frozen)"),
-        ("speculation.distill.lr", cfg.speculation.distill.lr > 0, "must be > 0"),
-        ("speculation.distill.top_k", cfg.speculation.distill.top_k >= 1, "must be >= 1"),
-        ("speculation.distill.micro_batch_size", cfg.speculation.distill.micro_batch_size >= 1, "must be >= 1"),
-        ("speculation.distill.wrong_weight", cfg.speculation.distill.wrong_weight >= 0, "must be >= 0"),
-        ("speculation.distill.max_restarts", cfg.speculation.distill.max_restarts >= 0, "must be >= 0"),
-        ("speculation.distill.num_gpus", 0 <= cfg.speculation.distill.num_gpus < 1
-         and (cfg.speculation.distill.num_gpus == 0 or cfg.cluster.device.value == "cuda"),
-         f"must be in [0, 1) (a share of rank 0's GPU), and 0 unless cluster.device is cuda (it is "
-         f"{cfg.cluster.device.value!r})"),
-    ]
-    batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-    per_step = cfg.learner.micro_batch_size * cfg.learner.num_ranks  # each >= 1 by the rules above, checked first
-    rules.append(("learner.micro_batch_size", per_step < 1 or batch % per_step == 0,
-                  f"times learner.num_ranks must divide the step's {batch} trajectories "
-                  "(rollout.prompts_per_step x rollout.group_size)"))
-    for key, ok, why in rules:
+    out_of_range = next(ranges(OmegaConf.to_object(cfg)), None)
+    if out_of_range:
+        key, value, why = out_of_range
+        raise ConfigError(f"{path}: key '{key}' = {value!r} {why}")
+    for key, ok, why in _across_sections(cfg):
         if not ok:
             raise ConfigError(f"{path}: key '{key}' = {OmegaConf.select(cfg, key)!r} {why}")
     _check_model(path, "model.path", cfg.model.path)
     _check_drafter(path, cfg.speculation)
     _check_places(path, cfg)
+    _check_checkpoints(path, cfg)
+    for key, source in jsonl_sources(cfg.data).items():
+        try:  # parsed now, naming file and line, not inside an actor after Ray and DeepSpeed started
+            load_jsonl(source)
+        except DataFormatError as e:
+            raise ConfigError(f"{path}: key '{key}' = {source!r}: {e}") from None
+
+
+def _across_sections(cfg: DictConfig) -> list[tuple[str, bool, str]]:
+    """(key, whether it holds, why) for the rules between keys of two sections; each key is in its range."""
+    batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    return [
+        ("rollout.max_tokens", cfg.rollout.max_tokens < cfg.model.max_model_len,
+         f"must be < model.max_model_len ({cfg.model.max_model_len}): the prompt needs room too"),
+        ("algorithm.max_staleness", cfg.algorithm.max_staleness == 0 or not cfg.trainer.deterministic,
+         "must be 0 when trainer.deterministic is true (a synchronous schedule: every token sampled under the "
+         "weights it is trained against)"),
+        ("speculation.distill.num_gpus", cfg.speculation.distill.num_gpus == 0 or cfg.cluster.device.value == "cuda",
+         f"must be 0 unless cluster.device is cuda (it is {cfg.cluster.device.value!r})"),
+        ("learner.micro_batch_size", batch % (cfg.learner.micro_batch_size * cfg.learner.num_ranks) == 0,
+         f"times learner.num_ranks must divide the step's {batch} trajectories "
+         "(rollout.prompts_per_step x rollout.group_size)"),
+    ]
+
+
+def _check_checkpoints(path: Path, cfg: DictConfig) -> None:
+    """trainer.resume_from names a checkpoint behind trainer.steps; logging.dir holds no other run's checkpoints."""
     from learner.base import checkpoint_state
 
     resumed_run = None
@@ -191,11 +153,6 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
         raise ConfigError(f"{path}: key 'logging.dir' = {cfg.logging.dir!r} holds another run's checkpoints (newest "
                           f"{held.name}); pass trainer.resume_from={cfg.logging.dir} to continue that run, another "
                           "logging.dir, or logging.overwrite=true to delete its checkpoints and event files first")
-    for key, source in jsonl_sources(cfg.data).items():
-        try:  # parsed now, naming file and line, not inside an actor after Ray and DeepSpeed started
-            load_jsonl(source)
-        except DataFormatError as e:
-            raise ConfigError(f"{path}: key '{key}' = {source!r}: {e}") from None
 
 
 def _leaves(node: dict, prefix: str = ""):

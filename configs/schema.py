@@ -2,18 +2,25 @@
 
 Each YAML names only what differs from these defaults. `configs.load.load_config` merges file and
 command-line overrides onto this schema, so an unknown key, a wrong type or an unset required value
-(`???`) is an error naming the key and the file before any process starts.
+(`???`) is an error naming the key and the file before any process starts. Each key is a `knob`: its default,
+its meaning and, where its type alone does not bound it, its range (configs/knobs.py), checked at load; a section's
+`check` holds the rules between two of its own keys. `python -m configs --describe` writes docs/configuration.md
+from this file.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from omegaconf import MISSING
 
+from configs.knobs import Rule, at_least, between, knob, more_than, one_of, zero_or_at_least
 from tasks.arithmetic import ArithmeticTask
+
+STALL_FLOOR_S = 10.0  # the least rollout.stall_timeout_s: five of an actor's heartbeats (actor/rollout.HEARTBEAT_S)
+INBOX_MIB = 16384  # the most transport.trajectory_queue x transport.max_message_mib: what the learner's inbox holds
 
 
 class Dtype(Enum):
@@ -34,174 +41,251 @@ class Device(Enum):
 
 
 class TransportAuth(Enum):
-    curve = "curve"  # ZeroMQ CURVE: every socket authenticated and encrypted with keys made per run
-    none = "none"  # plain TCP: allowed only when transport.host is a loopback address
+    curve = "curve"
+    none = "none"
 
 
 class StepOrder(Enum):
-    cursor = "cursor"  # a step trains its data cursors, waiting for their stragglers: no group dropped for being slow
-    arrival = "arrival"  # a step trains the first whole groups to arrive: faster; slow (long) groups overtaken by
-    # later ones can come too late for the staleness bound and are dropped, so training sees fewer long answers
+    cursor = "cursor"
+    arrival = "arrival"
 
 
 class LossAggregation(Enum):
-    token_mean = "token_mean"  # DAPO: mean over all tokens of the batch
-    seq_mean_token_mean = "seq_mean_token_mean"  # GRPO: mean over tokens, then over sequences
-    seq_mean_token_sum_norm = "seq_mean_token_sum_norm"  # Dr.GRPO: token sum / max_tokens, mean over sequences
+    token_mean = "token_mean"
+    seq_mean_token_mean = "seq_mean_token_mean"
+    seq_mean_token_sum_norm = "seq_mean_token_sum_norm"
 
 
 @dataclass
 class ModelConfig:
-    path: str = MISSING  # a Hugging Face checkpoint directory, or builtin:dense / builtin:moe
-    dtype: Dtype = Dtype.float32
-    max_model_len: int = 1024
+    """The policy the actors sample and the learner trains."""
+
+    path: str = knob(MISSING, "a Hugging Face checkpoint directory (with its config.json), or a built-in model: "
+                              "builtin:dense, builtin:moe")
+    dtype: Dtype = knob(Dtype.float32, "the rollout engines' weights and activations")
+    max_model_len: int = knob(1024, "the longest prompt plus answer the rollout engines hold, in tokens",
+                              at_least(16))
 
 
 @dataclass
 class DataConfig:
-    source: str = "arithmetic"  # the built-in task, or the path of a GSM8K-style JSONL file
-    max_ops: int = ArithmeticTask.max_ops  # arithmetic task: the longest problems have this many operations
-    max_operand: int = ArithmeticTask.max_operand  # arithmetic task: operands are drawn from 1..max_operand
-    tail_exponent: float = ArithmeticTask.tail_exponent  # arithmetic task: P(ops = k) ~ k^-tail_exponent (0: uniform)
-    size: int = ArithmeticTask.size  # arithmetic task: > 0: that many problems, repeated in epochs; 0: endless
-    # held-out problems for trainer.eval_every: "arithmetic" (the training mix under another seed, minus any training
-    # problem) or a GSM8K-style JSONL file (its first eval_size records)
-    eval_source: str = "arithmetic"
-    eval_size: int = 256
+    """The training prompts and the held-out set."""
+
+    source: str = knob("arithmetic", "the built-in task (arithmetic), or the path of a GSM8K-style JSONL file")
+    max_ops: int = knob(ArithmeticTask.max_ops, "arithmetic task: the longest problems have this many operations",
+                        at_least(1))
+    max_operand: int = knob(ArithmeticTask.max_operand, "arithmetic task: operands are drawn from 1..max_operand",
+                            at_least(1))
+    tail_exponent: float = knob(ArithmeticTask.tail_exponent, "arithmetic task: P(ops = k) ~ k^-tail_exponent "
+                                "(0: uniform)", at_least(0, "0: every difficulty equally often"))
+    size: int = knob(ArithmeticTask.size, "arithmetic task: > 0: that many problems, repeated in epochs; 0: endless",
+                     at_least(0, "0: a new problem per prompt"))
+    eval_source: str = knob("arithmetic", "held-out problems for trainer.eval_every: arithmetic (the training mix "
+                            "under another seed, minus any training problem) or a GSM8K-style JSONL file (its first "
+                            "eval_size records)")
+    eval_size: int = knob(256, "how many held-out problems an evaluation answers", at_least(1))
 
 
 @dataclass
 class RolloutConfig:
-    num_actors: int = 1
-    tensor_parallel_size: int = 1  # devices per rollout engine (cuda only)
-    prompts_per_step: int = 4  # GRPO groups consumed per learner step
-    group_size: int = 8  # samples per prompt
-    max_tokens: int = 400
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    kv_cache_mib: int = 256  # KV cache per device: the CPU engine's, or each GPU's of a tensor-parallel engine
-    max_restarts: int = 3  # a rollout actor that dies is replaced (its unfinished groups re-issued) this often per run
-    # an actor the learner has heard nothing from (no trajectory, no heartbeat) this long while it waits for groups is
-    # taken for hung, stopped and replaced like a dead one (0: never; else at least configs/load.STALL_FLOOR_S, 10 s);
-    # beyond the longest weight application
-    stall_timeout_s: float = 300.0
-    # how long a new weight version waits for the training groups in flight to finish under the weights they started
-    # with before the actor applies it anyway, preempting them: their context is then recomputed under the new
-    # weights, so every later token is a sample of exactly the new version (0: apply at once, always preempting)
-    update_wait_s: float = 30.0
+    """The rollout actors: how many, and how each samples."""
+
+    num_actors: int = knob(1, "rollout actors, each with its own engine", at_least(1))
+    tensor_parallel_size: int = knob(1, "devices per rollout engine (cuda only)", at_least(1))
+    prompts_per_step: int = knob(4, "GRPO groups consumed per learner step", at_least(1))
+    group_size: int = knob(8, "samples per prompt", at_least(2, "GRPO compares samples within a group"))
+    max_tokens: int = knob(400, "the longest answer sampled, in tokens; below model.max_model_len (the prompt needs "
+                           "room too)", at_least(1))
+    temperature: float = knob(1.0, "sampling temperature (0: greedy)", at_least(0))
+    top_p: float = knob(1.0, "nucleus sampling: the smallest set of tokens holding this much probability",
+                        between(0, 1, "(]"))
+    top_k: int = knob(0, "sample among the k most likely tokens (0: off)", at_least(0, "0: off"))
+    kv_cache_mib: int = knob(256, "KV cache per device: the CPU engine's, or each GPU's of a tensor-parallel engine",
+                             at_least(1))
+    max_restarts: int = knob(3, "a rollout actor that dies is replaced (its unfinished groups re-issued) this often "
+                             "per run", at_least(0))
+    stall_timeout_s: float = knob(
+        300.0, "an actor the learner has heard nothing from (no trajectory, no heartbeat) this long while it waits "
+        "for groups is taken for hung, stopped and replaced like a dead one (0: never); beyond the longest weight "
+        "application",
+        zero_or_at_least(STALL_FLOOR_S, "never", "an actor speaks every 2 s, and longer apart during a long engine "
+                         "step; below that a healthy actor is taken for hung, killed and replaced until "
+                         "rollout.max_restarts ends the run"))
+    update_wait_s: float = knob(
+        30.0, "how long a new weight version waits for the training groups in flight to finish under the weights "
+        "they started with before the actor applies it anyway, preempting them: their context is then recomputed "
+        "under the new weights, so every later token is a sample of exactly the new version (0: apply at once, "
+        "always preempting)", at_least(0, "0: apply new weights at once"))
 
 
 @dataclass
 class DistillConfig:
     """Online distillation of the draft LM the actors run (learner/distill.py), on learner rank 0."""
 
-    every_versions: int = 0  # publish a new draft version at most every N policy versions (0: the draft LM is frozen)
-    lr: float = 1.0e-4  # AdamW, a step per micro_batch_size trajectories (1e-3 undoes the draft on grpo_tiny)
-    top_k: int = 16  # the policy's top-k tokens per position are the soft targets
-    micro_batch_size: int = 16  # trajectories per optimizer step (the policy's step re-cut by length)
-    wrong_weight: float = 1.0  # extra loss weight where the draft would have proposed another token than committed
-    num_gpus: float = 0.0  # share of rank 0's GPU the distiller runs on (rank 0 keeps the rest; 0: CPU; cuda only)
-    max_restarts: int = 3  # a distiller that dies is replaced (from the newest draft version) this often per run
+    every_versions: int = knob(0, "publish a new draft version at most every N policy versions (0: the draft LM is "
+                               "frozen); > 0 needs a draft_lm drafter (speculation.method draft_lm, or fastest_of_n "
+                               "with draft_lm among speculation.drafters)", at_least(0, "0: the draft LM stays frozen"))
+    lr: float = knob(1.0e-4, "AdamW learning rate, a step per micro_batch_size trajectories (1e-3 undoes the draft "
+                     "on grpo_tiny)", more_than(0))
+    top_k: int = knob(16, "the policy's top-k tokens per position are the soft targets", at_least(1))
+    micro_batch_size: int = knob(16, "trajectories per optimizer step (the policy's step re-cut by length)",
+                                 at_least(1))
+    wrong_weight: float = knob(1.0, "extra loss weight where the draft would have proposed another token than "
+                               "committed", at_least(0))
+    num_gpus: float = knob(0.0, "share of rank 0's GPU the distiller runs on (rank 0 keeps the rest; 0: CPU; > 0 "
+                           "only when cluster.device is cuda)", between(0, 1, "[)", "a share of rank 0's GPU"))
+    max_restarts: int = knob(3, "a distiller that dies is replaced (from the newest draft version) this often per "
+                             "run", at_least(0))
 
 
 @dataclass
 class SpeculationConfig:
-    # "none", or the drafter that proposes tokens for coupled verification: a built-in (ngram, draft_lm), a
-    # dotted path to a drafters.base.Drafter subclass, or the name of a `specactor.drafters` entry point
-    method: str = "none"
-    num_speculative_tokens: int = 4
-    # the cost-model planner (actor/draft_planner.py) chooses 0..num_speculative_tokens drafts per request every
-    # step from measured step and drafting costs and each request's acceptance; false: always the full k
-    planner: bool = True
-    max_batch: int = 0  # optional bound: never draft while more than this many requests run (0: no bound)
-    options: Dict[str, Any] = field(default_factory=dict)  # keyword arguments of the drafter's constructor
-    # method fastest_of_n only: its members (names as for `method`); `options` then maps a member to its arguments
-    drafters: List[str] = field(default_factory=list)
+    """Lossless speculative decoding in the rollout engines: which drafter proposes tokens, and how many."""
+
+    method: str = knob("none", "none, or the drafter that proposes tokens for coupled verification: a built-in "
+                       "(ngram, suffix, draft_lm, fastest_of_n), a dotted path to a drafters.base.Drafter subclass, "
+                       "or the name of a specactor.drafters entry point")
+    num_speculative_tokens: int = knob(4, "k: the most draft tokens proposed per request and engine step",
+                                       at_least(1))
+    planner: bool = knob(True, "the cost-model planner (actor/draft_planner.py) chooses 0..num_speculative_tokens "
+                         "drafts per request every step from measured step and drafting costs and each request's "
+                         "acceptance; false: always the full k")
+    max_batch: int = knob(0, "never draft while more than this many requests run (0: no bound)",
+                          at_least(0, "0: no limit"))
+    options: Dict[str, Any] = knob({}, "keyword arguments of the drafter's constructor, checked by the drafter at "
+                                   "load")
+    drafters: List[str] = knob([], "method fastest_of_n only: its members, two or more distinct (names as for "
+                               "method); options then maps a member to its arguments")
     distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 @dataclass
 class LearnerConfig:
-    num_ranks: int = 1
-    zero_stage: int = 0
-    dtype: Dtype = Dtype.float32
-    lr: float = 1e-5
-    warmup_steps: int = 0  # linear learning-rate warmup over this many learner steps (lets Adam's moments settle)
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    micro_batch_size: int = 8
+    """The DeepSpeed learner ranks and their optimizer."""
+
+    num_ranks: int = knob(1, "learner ranks (processes; one GPU each on cuda)", at_least(1))
+    zero_stage: int = knob(0, "DeepSpeed ZeRO stage", one_of(0, 1, 2, 3))
+    dtype: Dtype = knob(Dtype.float32, "the learner's weights and activations (bfloat16: mixed precision)")
+    lr: float = knob(1e-5, "AdamW learning rate", more_than(0))
+    warmup_steps: int = knob(0, "linear learning-rate warmup over this many learner steps (lets Adam's moments "
+                             "settle)", at_least(0))
+    weight_decay: float = knob(0.0, "AdamW weight decay", at_least(0))
+    grad_clip: float = knob(1.0, "gradient norm clipping (0: no clipping)", at_least(0, "0: no clipping"))
+    micro_batch_size: int = knob(8, "trajectories per rank per forward and backward pass; times num_ranks it must "
+                                 "divide a step's rollout.prompts_per_step x rollout.group_size", at_least(1))
 
 
 @dataclass
 class AlgorithmConfig:
-    max_staleness: int = 1  # never train on a trajectory more than this many policy versions old
-    step_order: StepOrder = StepOrder.cursor  # which whole groups a step takes (learner/intake.py)
-    clip_low: float = 0.2
-    clip_high: float = 0.2  # > clip_low: DAPO's clip-higher
-    kl_coef: float = 0.0  # > 0: k3 KL penalty to a frozen reference policy (the run's starting weights); rl/kl
-    normalize_advantage_std: bool = True  # False: Dr.GRPO's unscaled group advantages
-    loss_aggregation: LossAggregation = LossAggregation.seq_mean_token_mean
-    # a correct answer's reward is 1 - length_penalty x (its tokens / rollout.max_tokens): RL learns to answer shorter
-    # (tasks/reward.length_penalized); held-out evaluation scores correctness alone
-    length_penalty: float = 0.0
+    """The GRPO objective and which trajectories it trains on."""
+
+    max_staleness: int = knob(1, "never train on a trajectory more than this many policy versions old (0 when "
+                              "trainer.deterministic is true)", at_least(0))
+    step_order: StepOrder = knob(
+        StepOrder.cursor, "which whole groups a step takes (learner/intake.py). cursor: a step trains its data "
+        "cursors, waiting for their stragglers, no group dropped for being slow. arrival: a step trains the first "
+        "whole groups to arrive: faster; slow (long) groups overtaken by later ones can come too late for the "
+        "staleness bound and are dropped, so training sees fewer long answers")
+    clip_low: float = knob(0.2, "PPO clip below: the ratio is clipped at 1 - clip_low", between(0, 1, "()"))
+    clip_high: float = knob(0.2, "PPO clip above: the ratio is clipped at 1 + clip_high (> clip_low: DAPO's "
+                            "clip-higher)", more_than(0))
+    kl_coef: float = knob(0.0, "> 0: k3 KL penalty to a frozen reference policy (the run's starting weights); "
+                          "logged as rl/kl", at_least(0))
+    normalize_advantage_std: bool = knob(True, "divide group advantages by their standard deviation; false: "
+                                         "Dr.GRPO's unscaled group advantages")
+    loss_aggregation: LossAggregation = knob(
+        LossAggregation.seq_mean_token_mean, "token_mean (DAPO): mean over all tokens of the batch. "
+        "seq_mean_token_mean (GRPO): mean over tokens, then over sequences. seq_mean_token_sum_norm (Dr.GRPO): "
+        "token sum / max_tokens, mean over sequences")
+    length_penalty: float = knob(
+        0.0, "a correct answer's reward is 1 - length_penalty x (its tokens / rollout.max_tokens): RL learns to "
+        "answer shorter (tasks/reward.length_penalized); held-out evaluation scores correctness alone",
+        between(0, 1))
 
 
 @dataclass
 class TrainerConfig:
-    steps: int = 20  # learner steps
-    checkpoint_every: int = 0  # also checkpoint every N steps (always at the end), under logging.dir/checkpoints/
-    # every N steps (0: never) the rollout actors answer the held-out set (data.eval_*) greedily and at the rollout
-    # temperature under their current weights, beside training; logged as eval/* at the step it started
-    eval_every: int = 0
-    resume_from: Optional[str] = None  # a checkpoint (checkpoints/step_N) or a run directory (its newest one)
-    # a learner rank whose process dies (killed, out of memory, its node lost) restarts every process of the run from
-    # its newest checkpoint (its start, if none was written yet: trainer.checkpoint_every), this often per run; 0:
-    # the run stops and says where to resume from. An error raised in training code always stops the run
-    max_learner_restarts: int = 2
-    # true: bit-reproducible runs (needs algorithm.max_staleness 0): groups trained in data-cursor order, each step's
-    # groups generated together with nothing else in the engine (held-out evaluation waits for a gap), a lost or dead
-    # actor's step regenerated whole, and the learner's own logprobs as the behaviour logprobs (on-policy by
-    # construction), so the same config and seed give byte-identical final weights, an actor killed or not, stopped
-    # and resumed or not
-    deterministic: bool = False
+    """The run: how long, checkpoints, held-out evaluation, restarts, reproducibility."""
+
+    steps: int = knob(20, "learner steps", at_least(1))
+    checkpoint_every: int = knob(0, "also checkpoint every N steps (always at the end), under "
+                                 "logging.dir/checkpoints/", at_least(0))
+    eval_every: int = knob(0, "every N steps (0: never) the rollout actors answer the held-out set (data.eval_*) "
+                           "greedily and at the rollout temperature under their current weights, beside training; "
+                           "logged as eval/* at the step it started", at_least(0, "0: no held-out evaluation"))
+    resume_from: Optional[str] = knob(None, "a checkpoint (checkpoints/step_N) or a run directory (its newest one); "
+                                      "it must be behind trainer.steps")
+    max_learner_restarts: int = knob(
+        2, "a learner rank whose process dies (killed, out of memory, its node lost) restarts every process of the "
+        "run from its newest checkpoint (its start, if none was written yet: trainer.checkpoint_every), this often "
+        "per run; 0: the run stops and says where to resume from. An error raised in training code always stops "
+        "the run", at_least(0))
+    deterministic: bool = knob(
+        False, "true: bit-reproducible runs (needs algorithm.max_staleness 0): groups trained in data-cursor order, "
+        "each step's groups generated together with nothing else in the engine (held-out evaluation waits for a "
+        "gap), a lost or dead actor's step regenerated whole, and the learner's own logprobs as the behaviour "
+        "logprobs (on-policy by construction), so the same config and seed give byte-identical final weights, an "
+        "actor killed or not, stopped and resumed or not")
 
 
 @dataclass
 class TransportConfig:
-    host: str = "127.0.0.1"  # the address receivers bind; 0.0.0.0 binds all and advertises the outward address
-    auth: TransportAuth = TransportAuth.curve  # only the run's own processes can send, receive or read messages
-    trajectory_queue: int = 64  # ZeroMQ high-water mark: back-pressure on rollout actors
-    max_message_mib: int = 64
-    weight_bucket_mib: int = 32
+    """The ZeroMQ sockets between learner rank 0 and the rollout actors."""
+
+    host: str = knob("127.0.0.1", "the address receivers bind; 0.0.0.0 binds all and advertises the outward "
+                     "address")
+    auth: TransportAuth = knob(TransportAuth.curve, "curve: ZeroMQ CURVE, every socket authenticated and encrypted "
+                               "with keys made per run, so only the run's own processes can send, receive or read "
+                               "messages. none: plain TCP, allowed only when transport.host is a loopback address")
+    trajectory_queue: int = knob(64, "ZeroMQ high-water mark, in messages: back-pressure on rollout actors; times "
+                                 f"max_message_mib at most {INBOX_MIB} MiB", at_least(1))
+    max_message_mib: int = knob(64, "the largest message the learner's inbox accepts",
+                                between(1, 1024, why="a trajectory is a few MiB at most"))
+    weight_bucket_mib: int = knob(32, "the size of the buckets a weight version is sent in", between(1, 4096))
+
+    def check(self) -> Iterator[tuple[str, str]]:
+        """(key, why) for each rule between two keys of this section that fails (configs/knobs.ranges)."""
+        if self.trajectory_queue * self.max_message_mib > INBOX_MIB:
+            yield "trajectory_queue", (f"times transport.max_message_mib ({self.max_message_mib}) must be <= "
+                                       f"{INBOX_MIB} MiB: what peers can make the learner's inbox hold")
 
 
 @dataclass
 class ClusterConfig:
-    address: Optional[str] = None  # None: start an embedded local Ray; else join this Ray cluster
-    device: Device = Device.cpu  # cuda: each rollout engine and learner rank gets dedicated GPUs
-    num_cpus: Optional[int] = None  # embedded Ray only; None: all cores; at least one per learner rank and actor
-    # the Ray custom resource the nodes meant for a role advertise (`ray start --resources='{"learner": 8}'`, one
-    # unit per GPU, or per process on CPU); each role is reserved whole as a placement group. None: any node
-    learner_resource: Optional[str] = None
-    rollout_resource: Optional[str] = None
+    """Where the processes run."""
+
+    address: Optional[str] = knob(None, "null: start an embedded local Ray; else join this Ray cluster")
+    device: Device = knob(Device.cpu, "cuda: each rollout engine and learner rank gets dedicated GPUs")
+    num_cpus: Optional[int] = knob(None, "embedded Ray only; null: all cores; raised to one per learner rank and "
+                                   "actor", at_least(1))
+    learner_resource: Optional[str] = knob(
+        None, "the Ray custom resource the nodes meant for the learner ranks advertise (`ray start "
+        "--resources='{\"learner\": 8}'`, one unit per GPU, or per process on CPU); the role is reserved whole as a "
+        "placement group. null: any node")
+    rollout_resource: Optional[str] = knob(None, "the same for the rollout actors. null: any node")
 
 
 @dataclass
 class LoggingConfig:
-    dir: str = "runs/default"  # TensorBoard event files, config.yaml (resolved), checkpoints, summary.json, run.log
-    # what the engines (vLLM, DeepSpeed, Ray workers) may print on the console; everything from info up (debug too
-    # when asked) goes to logging.dir/run.log
-    engine_level: LogLevel = LogLevel.warning
-    # a fresh run refuses a dir holding another run's checkpoints; true: deletes them and its event files first
-    overwrite: bool = False
-    # true: every step's trained trajectories go to logging.dir/rollouts.jsonl, a JSON line each (learner/rollout_log.py)
-    rollouts: bool = False
+    """What a run writes, and where."""
+
+    dir: str = knob("runs/default", "TensorBoard event files, config.yaml (resolved), checkpoints, summary.json, "
+                    "run.log")
+    engine_level: LogLevel = knob(LogLevel.warning, "what the engines (vLLM, DeepSpeed, Ray workers) may print on "
+                                  "the console; everything from info up (debug too when asked) goes to "
+                                  "logging.dir/run.log")
+    overwrite: bool = knob(False, "a fresh run refuses a dir holding another run's checkpoints; true: deletes them "
+                           "and its event files first")
+    rollouts: bool = knob(False, "true: every step's trained trajectories go to logging.dir/rollouts.jsonl, a JSON "
+                          "line each (learner/rollout_log.py)")
 
 
 @dataclass
 class Config:
-    seed: int = 0
+    """A run's config: the keys at the top level, and a section per part of the run."""
+
+    seed: int = knob(0, "seeds the data order, the sampling and the learner",
+                     Rule(lambda v: 0 <= v < 1 << 63, "in [0, 2^63)"))
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

@@ -115,10 +115,10 @@ def test_a_replacement_that_never_catches_up_is_replaced_until_the_limit(local_r
 
 
 def test_the_least_stall_timeout_is_several_heartbeats():
-    """configs/load.py cannot import the actor; its floor on `rollout.stall_timeout_s` is written as a number that
+    """configs/ cannot import the actor; its floor on `rollout.stall_timeout_s` is written as a number that
     must stay five of the actor's heartbeat periods, or a healthy actor between two heartbeats is taken for hung."""
     from actor.rollout import HEARTBEAT_S
-    from configs.load import STALL_FLOOR_S
+    from configs.schema import STALL_FLOOR_S
 
     assert STALL_FLOOR_S >= 5 * HEARTBEAT_S
 
