@@ -1,6 +1,6 @@
 """End-to-end benchmark: whole GRPO runs of the launcher, side by side, one fresh process per run.
 
-    python -m bench.e2e --preset smoke|full --out PATH      (smoke ~7 min here, full ~35; full for the README)
+    python -m bench.e2e --preset smoke|full --out PATH      (on the 2-core CPU host: smoke ~5 min, full ~35)
                         [--systems sync fastest_of_n ...] [--repeats N] [--staleness S] [--set KEY=VALUE ...]
 
 Systems, fixed before the run, in this order, each `launch.py --config grpo_tiny` with the same seed:

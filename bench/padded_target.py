@@ -14,7 +14,7 @@ computes:
   and their epsilon by `c`, which gives the same normalised values (exactly, in binary floating point: every factor
   is a power of two). Without it a narrow residual stream (128) beside wide MLPs makes a step's activations, not its
   weights, the memory it moves: on a GPU such a target's step cost grows with its tokens from the first few, unlike a
-  real model's (bench/step_cost.py, docs/BENCHMARKS.md).
+  real model's (bench/step_cost.py, docs/benchmarks.md).
 The trained part's tokens are therefore reproduced up to fp32 summation order in the wider matmuls;
 `python -m bench.rollout` measures and reports how often the padded target's greedy tokens equal the policy's.
 """

@@ -14,16 +14,16 @@ Systems (fixed before the run; `specactor` is the configured default, never the 
 The target is a cost-padded copy of the trained policy (bench/padded_target.py): 70.8M parameters of cost in fp32 on
 CPU presets; for `gpu` (the long-tail workload on one CUDA GPU, bf16, CUDA graphs as vLLM uses them by default)
 ~1.41B with Qwen3-1.7B's matmul shapes, so that decoding is memory-bound as on real rollout GPUs (the preset refuses
-to start without CUDA); `policy`
-runs the end-to-end benchmark's own rollout, the unpadded 0.8M policy on grpo_tiny's prompt mix. Every repeat runs
-every system (vanilla first, then a rotating order); a system's speed-up is the median over repeats of vanilla's makespan over
-its own in the same repeat, with a 95% t-interval of that paired ratio (`vllm` samples other tokens, so compare it
-with vanilla in tokens/s). The JSON also holds the workload's shape
-(length quantiles, the share of the makespan taken by the last 10% of requests, running batch over time), a
-per-step profile (engine forward + scheduler, coupled sampler, drafter bridge, drafter), the draft planner's
-choices (tokens allowed per request and step, its relative error on step seconds), for fastest-of-N each member's
-share of the drafts and its token acceptance on every proposal it made, and the speed-up at fixed batch
-sizes (the sweep: the preset's hardest prompt, `SWEEP_TOKENS` tokens per request); a PNG sits beside it, the engines' logs in the same name with .log.
+to start without CUDA); `policy` runs the end-to-end benchmark's own rollout, the unpadded 0.8M policy on
+grpo_tiny's prompt mix. Every repeat runs every system (vanilla first, then a rotating order); a system's speed-up
+is the median over repeats of vanilla's makespan over its own in the same repeat, with a 95% t-interval of that
+paired ratio (`vllm` samples other tokens, so compare it with vanilla in tokens/s). The JSON also holds the
+workload's shape (length quantiles, the share of the makespan taken by the last 10% of requests, running batch over
+time), a per-step profile (engine forward + scheduler, coupled sampler, drafter bridge, drafter), the draft
+planner's choices (tokens allowed per request and step, its relative error on step seconds), for fastest-of-N each
+member's share of the drafts and its token acceptance on every proposal it made, and the speed-up at fixed batch
+sizes (the sweep: the preset's hardest prompt, `SWEEP_TOKENS` tokens per request); a PNG sits beside it, the
+engines' logs in the same name with .log. The stored results and how to read them: docs/benchmarks.md.
 `--epochs-before N` measures a later epoch of training, as GRPO revisits its prompts: every engine first generates
 the same prompts N times with the seeds of the earlier epochs, unmeasured, so the history (suffix) drafter holds each
 prompt's earlier outputs (the policy does not change between epochs here: the best case for history).
@@ -64,8 +64,9 @@ PRESETS = {
 }
 TARGETS = {"cpu": dict(zero_layers=16, num_heads=32, intermediate_size=8192),  # 70.8M parameters of cost
            # ~1.41B, Qwen3-1.7B's matmul shapes (its 2048-wide residual stream too): memory-bound decode, and
-           # verifying 4 drafts for each of 8-32 requests costs a decode step's 1.06-1.19x on an H200, as with the
-           # real model (bench/step_cost.py; the 128-wide stream before made it 1.4-2.2x)
+           # verifying 4 drafts for each of 8-32 requests costs a decode step's 1.06-1.16x on an H200, as with the
+           # real model (bench/step_cost.py, bench/results/step_cost_h200_context8192.json); a 128-wide stream
+           # beside wide MLPs would make it 1.4-2.2x, its activations rather than its weights the memory moved
            "cuda": dict(zero_layers=24, num_heads=64, intermediate_size=6144, hidden_size=2048)}
 ENGINE = {"cpu": [], "cuda": ["cluster.device=cuda", "model.dtype=bfloat16", "rollout.kv_cache_mib=16384"]}  # overrides
 SYSTEMS = ["vllm", "vanilla", "vllm_spec_draft", "vllm_spec_ngram", "oracle", "specactor", "specactor_ngram",
@@ -102,7 +103,7 @@ def make_llm(name: str, target: Path, draft: Path, oracle: Path | None, device: 
     from configs.load import load_config
 
     # 2 GiB of KV cache: 204 of vLLM-CPU's 128-token blocks on the padded target, room for every request of a preset
-    # at once (1 GiB held 102: the long-tail preset's last 27 requests, its longest group among them, waited ~5 s)
+    # at once (1 GiB holds 102: the long-tail preset's last 27 requests, its longest group among them, would wait)
     overrides = [f"model.path={target}", "model.max_model_len=1024", "rollout.kv_cache_mib=2048",
                  f"speculation.num_speculative_tokens={k}", *ENGINE[device]]
     if name in COUPLED:

@@ -13,8 +13,8 @@ head group's rows attending together so each key and value is read once, as deco
 of requests B for a decode step (one query each) and a step verifying 4 drafts each (five queries attending to all
 context + 5 keys: the causal mask over the last five changes none of the cost; the step's own keys are not written
 back); combinations whose caches would pass `--cache-gib` are skipped. Layer norms, rotary embeddings and the
-sampler are left out. Shapes: the rollout benchmark's `gpu` preset target (bench/rollout.py `TARGETS`), the
-narrower one it had before (a 128-wide residual stream beside 81,920 MLP units), and Qwen3-1.7B's and Qwen3-8B's;
+sampler are left out. Shapes: the rollout benchmark's `gpu` preset target (bench/rollout.py `TARGETS`), a narrow
+alternative to it (a 128-wide residual stream beside 81,920 MLP units), and Qwen3-1.7B's and Qwen3-8B's;
 with `--device cpu`, the CPU presets' target in fp32 on one thread, as the rollout benchmark runs it (eagerly).
 """
 

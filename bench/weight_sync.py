@@ -1,6 +1,9 @@
 """Weight-sync benchmark: how close the weight channel comes to raw ZeroMQ on this machine, and what CURVE costs.
 
-    python -m bench.weight_sync [--mib 256] [--repeats 5] [--out bench/results/weight_sync.json]
+    python -m bench.weight_sync [--mib 256] [--repeats 5] [--out runs/bench/weight_sync.json]
+
+The stored result, read by `launch.py --plan` for a weight sync's time, is bench/results/weight_sync_cpu2.json
+(docs/benchmarks.md); copy a new measurement there to replace it.
 
 A subscriber process (as a rollout actor is) receives one weight version of `--mib` MiB (fp32 tensors of a
 transformer layer's sizes, in `transport.weight_bucket_mib` buckets) and acknowledges it; the time is from the
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--mib", type=int, default=256, help="weight bytes per version, MiB (>= 100 MB is asked)")
     parser.add_argument("--bucket-mib", type=int, default=32, help="as transport.weight_bucket_mib")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/weight_sync.json"))
+    parser.add_argument("--out", type=Path, default=Path("runs/bench/weight_sync.json"))
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     tensors = model(args.mib)

@@ -6,8 +6,9 @@ GPU each; rollout actors on `tensor_parallel_size` GPUs of one node; each on the
 `cluster.<role>_resource` when named), and prints per GPU the memory each role holds: weights, gradients and Adam
 state under the ZeRO stage for a learner rank (activations come on top), weight shard and KV cache budget
 (`rollout.kv_cache_mib`) for a rollout GPU; the bytes of one weight sync and its time at the bandwidth
-`bench/weight_sync.py` measured. The cluster is a described one (`--cluster 2x8:80`, nodes x GPUs : GiB per GPU),
-the one at `cluster.address`, or this machine. It returns 3 naming the first shortfall when the run does not fit.
+`bench/weight_sync.py` measured (`bench/results/weight_sync_cpu2.json`). The cluster is a described one
+(`--cluster 2x8:80`, nodes x GPUs : GiB per GPU), the one at `cluster.address`, or this machine. It returns 3
+naming the first shortfall when the run does not fit.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 GIB = 1 << 30
-WEIGHT_SYNC_RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results" / "weight_sync.json"
+WEIGHT_SYNC_RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results" / "weight_sync_cpu2.json"
 
 
 @dataclass
