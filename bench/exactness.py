@@ -50,15 +50,15 @@ def rollouts(method: str, sequences: int, max_tokens: int, seed: int, settings: 
             for epoch in range(epochs):  # the data cursor runs on across epochs: other seeds for the same prompts
                 groups = (sequences + GROUP - 1) // GROUP
                 params = [SamplingParams(seed=group_seed(seed, epoch * groups + i // GROUP, GROUP) + i % GROUP,
-                                         temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0)
+                                         temperature=temperature, top_p=top_p, max_tokens=max_tokens)
                           for i in range(sequences)]
                 drafting = llm.collective_rpc(profile)[0]["drafter_s"]
                 outputs = llm.generate([task[i // GROUP].prompt for i in range(sequences)], params, use_tqdm=False)
-                rows = [(list(o.outputs[0].token_ids),
-                         [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                taken = llm.collective_rpc(take_spec_counts, args=([o.request_id for o in outputs],))[0]
+                # each token and the logprob the coupled sampler recorded for it (what an actor sends the learner)
+                rows = [(list(o.outputs[0].token_ids), taken[o.request_id].logprobs[: len(o.outputs[0].token_ids)])
                         for o in outputs]
-                counts = llm.collective_rpc(take_spec_counts, args=([o.request_id for o in outputs],))[0].values() \
-                    if method != "none" else []  # drafts verified: a check that drafted nothing proves nothing
+                counts = taken.values()  # drafts verified: a check that drafted nothing proves nothing
                 results[label(name, epoch, epochs)] = {
                     "rows": rows, "draft_tokens": sum(c.draft_tokens for c in counts),
                     "accepted_tokens": sum(c.accepted_tokens for c in counts),

@@ -54,6 +54,9 @@ def step_rows(lengths: list[int], live: list[int], rank: int, world: int, micro:
     return [mine[j * micro : (j + 1) * micro] for j in range(count)]
 
 
+LOG_RATIO_MAX = 20.0  # a ratio above e^20 is clipped for a positive advantage, and otherwise overflows no float32
+
+
 def policy_loss(
     logprobs: torch.Tensor,  # [B, T] current policy, response tokens
     behaviour: torch.Tensor,  # [B, T] logprobs recorded at rollout
@@ -66,9 +69,11 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    # a token outside the current top-k/top-p set has logprob -inf: a zero ratio with a zero gradient, never NaN
+    # a token outside the current top-k/top-p set has logprob -inf: a zero ratio with a zero gradient, never NaN.
+    # With max_staleness > 0 that happens: the behaviour policy's top-p set held the token, the current one's not
+    outside = torch.isneginf(logprobs.detach())
     logprobs = logprobs.clamp(min=-1e4)
-    ratio = torch.exp(logprobs - behaviour)
+    ratio = torch.exp((logprobs - behaviour).clamp(max=LOG_RATIO_MAX))  # finite in float32, whatever was sent
     adv = advantages.unsqueeze(1)
     per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
     mask = mask.float()
@@ -89,7 +94,8 @@ def policy_loss(
         on = mask > 0
         stats = {"clip_fraction": ((clipped * mask).sum() / tokens).item(),
                  "ratio_max": ratio[on].max().item(), "ratio_min": ratio[on].min().item(),
-                 "kl": ((kl * mask).sum() / tokens).item()}
+                 "kl": ((kl * mask).sum() / tokens).item(),
+                 "outside_mask_fraction": ((outside * mask).sum() / tokens).item()}
     return loss, stats
 
 

@@ -22,7 +22,7 @@ from learner.base import checkpoint_state, partial, seal_checkpoint, staleness
 from learner.distill import RemoteDistiller
 from learner.grpo import Packed, group_advantages, micro_batch_loss, response_logprobs, step_rows
 from learner.intake import Intake
-from learner.metrics import rollout_metrics
+from learner.metrics import intake_metrics, rollout_metrics
 from learner.optim import FiniteAdamW
 from learner.rollout_log import RolloutLog
 from models.zoo import copy_tokenizer, tensor_count
@@ -35,6 +35,9 @@ from transport.zmq import Inbox, WeightPublisher, pack_buckets
 # them took, if longer; algorithm.step_order cursor): one that does not come in time (a dead actor's, until its
 # replacement has started and regenerated it) is left to later steps, and is dropped if too stale by then
 STRAGGLER_WAIT_S = 10.0
+
+
+SUMMED = ("clip_fraction", "entropy", "kl", "outside_mask_fraction")  # micro-batch stats summed over a step
 
 
 class Learner:
@@ -183,7 +186,7 @@ class Learner:
         gas = self.engine.gradient_accumulation_steps()
         self.engine.train()
         lr = self.engine.get_lr()[0]  # this step's (the scheduler moves on with the optimizer step)
-        start, sums, extremes = time.time(), torch.zeros(6), torch.tensor([float("-inf"), float("-inf")])
+        start, sums, extremes = time.time(), torch.zeros(7), torch.tensor([float("-inf"), float("-inf")])
         for rows in taught:  # a forward only: the policy's distributions teach the draft LM
             batch = [trajectories[i] for i in rows]
             if not zero3:
@@ -217,9 +220,9 @@ class Learner:
             if boundary and not plain:  # ZeRO and bf16 optimizers record the norm they clipped by
                 grad_norm = float(self.engine.get_global_grad_norm())
             if batch:
-                sums += torch.tensor([loss.item(), stats["clip_fraction"], stats["entropy"], stats["kl"], 1.0, 0.0])
+                sums += torch.tensor([loss.item(), *(stats[name] for name in SUMMED), 1.0, 0.0])
                 extremes = torch.maximum(extremes, torch.tensor([stats["ratio_max"], -stats["ratio_min"]]))
-        sums[5] = grad_norm
+        sums[6] = grad_norm
         if not self.engine.was_step_applied():  # a non-finite gradient (all-reduced: the same on every rank)
             self.skipped_steps += 1  # the weights stay as they were; the next publish sends them unchanged
         if self.world > 1:
@@ -230,7 +233,7 @@ class Learner:
         self.version += 1
         if self.rank != 0:
             return {}
-        loss, clip, entropy, kl, batches, grad_norm = sums.tolist()
+        loss, clip, entropy, kl, outside, batches, grad_norm = sums.tolist()
         metrics = {
             "rl/reward_mean": rewards.mean().item(),
             "rl/zero_advantage_fraction": (advantages == 0).float().mean().item(),  # rows that teach nothing
@@ -244,18 +247,12 @@ class Learner:
         }
         if batches:  # over the rows trained on (none when every group is uniform)
             metrics.update({"rl/clip_fraction": clip / batches, "rl/entropy": entropy / batches,
+                            "rl/outside_mask_fraction": outside / batches,
                             "rl/ratio_max": extremes[0].item(), "rl/ratio_min": -extremes[1].item(),
                             **({"rl/kl": kl / batches} if algo.kl_coef > 0 else {})})
         with self.lock:
             summary = self.intake.summary()
-        metrics["rollout/dropped_stale"] = float(summary["dropped_stale"])
-        if summary["dropped_stale"]:  # against rollout/response_length: what dropping them leaves out of training
-            metrics["rollout/dropped_stale_response_length"] = \
-                summary["stale_response_tokens"] / summary["dropped_stale"]
-        metrics["transport/lost_trajectories"] = float(summary["lost"])
-        dropped = {**summary["dropped_invalid_by_reason"], **self.inbox.dropped}  # cumulative, by reason
-        metrics.update({f"transport/dropped/{reason}": float(n) for reason, n in dropped.items()})
-        return metrics
+        return {**metrics, **intake_metrics(summary, self.inbox.dropped)}
 
     def share(self, groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
         """Every rank: rank 0's groups, sent as msgspec bytes in a tensor broadcast (no pickle between ranks: a

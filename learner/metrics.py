@@ -79,3 +79,14 @@ def rollout_metrics(trajectories: list[Trajectory], method: str) -> dict[str, fl
                             "spec/drafter_failed in TensorBoard)", failure, n, len(trajectories))
         metrics["spec/alarm"] = float(bool(broken or failed))
     return metrics
+
+
+def intake_metrics(summary: dict, inbox_dropped: dict[str, int]) -> dict[str, float]:
+    """What the intake (`Intake.summary()`) and the inbox refused or lost so far, cumulative, by reason."""
+    metrics = {"rollout/dropped_stale": float(summary["dropped_stale"]),
+               "transport/lost_trajectories": float(summary["lost"])}
+    if summary["dropped_stale"]:  # against rollout/response_length: what dropping them leaves out of training
+        metrics["rollout/dropped_stale_response_length"] = summary["stale_response_tokens"] / summary["dropped_stale"]
+    dropped = {**summary["dropped_invalid_by_reason"], **inbox_dropped}
+    metrics.update({f"transport/dropped/{reason}": float(n) for reason, n in dropped.items()})
+    return metrics

@@ -1,4 +1,4 @@
-"""Contract of `sampling/`: the coupled sampler (DESIGN.md, "The invariant"). Every token is
+"""Contract of `sampling/`: the coupled sampler (docs/design.md). Every token is
 
     argmax_v ( z[v] + G(seed, position, v) )      (argmax_v z[v] when T = 0)
 
@@ -26,6 +26,7 @@ PLACEHOLDER = -1  # vLLM's padding for rejected positions in a verify output
 
 
 SEED_STRIDE = 1_000_003  # runs with seeds s and s + 1 share no request seed for their first ~10^6 samples
+MAX_RUN_SEED = (1 << 62) // SEED_STRIDE  # below it every request seed (`group_seed` + i) fits an int64
 
 
 def group_seed(run_seed: int, cursor: int, group_size: int) -> int:
@@ -142,8 +143,8 @@ def processed_logits(
     return torch.where(greedy.unsqueeze(1), scaled, mask_top_k_top_p(scaled, top_k, top_p))
 
 
-NOISE_ELEMENTS = 1 << 24  # rows x vocab of float64 noise made at once: bounds the sampler's temporaries
-SAMPLE_ELEMENTS = 1 << 26  # rows x vocab processed at once (top-k/top-p sorting): bounds them at 1024+ rows
+NOISE_ELEMENTS = 1 << 22  # rows x vocab of float64 noise made at once: bounds the sampler's temporaries
+SAMPLE_ELEMENTS = 1 << 22  # rows x vocab processed at once (top-k/top-p sorting): bounds them whatever the batch
 
 
 def coupled_sample(
@@ -154,19 +155,20 @@ def coupled_sample(
     top_k: torch.Tensor | None = None,  # [rows]
     top_p: torch.Tensor | None = None,  # [rows]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens [rows] and the processed log-probabilities [rows, vocab] of the distribution they were drawn from.
-    A chunk of rows at a time, so that its temporaries stay bounded whatever the batch (vLLM's memory profiling
-    does not see them), and on a GPU without a host synchronisation."""
+    """Tokens [rows] and each one's processed log-probability [rows] under the distribution it was drawn from (the
+    behaviour logprob a rollout records). A chunk of rows at a time, and nothing of [rows, vocab] kept: the
+    temporaries stay bounded by SAMPLE_ELEMENTS and NOISE_ELEMENTS whatever the batch (vLLM's memory profiling does
+    not see them), and on a GPU there is no host synchronisation."""
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
-    logprobs = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
     step = max(1, SAMPLE_ELEMENTS // vocab)
     for start in range(0, rows, step):
         part = slice(start, start + step)
         masked = processed_logits(logits[part], temperature[part], None if top_k is None else top_k[part],
                                   None if top_p is None else top_p[part])
         tokens[part] = _noisy_top(masked, seeds[part], positions[part], temperature[part], margins=False)[0]
-        logprobs[part] = masked.log_softmax(dim=-1)
+        logprobs[part] = masked.log_softmax(dim=-1).gather(1, tokens[part].unsqueeze(1)).squeeze(1)
     return tokens, logprobs
 
 

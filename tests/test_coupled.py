@@ -1,6 +1,8 @@
 """The coupled sampler's maths, without vLLM: exact marginals, noise keyed only by (seed, position, token),
 and the verification rule."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -30,7 +32,7 @@ def test_marginal_matches_softmax_after_top_k_top_p(temperature, top_k, top_p):
                                       torch.full((draws,), top_p) if top_p < 1 else None)
     probs = mask_top_k_top_p((LOGITS / temperature).unsqueeze(0), torch.tensor([top_k]) if top_k else None,
                              torch.tensor([top_p]) if top_p < 1 else None).softmax(-1)[0]
-    assert torch.allclose(logprobs[0].exp(), probs, atol=1e-6)
+    assert torch.allclose(logprobs.exp(), probs[tokens], atol=1e-6)  # each token's probability under that setting
     counts = torch.bincount(tokens, minlength=VOCAB).double()
     assert counts[probs == 0].sum() == 0, "a masked token was sampled"
     assert chi_square_p_value(counts, probs.double()) > 1e-3
@@ -98,14 +100,15 @@ def test_rows_with_a_very_large_vocabulary_are_sampled_in_chunks_identically():
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9), (1.0, 5, 1.0), (0.0, 0, 1.0)])
 def test_the_learner_and_the_sampler_see_one_distribution(temperature, top_k, top_p):
-    """The learner's logprobs (one setting for a [batch, time, vocab] block) are the sampler's, row for row."""
+    """The learner's logprobs (one setting for a [batch, time, vocab] block) at the sampled tokens are the ones the
+    sampler records, bit for bit."""
     logits = torch.randn(2, 3, 64) * 3
     rows = 6
-    _, sampler = coupled_sample(logits.reshape(rows, 64), torch.arange(rows), torch.arange(rows),
-                                torch.full((rows,), temperature), torch.full((rows,), top_k) if top_k else None,
-                                torch.full((rows,), top_p) if top_p < 1 else None)
+    tokens, sampler = coupled_sample(logits.reshape(rows, 64), torch.arange(rows), torch.arange(rows),
+                                     torch.full((rows,), temperature), torch.full((rows,), top_k) if top_k else None,
+                                     torch.full((rows,), top_p) if top_p < 1 else None)
     learner = processed_logprobs(logits, temperature, top_k, top_p)
-    assert torch.equal(learner.reshape(rows, 64), sampler)
+    assert torch.equal(learner.reshape(rows, 64).gather(1, tokens.unsqueeze(1)).squeeze(1), sampler)
     if top_k or top_p < 1:  # and the masking matters: temperature alone is another distribution
         assert not torch.allclose(processed_logprobs(logits, temperature), learner)
 
@@ -184,3 +187,40 @@ def test_a_fused_noise_kernel_that_fails_to_compile_leaves_the_same_tokens_unfus
         assert torch.equal(fused(masked, seeds, positions), expected)
         assert torch.equal(fused(masked, seeds, positions), expected)
     assert len(attempts) == 1 and "did not compile" in caplog.text and "no C compiler" in caplog.text
+
+
+MEMORY_PROBE = """
+import re, sys, torch
+from sampling import coupled
+
+def rss_kib(field):
+    return int(re.search(field + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1))
+
+coupled.SAMPLE_ELEMENTS = coupled.NOISE_ELEMENTS = 1 << 20  # 64 rows of this vocabulary at a time
+rows, vocab = int(sys.argv[1]), 16384
+logits = torch.randn(rows, vocab)
+args = (torch.arange(rows), torch.arange(rows), torch.full((rows,), 0.7), None, torch.full((rows,), 0.9))
+coupled.coupled_sample(logits[:8], *(a[:8] if a is not None else None for a in args))  # warm-up: allocator, kernels
+open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) starts again from what is resident now
+before = rss_kib("VmRSS")
+coupled.coupled_sample(logits, *args)
+print((rss_kib("VmHWM") - before) / 1024)
+"""
+
+
+def test_a_sampler_calls_memory_is_bounded_whatever_rows_x_vocab():
+    """The peak memory one call adds (top-p, the sorting case) stays within its chunks' temporaries: at 2,048 rows
+    what it is at 256, though a [rows, vocab] fp32 matrix alone grows by 112 MiB between the two."""
+    import os
+    import subprocess
+    import sys
+
+    def growth_mib(rows: int) -> float:
+        # a fixed mmap threshold: freed temporaries go back to the system, so the peak is what was live at once
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+        out = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(rows)], capture_output=True, text=True,
+                             check=True, cwd=Path(__file__).resolve().parent.parent, env=env)
+        return float(out.stdout.strip())
+
+    small, large = growth_mib(256), growth_mib(2048)
+    assert large < 48 and large - small < 8, f"{small:.0f} MiB at 256 rows, {large:.0f} MiB at 2,048"

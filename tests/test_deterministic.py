@@ -87,11 +87,14 @@ def test_a_rollout_actor_killed_mid_step_changes_no_bit(reference, tmp_path, inj
     assert final_weights(tmp_path) == final_weights(reference)
 
 
-def test_speculating_changes_no_bit_of_training(reference, tmp_path):
+@pytest.mark.parametrize("drafter", ["draft_lm", "tests.plugin_contracts.misbehaving.MisbehavingDrafter"])
+def test_speculating_changes_no_bit_of_training(reference, tmp_path, drafter):
     """The coupled sampler makes the tokens the drafter's business only in speed; with the learner's own logprobs
     as the behaviour ones, the weights are the plain run's to the last bit, and every trajectory its tokens (both
-    runs' logging.rollouts)."""
-    assert launch.main([*RUN, f"logging.dir={tmp_path}", "speculation.method=draft_lm", "logging.rollouts=true"]) == 0
+    runs' logging.rollouts), even under a plugin that tries to write into its histories and draws from the global
+    RNGs."""
+    assert launch.main([*RUN, f"logging.dir={tmp_path}", f"speculation.method={drafter}",
+                        "logging.rollouts=true"]) == 0
     assert json.loads((tmp_path / "summary.json").read_text())["actors"][0]["accepted_tokens"] > 0
     assert final_weights(tmp_path) == final_weights(reference)
     plain = rollouts(reference)

@@ -224,9 +224,9 @@ def test_the_distiller_still_learns_from_rows_with_zero_advantage(monkeypatch):
 
 @pytest.mark.parametrize("zero_stage", [0, 1])  # the plain optimizer (the learner skips) and ZeRO's (DeepSpeed does)
 def test_a_step_whose_gradient_is_not_finite_is_skipped_and_counted(zero_stage):
-    """A behaviour logprob that is finite but absurd (-1e30, as a buggy or hostile actor could send) makes the
-    ratio infinite and the gradient NaN: the step must leave every weight as it was and count itself; the next
-    sound step trains."""
+    """A reward that reached the loss as NaN (the intake refuses it; here it is handed to the learner directly)
+    makes its group's advantages and the gradient NaN: the step must leave every weight as it was and count itself;
+    the next sound step trains."""
     from learner.learner import Learner
 
     model_dir = str(resolve("builtin:dense"))
@@ -237,9 +237,9 @@ def test_a_step_whose_gradient_is_not_finite_is_skipped_and_counted(zero_stage):
     groups = make_groups(learner.engine.module, transformers.AutoTokenizer.from_pretrained(model_dir))
     before = {n: p.detach().clone() for n, p in learner.engine.module.named_parameters()}
     poisoned = [g[:] for g in groups]
-    bad = poisoned[0][1]  # unrewarded: a negative advantage, so the unclipped (infinite) ratio term is the minimum
+    bad = poisoned[0][1]
     poisoned[0][1] = Trajectory(**{**{f: getattr(bad, f) for f in bad.__struct_fields__},
-                                   "behaviour_logprobs": [-1e30] + bad.behaviour_logprobs[1:]})
+                                   "reward": float("nan")})
     learner.groups = poisoned
     metrics = learner.train()
     assert metrics["rl/skipped_steps"] == 1.0 and learner.summary()["skipped_steps"] == 1
@@ -350,3 +350,21 @@ def test_ranks_share_a_step_and_take_the_same_step_as_one_rank(tmp_path, ranks, 
     # groups or a missing all-reduce changes most of them
     differ = sum(((weights[ranks][n] - w).abs() > 0.01 * LR).sum().item() for n, w in weights[1].items())
     assert differ <= 1e-4 * sum(w.numel() for w in weights[1].values()), differ
+
+
+def test_a_sampled_token_outside_the_learners_top_p_set_is_counted_and_trains_nothing():
+    """Under staleness > 0 the learner's top-p set (newer weights) can exclude a token the actor sampled: logprob
+    -inf, a zero ratio and a zero gradient, and rl/outside_mask_fraction says how often (padding never counts)."""
+    import torch
+
+    from configs.schema import LossAggregation
+    from learner.grpo import policy_loss
+
+    logprobs = torch.tensor([[-0.5, float("-inf"), -0.2, -0.1], [-0.3, -0.4, float("-inf"), float("-inf")]],
+                            requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    loss, stats = policy_loss(logprobs, torch.full((2, 4), -0.3), torch.tensor([1.0, -1.0]), mask, 0.2, 0.2,
+                              LossAggregation.token_mean, 4)
+    loss.backward()
+    assert stats["outside_mask_fraction"] == pytest.approx(1 / 6) and torch.isfinite(loss)
+    assert logprobs.grad[0, 1] == 0 and torch.isfinite(logprobs.grad).all()

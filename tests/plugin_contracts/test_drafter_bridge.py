@@ -9,6 +9,7 @@ import time
 from types import SimpleNamespace
 
 import numpy as np
+import torch
 import pytest
 
 from actor.draft_bridge import (DrafterBridge, confidences_for, new_policy_version, remember_outputs,
@@ -36,12 +37,12 @@ class Recording(Drafter):
 
 def bridge(drafter: Drafter, req_ids: list[str], max_batch: int = 0, planning: bool = True
            ) -> tuple[DrafterBridge, SimpleNamespace]:
-    params = SimpleNamespace(seed=1, temperature=1.0, top_k=0, top_p=1.0)
+    params = SimpleNamespace(seed=1, temperature=1.0, top_k=0, top_p=1.0, max_tokens=None)
     runner = SimpleNamespace(
         input_batch=SimpleNamespace(req_ids=req_ids, num_reqs=len(req_ids),
                                     num_prompt_tokens=np.full(len(req_ids), 3)),
         requests={r: SimpleNamespace(sampling_params=params) for r in req_ids},
-        model_config=SimpleNamespace(get_vocab_size=lambda: VOCAB))
+        model_config=SimpleNamespace(get_vocab_size=lambda: VOCAB, max_model_len=1024))
     runner._sample = CoupledSampling(runner)  # where the bridge keeps per-request counts
     b = DrafterBridge(SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=4)))
     b.bind(runner, drafter, max_batch, planning)
@@ -224,3 +225,55 @@ def test_a_composites_member_switched_off_is_reported_while_the_composite_drafts
     assert propose(b, [[5], [6]]) == [[1, 2], [3, 4]] and not b.failure
     assert [c.drafter_failure for c in runner._sample.counts.values()] == [
         "drafter Composite: member m switched off: KeyError: 'x'"] * 2
+
+
+class Writes(Recording):
+    """Writes into the history it is handed (the engine's own input buffer: its last element is the token the
+    target just sampled, which the next step feeds the model)."""
+
+    def propose(self, requests, k):
+        requests[0].token_ids[-1] = 0
+        return super().propose(requests, k)
+
+
+class Retunes(Recording):
+    """Changes torch's process-wide settings, which the target shares."""
+
+    def propose(self, requests, k):
+        torch.set_default_dtype(torch.float64)
+        torch.set_grad_enabled(True)
+        return super().propose(requests, k)
+
+
+@pytest.mark.parametrize("drafter, reason", [(Writes, "ValueError: assignment destination is read-only"),
+                                             (Retunes, "changed torch.get_default_dtype(), torch.is_grad_enabled()")])
+def test_a_drafter_cannot_change_what_the_target_is_fed_or_how_it_computes(drafter, reason):
+    """The boundary: a drafter's history is a read-only view of the engine's buffer (a write raises inside the
+    drafter), and torch's process-wide settings a drafter changed are set back after its call; either way it is
+    switched off and the engine's inputs and settings are what they were."""
+    b, runner = bridge(drafter([[1, 2], [3, 4]]), ["a-1", "b-1"])
+    history = np.arange(40).reshape(2, -1) % VOCAB
+    kept = history.copy()
+    with torch.no_grad():
+        dtype = torch.get_default_dtype()
+        assert b.propose([[5], [6]], np.full(2, 8), history) == [[], []]
+        assert torch.get_default_dtype() == dtype and not torch.is_grad_enabled()
+    assert np.array_equal(history, kept) and history.flags.writeable  # the buffer itself stays the engine's
+    assert reason in b.failure
+
+
+def test_drafts_stop_at_the_requests_last_token():
+    """A verify step emits up to drafts + 1 tokens: a request 2 tokens short of `max_tokens` is asked for 1 draft,
+    one at its last token for none (drafting past the end is work thrown away)."""
+    class Budgets(Recording):
+        def propose(self, requests, k):
+            self.asked = {r.request_id: r.max_tokens for r in requests}
+            return [[1, 2, 3, 4][: r.max_tokens] for r in requests]
+
+    drafter = Budgets([])
+    b, runner = bridge(drafter, ["a-1", "b-1", "c-1", "d-1"], planning=False)
+    for req_id, max_tokens in (("a-1", 7), ("b-1", 6), ("c-1", 100), ("d-1", 8)):  # 8 tokens, 3 prompt: position 5
+        runner.requests[req_id] = SimpleNamespace(sampling_params=SimpleNamespace(
+            seed=1, temperature=1.0, top_k=0, top_p=1.0, max_tokens=max_tokens))
+    assert propose(b, [[5], [6], [7], [8]]) == [[1], [], [1, 2, 3, 4], [1, 2]]
+    assert drafter.asked == {"a-1": 1, "c-1": 4, "d-1": 2}

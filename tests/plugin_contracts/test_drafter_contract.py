@@ -3,9 +3,11 @@ documented example. Add yours to DRAFTERS."""
 
 import inspect
 import json
+import operator
 import random
 import typing
 
+import numpy as np
 import pytest
 
 from drafters.base import Drafter, DrafterLoadError, DraftRequest, drafter_class, load_drafter
@@ -18,7 +20,12 @@ VOCAB = json.loads((resolve("builtin:draft") / "config.json").read_text())["voca
 
 
 def request(rid: str, history: list[int], seed: int = 7, temperature: float = 1.0) -> DraftRequest:
-    return DraftRequest(request_id=rid, seed=seed, position=max(len(history) - 5, 0), token_ids=history,
+    """As the engine hands it: the history a read-only int32 view of a wider buffer (a drafter that writes raises)."""
+    buffer = np.zeros((1, len(history) + 8), dtype=np.int32)
+    buffer[0, : len(history)] = history
+    view = buffer[0, : len(history)]
+    view.flags.writeable = False
+    return DraftRequest(request_id=rid, seed=seed, position=max(len(history) - 5, 0), token_ids=view,
                         temperature=temperature)
 
 
@@ -37,7 +44,7 @@ def make(request):
 def check_shape(proposals, requests, k=K):
     assert isinstance(proposals, list) and len(proposals) == len(requests)
     for p in proposals:
-        assert len(p) <= k and all(isinstance(int(t), int) and 0 <= int(t) < VOCAB for t in p)
+        assert len(p) <= k and all(0 <= operator.index(t) < VOCAB for t in p)
 
 
 def test_is_a_drafter_and_proposes_at_most_k_valid_tokens(make):
