@@ -1,4 +1,4 @@
-"""A "cost-padded" target for rollout benchmarks on small machines (issue 4, STACK-NOTES).
+"""A "cost-padded" target for rollout benchmarks on small machines.
 
 A model big enough for speculation to matter cannot be trained here, and a sub-million-parameter policy is
 overhead-bound. So the benchmark's target is the trained Qwen3 policy made expensive without changing what it

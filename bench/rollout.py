@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"bench.rollout --preset {args.preset} needs a CUDA GPU; this machine has none "
                   "(torch.cuda.is_available() is False)", file=sys.stderr)
             raise SystemExit(2)
-    set_env_defaults()  # one engine thread, no OpenMP busy-waiting (STACK-NOTES)
+    set_env_defaults()  # one engine thread, no OpenMP busy-waiting
 
     from bench.padded_target import build_padded_target, parameter_count
     from models.zoo import resolve

@@ -17,6 +17,7 @@ from typing import Any, Dict, Iterator, List, Optional
 from omegaconf import MISSING
 
 from configs.knobs import Rule, at_least, between, knob, more_than, one_of, zero_or_at_least
+from sampling.coupled import MAX_RUN_SEED
 from tasks.arithmetic import ArithmeticTask
 
 STALL_FLOOR_S = 10.0  # the least rollout.stall_timeout_s: five of an actor's heartbeats (actor/rollout.HEARTBEAT_S)
@@ -285,7 +286,7 @@ class Config:
     """A run's config: the keys at the top level, and a section per part of the run."""
 
     seed: int = knob(0, "seeds the data order, the sampling and the learner",
-                     Rule(lambda v: 0 <= v < 1 << 63, "in [0, 2^63)"))
+                     between(0, MAX_RUN_SEED, "[)"))  # every request seed derived from it fits an int64
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from itertools import chain
 
 from learner.base import admissible
+from tasks.reward import REWARD_BOUND
 from tasks.schedule import CursorPlan
 from transport.messages import Heartbeat, Trajectory, WeightAck
 
@@ -171,11 +172,13 @@ class Intake:
         if self.vocab_size is not None and not all(0 <= i < self.vocab_size for i in chain(t.prompt_ids,
                                                                                            t.response_ids)):
             return "token_ids"
-        if not math.isfinite(t.reward):
+        if not abs(t.reward) <= REWARD_BOUND:  # finite in the float32 loss, its group's mean and spread too
             return "reward"
         # a log-probability is <= 0, and no float32 softmax gives a sampled token one below about -104
-        if not all(-1e4 <= lp <= 1e-4 for lp in t.behaviour_logprobs):  # (and NaN compares false)
+        if not all(BEHAVIOUR_FLOOR <= lp <= 1e-4 for lp in t.behaviour_logprobs):  # (and NaN compares false)
             return "logprobs"
+        if not _counts(t.drafter_choices, 1) or not _counts(t.drafter_labels, 2):  # summed into the step's metrics
+            return "drafter_labels"
         if any(not 0 <= v <= version for v in t.policy_versions):  # never ahead of the weights the learner has
             return "versions"
         return None
@@ -253,3 +256,15 @@ class Intake:
     def summary(self) -> dict:
         return {**asdict(self.counts), "pending": self.pending_trajectories(), "data_cursor": self.data_cursor,
                 "trained_groups": self.trained_groups, "dropped_invalid_by_reason": dict(self.invalid)}
+
+
+BEHAVIOUR_FLOOR = -104.0  # the least logprob a float32 softmax gives a token it can sample (exp underflows below)
+
+
+def _counts(values: dict, width: int) -> bool:
+    """Per name, `width` non-negative integer counts (one bare int when `width` is 1), as a drafter's choices and
+    labels are."""
+    def count(v) -> bool:
+        return type(v) is int and v >= 0
+    return all(count(v) if width == 1 else (isinstance(v, list) and len(v) == width and all(map(count, v)))
+               for v in values.values())

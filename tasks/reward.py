@@ -19,6 +19,9 @@ class Score:
     reason: str  # "" when correct, else why not
 
 
+REWARD_BOUND = 1.0  # every reward this module gives (length-penalised or not) lies in [0, REWARD_BOUND]
+
+
 def normalize_number(text: str) -> Decimal | None:
     """'1,234' -> 1234, '+7' -> 7, '3.50' -> 3.5; None if `text` is not exactly one number."""
     text = text.strip()

@@ -14,7 +14,7 @@ ALLOWED = {
     "transport": set(),
     "models": {"tasks", "actor"},  # actor: models/evaluate.py closes its vLLM engine like a rollout actor
     "drafters": {"sampling", "models"},
-    "configs": {"tasks", "drafters", "models", "learner"},  # learner: reads a checkpoint's state to validate a resume
+    "configs": {"sampling", "tasks", "drafters", "models", "learner"},  # sampling: the largest run seed; learner: reads a checkpoint's state to validate a resume
     "actor": {"sampling", "drafters", "transport", "tasks", "configs", "models"},
     "learner": {"sampling", "transport", "tasks", "configs", "models"},
     "driver": {"actor", "learner", "tasks", "configs", "models", "transport"},  # transport: makes the run's keys

@@ -63,9 +63,15 @@ def test_trajectories_that_would_crash_or_poison_the_learner_are_dropped_by_reas
     good = trajectory(0, 0)  # actor 0 owns group 0 (two actors: even cursors)
     bad = {"owner": [trajectory(1, 0)], "lengths": [replace(good, prompt_ids=[])],
            "too_long": [trajectory(0, 0, versions=(0,) * 8)], "token_ids": [replace(good, response_ids=[10])],
-           "reward": [replace(good, reward=float("nan")), replace(good, reward=float("inf"))],
+           "reward": [replace(good, reward=float("nan")), replace(good, reward=float("inf")),
+                      replace(good, reward=1e39),  # finite in float64, inf in the float32 loss
+                      replace(good, reward=3e38)],  # finite in float32, but two overflow the group's mean
            "logprobs": [replace(good, behaviour_logprobs=[0.5]), replace(good, behaviour_logprobs=[float("nan")]),
-                        replace(good, behaviour_logprobs=[-1e30])],  # finite, but an infinite ratio in the loss
+                        replace(good, behaviour_logprobs=[-1e30]),  # finite, but an infinite ratio in the loss
+                        replace(good, behaviour_logprobs=[-1e3])],  # below what a float32 softmax samples
+           "drafter_labels": [replace(good, drafter_labels={"ngram": [1, 2, 3]}),  # labels are pairs
+                              replace(good, drafter_labels={"ngram": [1, -2]}),
+                              replace(good, drafter_choices={"ngram": -1})],
            "versions": [trajectory(0, 0, versions=(2,)), trajectory(0, 0, versions=(-1,))],
            "ahead": [trajectory(4, 0)]}  # step 4 > version 1 + max_staleness 1: no actor admits it yet
     for reason, messages in bad.items():

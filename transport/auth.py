@@ -11,7 +11,7 @@ against the sender the message claims to be.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -21,7 +21,7 @@ from zmq.utils import z85
 @dataclass(frozen=True)
 class KeyPair:
     public: bytes  # Z85, 40 characters
-    secret: bytes
+    secret: bytes = field(repr=False)  # never in a log line or a traceback
 
 
 def keypair() -> KeyPair:
