@@ -51,7 +51,6 @@ def make_engine(cfg: DictConfig, model_dir: Path):
     """A vLLM engine whose every token comes from the coupled sampler, drafting with the configured drafter. Fails
     loudly, never falls back to vLLM's own sampler: the runner must be the one the hooks target, and a one-token
     warm-up must have been sampled by the coupled sampler."""
-
     if os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0") != "0":  # the GPU default is V2, which has no _sample
         raise RuntimeError("VLLM_USE_V2_MODEL_RUNNER must be 0: the coupled sampler hooks vLLM's V1 model runner")
     from vllm import LLM, SamplingParams

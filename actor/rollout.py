@@ -7,10 +7,11 @@ engine steps (reload, re-pack the tied CPU lm_head, reset the prefix cache) once
 finished under the weights they started with, or after `rollout.update_wait_s`, preempting them then so that their
 context is recomputed under the new weights. Waiting admits nothing new (the staleness bound holds the next groups
 back until the weights they need are applied), and it saves the recomputation of every preempted request's context
-(bench/results/e2e_full_update_wait_cpu2.json against e2e_full_update_preempt_cpu2.json). A new draft LM version (distilled by the learner) is swapped in between steps at once (no trajectory
-depends on it). Every token records the version it was sampled under and comes from the coupled sampler
-(sampling/coupled.py), speculating with the configured drafter or not; per-sequence draft/accept counts ride
-along in each trajectory. Which prompts it takes is `tasks.schedule.CursorPlan`'s rule.
+(bench/results/e2e_full_update_wait_cpu2.json against e2e_full_update_preempt_cpu2.json). A new draft LM version
+(distilled by the learner) is swapped in between steps at once (no trajectory depends on it). Every token records
+the version it was sampled under and comes from the coupled sampler (sampling/coupled.py), speculating with the
+configured drafter or not; per-sequence draft/accept counts ride along in each trajectory. Which prompts it takes
+is `tasks.schedule.CursorPlan`'s rule.
 """
 
 from __future__ import annotations

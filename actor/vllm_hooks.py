@@ -13,6 +13,7 @@ Everything here runs inside the vLLM worker (through `collective_rpc`). `install
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -63,9 +64,7 @@ HONOURED = frozenset({"n", "temperature", "top_k", "top_p", "seed", "max_tokens"
 def unsupported_sampling(params) -> str | None:
     """The first sampling parameter of a request that the coupled sampler (and the learner's logprobs) would not
     honour, as `name=value`; None when it sets only parameters in HONOURED (and vLLM's own private fields)."""
-    from vllm import SamplingParams
-
-    default = _default_sampling(SamplingParams)
+    default = _default_sampling()
     for name in type(params).__struct_fields__:
         if name in HONOURED or name.startswith("_"):
             continue
@@ -76,13 +75,11 @@ def unsupported_sampling(params) -> str | None:
     return None
 
 
-_DEFAULTS: dict = {}
+@functools.cache
+def _default_sampling():
+    from vllm import SamplingParams
 
-
-def _default_sampling(cls):
-    if cls not in _DEFAULTS:
-        _DEFAULTS[cls] = cls()
-    return _DEFAULTS[cls]
+    return SamplingParams()
 
 
 def noise_seed(vllm_request_id: str) -> int:
@@ -101,7 +98,6 @@ class CoupledSampling:
         self.runner = runner
         self.held: dict[str, SpecCounts] = {}  # by vLLM's request id: the requests vLLM holds, parameters checked
         self.counts: dict[str, SpecCounts] = {}  # the same objects by the caller's request id, until taken
-        self.noise_seeds: dict[str, int] = {}  # vLLM id -> noise seed, for held requests that brought no seed
         self.calls = 0  # sampling steps served: proof that this sampler, not vLLM's, ran
         self.seconds = 0.0  # time spent in it (a benchmark's per-step profile)
         self.step_tokens = 0  # tokens the engine computed in the step it last sampled for (the planner's cost model)
@@ -164,11 +160,7 @@ class CoupledSampling:
     def seed_of(self, req_id: str) -> int:
         """The coupled noise's seed of vLLM request `req_id`: its own, or `noise_seed` of its id."""
         seed = self.runner.requests[req_id].sampling_params.seed
-        if seed is not None:
-            return seed
-        if req_id not in self.noise_seeds:
-            self.noise_seeds[req_id] = noise_seed(req_id)
-        return self.noise_seeds[req_id]
+        return noise_seed(req_id) if seed is None else seed
 
     def _admit(self, req_ids: list[str]) -> None:
         """Drops the records of requests vLLM no longer holds (finished or aborted) and checks the sampling
@@ -176,14 +168,13 @@ class CoupledSampling:
         requests = self.runner.requests
         for req_id in [r for r in self.held if r not in requests]:
             del self.held[req_id]
-            self.noise_seeds.pop(req_id, None)
         for req_id in req_ids:
             if req_id not in self.held:
                 bad = unsupported_sampling(requests[req_id].sampling_params)
                 if bad is not None:
                     raise ValueError(f"request {caller_id(req_id)}: sampling parameter {bad} is not supported by "
                                      f"the coupled sampler (supported: {', '.join(sorted(HONOURED))})")
-                self.held[req_id] = self.counts.setdefault(caller_id(req_id), SpecCounts())
+                self.counts_for(req_id)
 
     def _record(self, req_ids: list[str], rows: list[int], positions: list[int], logprobs: list[float],
                 emitted: list[int]) -> None:

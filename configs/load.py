@@ -203,7 +203,8 @@ def _check_drafter(path: Path, spec: DictConfig) -> None:
     if spec.distill.every_versions > 0 and "draft_lm" not in members:
         raise ConfigError(f"{path}: key 'speculation.distill.every_versions' = {spec.distill.every_versions}: "
                           "distillation trains the draft LM, but no drafter of speculation.method "
-                          f"{spec.method!r} is draft_lm (method draft_lm, or fastest_of_n with draft_lm among drafters)")
+                          f"{spec.method!r} is draft_lm (method draft_lm, or fastest_of_n with draft_lm among "
+                          "drafters)")
     if spec.method == "none":
         return
     if spec.method == "fastest_of_n":

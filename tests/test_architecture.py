@@ -14,7 +14,8 @@ ALLOWED = {
     "transport": set(),
     "models": {"tasks", "actor"},  # actor: models/evaluate.py closes its vLLM engine like a rollout actor
     "drafters": {"sampling", "models"},
-    "configs": {"sampling", "tasks", "drafters", "models", "learner"},  # sampling: the largest run seed; learner: reads a checkpoint's state to validate a resume
+    # sampling: the largest run seed; learner: reads a checkpoint's state to validate a resume
+    "configs": {"sampling", "tasks", "drafters", "models", "learner"},
     "actor": {"sampling", "drafters", "transport", "tasks", "configs", "models"},
     "learner": {"sampling", "transport", "tasks", "configs", "models"},
     "driver": {"actor", "learner", "tasks", "configs", "models", "transport"},  # transport: makes the run's keys

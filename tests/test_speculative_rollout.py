@@ -1,6 +1,6 @@
 """Speculation never changes a trajectory: with the coupled sampler installed in vLLM, every drafter emits
-exactly the tokens, and the coupled sampler records the logprobs (to float32 rounding), of non-speculative decoding with the
-same seeds, at T = 0, T = 0.7 with top-p 0.9, T = 1 and T = 0.8 with top-k 20, all mixed in one batch, with
+exactly the tokens, and the coupled sampler records the logprobs (to float32 rounding), of non-speculative
+decoding with the same seeds, at T = 0, T = 0.7 with top-p 0.9, T = 1 and T = 0.8 with top-k 20, all mixed in one batch, with
 requests cut by `max_tokens` inside a verify step, and under a plugin that tries to write into its histories and
 draws from the global RNGs."""
 
