@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import ipaddress
 import math
 import socket
@@ -16,8 +17,8 @@ from omegaconf.errors import OmegaConfBaseException
 from configs.knobs import ranges
 from configs.schema import Config
 from drafters.base import DrafterLoadError, drafter_class
-from models.zoo import BUILTIN_NAMES, BUILTIN_PREFIX
-from tasks.dataset import jsonl_sources
+from models.zoo import BUILTIN_MODELS, BUILTIN_NAMES, BUILTIN_PREFIX
+from tasks.dataset import eval_set, jsonl_sources
 from tasks.jsonl import DataFormatError, load_jsonl
 
 CONFIG_DIR = Path(__file__).resolve().parent
@@ -104,6 +105,10 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
         if not ok:
             raise ConfigError(f"{path}: key '{key}' = {OmegaConf.select(cfg, key)!r} {why}")
     _check_model(path, "model.path", cfg.model.path)
+    longest = max_positions(cfg.model.path)
+    if longest is not None and cfg.model.max_model_len > longest:
+        raise ConfigError(f"{path}: key 'model.max_model_len' = {cfg.model.max_model_len} is more than the "
+                          f"{longest} positions {cfg.model.path!r} was built for (max_position_embeddings)")
     _check_drafter(path, cfg.speculation)
     _check_places(path, cfg)
     _check_checkpoints(path, cfg)
@@ -112,6 +117,11 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
             load_jsonl(source)
         except DataFormatError as e:
             raise ConfigError(f"{path}: key '{key}' = {source!r}: {e}") from None
+    if cfg.trainer.eval_every > 0:
+        try:  # the held-out set exists (a finite training set can leave too few problems outside it)
+            eval_set(cfg.data, cfg.seed)
+        except ValueError as e:
+            raise ConfigError(f"{path}: key 'data.eval_size': {e}") from None
 
 
 def _across_sections(cfg: DictConfig) -> list[tuple[str, bool, str]]:
@@ -125,6 +135,9 @@ def _across_sections(cfg: DictConfig) -> list[tuple[str, bool, str]]:
          "weights it is trained against)"),
         ("speculation.distill.num_gpus", cfg.speculation.distill.num_gpus == 0 or cfg.cluster.device.value == "cuda",
          f"must be 0 unless cluster.device is cuda (it is {cfg.cluster.device.value!r})"),
+        ("transport.auth", cfg.transport.auth.value != "none" or cfg.cluster.address is None,
+         "is for a single-user host (every local user could speak for an actor); a cluster "
+         f"(cluster.address {cfg.cluster.address!r}) needs transport.auth=curve"),
         ("learner.micro_batch_size", batch % (cfg.learner.micro_batch_size * cfg.learner.num_ranks) == 0,
          f"times learner.num_ranks must divide the step's {batch} trajectories "
          "(rollout.prompts_per_step x rollout.group_size)"),
@@ -228,6 +241,16 @@ def _check_drafter(path: Path, spec: DictConfig) -> None:
                               f"refuses them: {e}") from None
         if name == "draft_lm":
             _check_model(path, f"{where}.model", options.get("model", "builtin:draft"))
+
+
+def max_positions(spec: str) -> int | None:
+    """How many positions model `spec` (checked by `_check_model`) holds; None where its config does not say."""
+    if spec.startswith(BUILTIN_PREFIX):
+        return BUILTIN_MODELS[spec[len(BUILTIN_PREFIX):]][0].max_position
+    try:
+        return int(json.loads((Path(spec).expanduser() / "config.json").read_text())["max_position_embeddings"])
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _check_model(path: Path, key: str, spec: str) -> None:

@@ -237,7 +237,8 @@ class TransportConfig:
                      "address")
     auth: TransportAuth = knob(TransportAuth.curve, "curve: ZeroMQ CURVE, every socket authenticated and encrypted "
                                "with keys made per run, so only the run's own processes can send, receive or read "
-                               "messages. none: plain TCP, allowed only when transport.host is a loopback address")
+                               "messages. none: plain TCP, allowed only on loopback without cluster.address: for a "
+                               "host whose every local user is trusted (any of them could speak for an actor)")
     trajectory_queue: int = knob(64, "ZeroMQ high-water mark, in messages: back-pressure on rollout actors; times "
                                  f"max_message_mib at most {INBOX_MIB} MiB", at_least(1))
     max_message_mib: int = knob(64, "the largest message the learner's inbox accepts",

@@ -63,6 +63,7 @@ class Intake:
         self.watched: dict[int, int] = {}  # actor -> the incarnation followed (its newest replacement's)
         self.held: list[list[Trajectory]] = []  # whole groups kept back for the next step (`keep_back`)
         self.refused: set[int] = set()  # group ids a sample of which was refused (bad data): no step waits for them
+        self.pruned_at = -1  # the weight version `pending` was last cleared of groups too stale to train
 
     def take(self, message: Trajectory | WeightAck | Heartbeat, version: int) -> list[Trajectory] | None:
         """A whole, fresh-enough group (sorted by sample index) when `message` completes one; else None."""
@@ -81,12 +82,14 @@ class Intake:
                 self.gapped.add(message.actor_id)
             return None
         self.counts.received += 1
+        if version != self.pruned_at:
+            self._prune(version)
         gap = self._advance(message.actor_id, message.seq, arrived=1)
         reason = self._invalid(message, version)
         if reason is not None:
             self.counts.dropped_invalid += 1
             self.invalid[reason] += 1
-            if reason not in ("group", "owner", "ahead"):  # its owner's sample: that group will never be whole
+            if reason not in ("group", "behind", "owner", "ahead"):  # its owner's sample: the group is never whole
                 self.refused.add(message.group_id)
             return None
         if gap:  # (only a trajectory the run could use names an actor whose work to re-issue)
@@ -116,6 +119,15 @@ class Intake:
 
     def _fresh(self, group: list[Trajectory], version: int) -> bool:
         return all(admissible(t.policy_versions, version, self.max_staleness) for t in group)
+
+    def _prune(self, version: int) -> None:
+        """Drops, as stale, the partial groups that can never be trained: a sample is too old for `version`, and
+        versions only grow. Their group ids count as delivered, so their late samples are duplicates: `pending` holds
+        nothing older than `max_staleness` + 1 versions, whatever a peer sends."""
+        self.pruned_at = version
+        for group_id in [g for g, group in self.pending.items() if not self._fresh(group, version)]:
+            self.delivered.add(group_id)
+            self._drop_stale(self.pending.pop(group_id))
 
     def _drop_stale(self, group: list[Trajectory]) -> None:
         self.counts.dropped_stale += len(group)
@@ -159,7 +171,9 @@ class Intake:
         n = len(t.response_ids)
         if t.group_size != self.group_size or not 0 <= t.sample_index < self.group_size:
             return "group"
-        if t.group_id < 0 or self.plan.owner(t.group_id) != t.actor_id:  # only a cursor's owner may send its group
+        if t.group_id < self.plan.start:  # before this run's (or resume's) first cursor: trained already, or never
+            return "behind"
+        if self.plan.owner(t.group_id) != t.actor_id:  # only a cursor's owner may send its group
             return "owner"
         # no actor admits it yet (bounds `pending`); mid-collect the lead counts this step's groups already in, so
         # the bound is looser by up to a step, never tighter than what actors admit

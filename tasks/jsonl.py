@@ -43,6 +43,8 @@ def _parse(line: str, where: str, problem_id: str) -> Problem:
         record = json.loads(line)
     except json.JSONDecodeError as e:
         raise DataFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise DataFormatError(f"{where}: nested too deeply to be a record") from None
     if not isinstance(record, dict):
         raise DataFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
     for key in ("question", "answer"):

@@ -48,12 +48,17 @@ def test_path_to_yaml_works(tmp_path):
     ("data.source=/nowhere.jsonl", ["data.source"]),
     ("trainer.eval_every=-1", ["trainer.eval_every", ">= 0"]),
     ("data.eval_size=0", ["data.eval_size"]),
+    ("model.max_model_len=1000000000000", ["model.max_model_len", "1024 positions"]),  # not a Ray/pydantic traceback
+    # a 2-problem task of one operation on operands 1..2 has 8 problems in all: 300 held-out ones cannot exist
+    ("trainer.eval_every=5 data.max_ops=1 data.max_operand=2 data.size=2 data.eval_size=300",
+     ["data.eval_size", "fewer held-out problems"]),
     ("rollout.min_p=0.1", ["rollout.min_p"]),  # a sampling parameter the coupled sampler does not honour
     ("logging.engine_level=loud", ["logging.engine_level", "loud"]),
     ("trainer.steps", ["key=value"]),
     ("rollout.max_tokens=5000", ["rollout.max_tokens", "model.max_model_len"]),
     ("data.source=${no.such.key}", ["data.source", "no.such.key"]),
     ("transport.auth=none transport.host=0.0.0.0", ["transport.auth", "curve"]),  # plain TCP beyond loopback
+    ("transport.auth=none cluster.address=auto", ["transport.auth", "single-user", "curve"]),  # others could speak
     ("transport.auth=tls", ["transport.auth", "tls"]),
     ("transport.host=192.0.2.1", ["transport.host", "192.0.2.1", "cannot be bound"]),  # TEST-NET: not this machine
     ("transport.host=no-such-host.invalid", ["transport.host", "not an address"]),

@@ -290,3 +290,29 @@ def test_groups_too_old_to_wait_go_first_and_one_left_over_is_dropped_a_step_lat
     assert [g[0].group_id for g in intake.held] == [3, 0]
     assert [g[0].group_id for g in intake.take_held(version=2)] == [0]  # 3 is stale by then: dropped
     assert intake.counts.dropped_stale == 2 and balanced(intake)
+
+
+def test_a_resumed_plan_refuses_groups_before_its_start():
+    """A resumed run's plan starts at its checkpoint's cursor: a group below it was trained already (or belongs to
+    another timeline); the modular owner rule alone would take it, and it would sit in `pending` for good."""
+    intake = Intake(group_size=4, max_staleness=1, plan=CursorPlan(100, 2, 4))
+    for group in (98, 4, -2):  # each owned by actor 0 under (cursor - start) % 2
+        assert intake.take(trajectory(group, 0), version=25) is None
+    assert intake.invalid == {"behind": 3} and intake.pending_trajectories() == 0
+    assert intake.take(trajectory(100, 0, versions=(25,)), version=25) is None and intake.pending_trajectories() == 1
+
+
+def test_a_partial_group_that_can_no_longer_train_leaves_pending_when_the_version_moves():
+    """`pending` holds nothing older than the staleness bound: a peer sending one sample of many groups (or a group
+    whose other samples never come) costs memory for max_staleness + 1 versions at most; late samples of it are
+    duplicates."""
+    intake = Intake(group_size=4, max_staleness=1, plan=CursorPlan(0, 1, 4))
+    for group in range(3):
+        intake.take(trajectory(group, 0, versions=(0,)), version=0)
+    assert intake.pending_trajectories() == 3
+    intake.take(trajectory(4, 0, seq=1, versions=(1,)), version=1)  # version 0 samples still train at version 1
+    assert intake.pending_trajectories() == 4
+    intake.take(trajectory(8, 0, seq=2, versions=(2,)), version=2)
+    assert intake.pending_trajectories() == 2 and intake.counts.dropped_stale == 3  # groups 0-2 can never train
+    assert intake.take(trajectory(0, 1, seq=3, versions=(0,)), version=2) is None
+    assert intake.counts.dropped_duplicate == 1 and balanced(intake)

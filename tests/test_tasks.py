@@ -131,6 +131,7 @@ def test_jsonl_loads_gsm8k_records(tmp_path):
     (json.dumps({"question": "q", "answer": "three"}), "has no '####"),
     (json.dumps({"question": "q", "answer": "#### three"}), "is not a number"),
     (json.dumps({"question": "q", "answer": "#### nan"}), "is not a number"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),  # not a RecursionError traceback
 ])
 def test_jsonl_malformed_line_names_file_and_line(tmp_path, bad, needle):
     good = json.dumps({"question": "q", "answer": "#### 1"})
