@@ -119,8 +119,9 @@ def test_no_silent_fallback_to_vllms_own_sampler(monkeypatch):
 
 
 def stepped_rollouts(overrides: list[str], between_steps) -> tuple[dict, dict, int, dict]:
-    """The rollouts of `rollouts()`, stepped by hand with `between_steps(llm, steps)` after each engine step: each
-    request's tokens, the step it finished at, the steps taken and the speculation counts."""
+    """The rollouts of `rollouts()`, stepped by hand with `between_steps(llm, steps, lengths)` after each engine step
+    (`lengths`: each request's output tokens so far): each request's tokens, the step it finished at, the steps taken
+    and the speculation counts."""
     from vllm import SamplingParams
     from vllm.inputs.engine import tokens_input
 
@@ -133,13 +134,14 @@ def stepped_rollouts(overrides: list[str], between_steps) -> tuple[dict, dict, i
                 ids = tokenizer(task[i].prompt, add_special_tokens=False).input_ids
                 engine.add_request(f"{s}-{i}", tokens_input(ids), SamplingParams(
                     seed=100 * s + i, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens(i)))
-        done, finished_at, steps = {}, {}, 0
+        done, finished_at, lengths, steps = {}, {}, {}, 0
         while engine.has_unfinished_requests():
             for out in engine.step():
+                lengths[out.request_id] = len(out.outputs[0].token_ids)
                 if out.finished:
                     done[out.request_id], finished_at[out.request_id] = list(out.outputs[0].token_ids), steps
             steps += 1
-            between_steps(llm, steps)
+            between_steps(llm, steps, lengths)
         return done, finished_at, steps, llm.collective_rpc(take_spec_counts, args=(list(done),))[0]
     finally:
         close_engine(llm)
@@ -159,7 +161,7 @@ def test_a_draft_lm_swapped_mid_rollout_leaves_every_trajectory_unchanged(plain,
     versions = [[(n, t + 0.05 * torch.randn(t.shape, generator=generator)) for n, t in state.items()],
                 [(n, torch.zeros_like(t)) for n, t in state.items()]]
 
-    def swap(llm, steps: int) -> None:
+    def swap(llm, steps: int, lengths: dict) -> None:
         if steps in (5, 15):  # mid-rollout: every request is still running
             assert llm.collective_rpc(swap_draft_weights, args=(versions.pop(0),)) == [True]
 
@@ -197,7 +199,7 @@ def test_a_drafter_that_raises_mid_rollout_is_switched_off_and_leaves_every_traj
     members = ["speculation.drafters=[suffix,draft_lm]"] if method == "fastest_of_n" else []
     done, finished_at, steps, stats = stepped_rollouts(
         [f"speculation.method={method}", *members, "speculation.planner=false"],  # no planner: drafts from step 1
-        lambda llm, steps: steps == 10 and llm.collective_rpc(_break_the_drafter))
+        lambda llm, steps, lengths: steps == 10 and llm.collective_rpc(_break_the_drafter))
     assert steps > 10 and len(done) == len(SETTINGS) * PROMPTS
     for s in range(len(SETTINGS)):
         for i in range(PROMPTS):
@@ -208,3 +210,48 @@ def test_a_drafter_that_raises_mid_rollout_is_switched_off_and_leaves_every_traj
     drafted = max(stats[r].verify_steps for r in later)  # engine steps that verified drafts for one request
     # no request drafted after the break (at most the 11 steps before it), or under fastest-of-N the suffix member did
     assert drafted > 11 if method == "fastest_of_n" else drafted <= 11
+
+
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_a_preempting_weight_update_leaves_every_logprob_at_its_position_under_its_version(method):
+    """New policy weights applied mid-rollout, preempting every running request (what an actor does after
+    `rollout.update_wait_s`): each recorded behaviour logprob is the one of its own output position under the version
+    it was sampled with (the old weights before the switch, the new ones after), recomputed by transformers from the
+    two checkpoints; none shifted to a neighbour's position, with or without drafts."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from actor.vllm_hooks import apply_weights
+    from sampling.coupled import processed_logprobs
+
+    old = AutoModelForCausalLM.from_pretrained(str(resolve("builtin:dense")), dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(0)
+    new_state = [(n, t + 0.02 * t.abs().mean() * torch.randn(t.shape, generator=generator))
+                 for n, t in old.state_dict().items() if n != "lm_head.weight" or not old.config.tie_word_embeddings]
+    new = AutoModelForCausalLM.from_pretrained(str(resolve("builtin:dense")), dtype=torch.float32).eval()
+    new.load_state_dict(dict(new_state), strict=False)
+    switched_at = {}
+
+    def update(llm, steps: int, lengths: dict) -> None:
+        if steps == 6:  # every request still running
+            llm.collective_rpc(apply_weights, args=(new_state,))
+            assert llm.reset_prefix_cache(reset_running_requests=True)
+            switched_at.update(lengths)
+
+    done, _, steps, stats = stepped_rollouts([f"speculation.method={method}", "speculation.planner=false"], update)
+    assert switched_at and steps > 6
+    tokenizer, task, moved = AutoTokenizer.from_pretrained(resolve("builtin:dense")), ArithmeticTask(seed=3), 0
+    for s, (temperature, top_p, top_k) in enumerate(SETTINGS):
+        for i in range(PROMPTS):
+            rid, prompt = f"{s}-{i}", tokenizer(task[i].prompt, add_special_tokens=False).input_ids
+            ids, m = done[rid], switched_at[rid]
+            with torch.no_grad():
+                rows = slice(len(prompt) - 1, len(prompt) - 1 + len(ids))
+                expected = [processed_logprobs(model(input_ids=torch.tensor([prompt + ids])).logits[0, rows],
+                                               temperature, top_k, top_p).gather(1, torch.tensor(ids)[:, None])[:, 0]
+                            for model in (old, new)]
+            want = torch.cat([expected[0][:m], expected[1][m:]])
+            recorded = torch.tensor(stats[rid].logprobs[: len(ids)])
+            assert torch.allclose(recorded, want, atol=1e-4), f"{method} request {rid}: switched after {m} tokens"
+            moved += int((expected[0][m:] - expected[1][m:]).abs().max() > 1e-3) if len(ids) > m else 0
+    assert moved > PROMPTS, "the new weights barely change the logprobs: the test could not tell the versions apart"
