@@ -24,8 +24,11 @@ GAP_CHECK_S = 5.0  # how often, while waiting on the learner, the driver asks ra
 
 class RolloutPool:
     def __init__(self, cfg: DictConfig, model_dir: str, learners: LearnerGroup, version: int, plan: CursorPlan,
-                 num_gpus: int):
+                 num_gpus: int, earlier_restarts: int = 0):
+        """`earlier_restarts`: actor replacements before this pool (a learner restart starts a new one), counted
+        against `rollout.max_restarts`, which holds per run."""
         self.cfg, self.model_dir, self.learners, self.version, self.plan = cfg, model_dir, learners, version, plan
+        self.allowed = cfg.rollout.max_restarts - earlier_restarts
         # threads: run(), stop() or a replacement's wait_for_version(), and evaluations waiting on run()
         self.cls = ray.remote(num_cpus=1, num_gpus=num_gpus, max_concurrency=4)(RolloutActor)
         self.restarts = 0
@@ -85,9 +88,10 @@ class RolloutPool:
         except Exception as e:  # noqa: BLE001 -- any failure of the actor is handled the same way
             error = one_line(e)
         while True:
-            if self.restarts == self.cfg.rollout.max_restarts:
-                raise RuntimeError(f"rollout actor {i} stopped ({error}) after {self.restarts} restarts "
-                                   "(rollout.max_restarts)")
+            if self.restarts >= self.allowed:
+                raise RuntimeError(f"rollout actor {i} stopped ({error}) after "
+                                   f"{self.cfg.rollout.max_restarts - self.allowed + self.restarts} restarts in this "
+                                   "run (rollout.max_restarts)")
             self.restarts += 1
             ray.kill(self.actors[i])
             first_k = ray.get(self.learners.rank0.reissue.remote(i, self.restarts))

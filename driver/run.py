@@ -127,7 +127,8 @@ class Run:
                                          None if checkpoint is None else str(checkpoint), num_gpus=gpus,
                                          keys=keypair() if curve else None)
             self.rollouts = RolloutPool(cfg, self.policy_dir, self.learners, state["version"], plan,
-                                        num_gpus=gpus * cfg.rollout.tensor_parallel_size)
+                                        num_gpus=gpus * cfg.rollout.tensor_parallel_size,
+                                        earlier_restarts=self.earlier_actor_restarts)
         except BaseException:
             ray.shutdown()
             raise

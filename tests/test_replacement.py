@@ -80,10 +80,11 @@ def local_ray():
     ray.shutdown()
 
 
-def pool(behaviour: dict[int, str], max_restarts: int, *overrides: str) -> RolloutPool:
+def pool(behaviour: dict[int, str], max_restarts: int, *overrides: str, earlier: int = 0) -> RolloutPool:
     cfg = load_config("grpo_tiny", [f"rollout.max_restarts={max_restarts}", *overrides])
     p = object.__new__(RolloutPool)  # the pool without a run: its learners and actors are stand-ins
     p.cfg, p.model_dir, p.version, p.plan, p.restarts = cfg, "", 0, CursorPlan(0, 1, 1), 0
+    p.allowed = max_restarts - earlier
     p.learners = SimpleNamespace(rank0=ray.remote(Rank0).remote(), server_public=None, trajectory_endpoint="",
                                  weight_endpoint="")
     cls = ray.remote(num_cpus=0.1, max_concurrency=4)(StandIn)
@@ -107,10 +108,20 @@ def test_a_replacement_that_dies_while_catching_up_is_replaced(local_ray):
 def test_a_replacement_that_never_catches_up_is_replaced_until_the_limit(local_ray, monkeypatch):
     monkeypatch.setattr(driver.rollouts, "CATCH_UP_S", 3)
     p = pool({0: "fails", 1: "stalls", 2: "stalls"}, max_restarts=2)
-    with pytest.raises(RuntimeError, match=r"after 2 restarts \(rollout.max_restarts\)") as e:
+    with pytest.raises(RuntimeError, match=r"after 2 restarts in this run \(rollout.max_restarts\)") as e:
         p.replace(0)
     assert "replacement 2 catching up: GetTimeoutError" in str(e.value)
     assert ray.get(p.learners.rank0.count.remote()) == 2
+    ray.kill(p.actors[0])
+
+
+def test_replacements_before_a_learner_restart_count_against_the_runs_limit(local_ray, monkeypatch):
+    """rollout.max_restarts holds per run: a pool started after a learner restart has only what is left of it."""
+    monkeypatch.setattr(driver.rollouts, "CATCH_UP_S", 3)
+    p = pool({0: "fails", 1: "stalls"}, max_restarts=2, earlier=1)
+    with pytest.raises(RuntimeError, match=r"after 2 restarts in this run \(rollout.max_restarts\)"):
+        p.replace(0)
+    assert ray.get(p.learners.rank0.count.remote()) == 1
     ray.kill(p.actors[0])
 
 
