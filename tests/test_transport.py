@@ -296,9 +296,35 @@ def test_with_curve_only_admitted_keys_get_in_and_a_key_speaks_only_for_itself()
     time.sleep(0.3)
     got |= {name: r for name, sub in subscribers.items() if (r := sub.poll(100)) is not None}
     assert list(got) == ["actor0"] and torch.equal(got["actor0"][1][0][1], weights[0][1])
+    gate.admit("actor-0", keypair().public)  # actor 0 replaced while its connection stays open: it speaks no more
+    clients["actor0"].send(trajectory(20), timeout_ms=100)
+    assert inbox.recv(1500) is None and inbox.dropped == {"sender": 20, "revoked": 1}
     for out in [raw, *(c.socket for c in clients.values()), forged_server.socket]:
         out.close(0)  # unsent messages of the refused ones: nothing to wait for (a queued one held ctx.term() forever)
     for socket in [*subscribers.values(), inbox, publisher]:
         socket.close()
     gate.close()
     ctx.term()
+
+
+def test_a_gated_inbox_drops_a_connection_that_never_completes_its_handshake():
+    """An unauthenticated peer holds a descriptor for HANDSHAKE_MS, not ZeroMQ's default 30 s: a raw TCP client
+    that sends nothing is disconnected (its read ends) well before then."""
+    import socket
+
+    from transport.auth import HANDSHAKE_MS, Gate, keypair
+
+    ctx = zmq.Context()
+    gate = Gate(keypair(), ctx)
+    inbox = Inbox("127.0.0.1", max_bytes=4096, context=ctx, gate=gate)
+    host, port = inbox.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    peer = socket.create_connection((host, int(port)))
+    peer.settimeout(HANDSHAKE_MS / 1000 + 10)  # ZeroMQ's own default (30 s) would run past this
+    try:
+        while peer.recv(4096):  # ZeroMQ's greeting, then the close
+            pass
+    finally:
+        peer.close()
+        inbox.close()
+        gate.close()
+        ctx.term()

@@ -3,9 +3,11 @@
 The driver makes every key of a run (`keypair`): one pair for the servers (learner rank 0's inbox and weight
 publisher) and one per rollout-actor incarnation. A `Gate` in the servers' process admits only the client keys it
 was given, each under a name, through ZeroMQ's ZAP handshake: a peer without a key, with an unknown one or with a
-replaced one never completes the handshake, so nothing it sends reaches the application. Every message received
-through a gated socket carries the name its key was admitted under (ZeroMQ's `User-Id`), which the inbox holds
-against the sender the message claims to be.
+replaced one never completes the handshake (abandoned after HANDSHAKE_MS), so nothing it sends reaches the
+application. Every message received through a gated socket carries its sender's public key (ZeroMQ's `User-Id`);
+the inbox names it through the gate per message, so a key replaced after it connected speaks no more, and holds the
+name against the sender the message claims to be. A weight subscriber whose key is replaced after it connected
+keeps receiving weights until its connection closes.
 """
 
 from __future__ import annotations
@@ -49,7 +51,10 @@ class _Authenticator(ThreadAuthenticator):
         self.gate = gate
 
     def curve_user_id(self, client_public_key: bytes) -> str:  # called once the handshake admitted the key
-        return self.gate.name_of(z85.encode(client_public_key)) or ""
+        return z85.encode(client_public_key).decode()  # every message's User-Id: the gate names it per message
+
+
+HANDSHAKE_MS = 5000  # a CURVE handshake takes milliseconds; ZeroMQ's default waits 30 s
 
 
 class Gate:
@@ -64,14 +69,17 @@ class Gate:
         self._auth.configure_curve_callback("*", credentials_provider=self)
 
     def serve(self, socket: zmq.Socket) -> None:
-        """Makes `socket` (before it binds) a CURVE server behind this gate."""
+        """Makes `socket` (before it binds) a CURVE server behind this gate, which drops a connection whose
+        handshake has not completed within HANDSHAKE_MS (an unauthenticated peer holds a descriptor no longer)."""
+        socket.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
         socket.curve_secretkey = self.keys.secret
         socket.curve_publickey = self.keys.public
         socket.curve_server = True
 
     def admit(self, name: str, public: bytes) -> None:
         """From now on `public` may connect as `name`; a key admitted earlier under `name` no longer may (a
-        replaced actor's). Connections already made stay until their peer closes them."""
+        replaced actor's). A connection it already made stays open, but a gated inbox names each message's sender
+        anew, so what it sends from then on is dropped as `revoked`."""
         with self._lock:
             self._names = {k: n for k, n in self._names.items() if n != name} | {public: name}
 

@@ -61,7 +61,7 @@ class Inbox:
         self.socket.setsockopt(zmq.MAXMSGSIZE, max_bytes + MAXMSGSIZE_SLACK)
         if gate is not None:
             gate.serve(self.socket)
-        self.gated = gate is not None
+        self.gate = gate
         port = self.socket.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{dialable(host)}:{port}"
         self.max_bytes = max_bytes
@@ -75,10 +75,12 @@ class Inbox:
         while self.socket.poll(timeout_ms):
             frames, count = self._frames()
             if frames:
-                # a gated socket knows the sender from its key; otherwise it is what the first frame says
-                sender = (frames[0].get("User-Id") if self.gated else
+                # a gated socket knows the sender from its key, named anew per message (None: revoked since it
+                # connected); otherwise it is what the first frame says
+                sender = (self.gate.name_of(frames[0].get("User-Id").encode()) if self.gate is not None else
                           frames[0].bytes.decode(errors="replace")[:64] if count == 2 else "unknown")
-                message = self._decode(sender, [f.bytes for f in frames], count)
+                message = (self._drop("a revoked key", "revoked", "its key was replaced after it connected")
+                           if sender is None else self._decode(sender, [f.bytes for f in frames], count))
                 if message is not None:
                     return message
             timeout_ms = max(0, round((deadline - time.monotonic()) * 1000))
@@ -113,7 +115,7 @@ class Inbox:
         if message.schema != SCHEMA_VERSION:
             return self._drop(sender, "schema_version", f"schema {message.schema}, expected {SCHEMA_VERSION}")
         claimed = getattr(message, "actor_id", None)
-        if self.gated and claimed is not None and sender != f"actor-{claimed}":  # a key speaks only for itself
+        if self.gate is not None and claimed is not None and sender != f"actor-{claimed}":  # a key speaks only for itself
             return self._drop(sender, "sender", f"claims to be actor {claimed}")
         return message
 
