@@ -21,7 +21,8 @@ from sampling.coupled import MAX_RUN_SEED
 from tasks.arithmetic import ArithmeticTask
 
 STALL_FLOOR_S = 10.0  # the least rollout.stall_timeout_s: five of an actor's heartbeats (actor/rollout.HEARTBEAT_S)
-INBOX_MIB = 16384  # the most transport.trajectory_queue x transport.max_message_mib: what the learner's inbox holds
+INBOX_MIB = 16384  # the most transport.trajectory_queue x transport.max_message_mib: the inbox's two-frame messages
+# (a multipart message of more frames is buffered whole by libzmq before it is read and dropped: not bounded here)
 
 
 class Dtype(Enum):

@@ -87,9 +87,10 @@ class Inbox:
         return None
 
     def _frames(self) -> tuple[list[zmq.Frame], int]:
-        """One message: its first two frames and how many it had (the rest are read and let go, so a peer cannot
-        grow memory by frame count). ([], 0) when the message announced never comes: ZeroMQ signals a message as
-        it starts arriving, and drops it with its peer's connection if a frame exceeds MAXMSGSIZE."""
+        """One message: its first two frames and how many it had (the rest are read and let go; libzmq has
+        buffered them all by then, so what one message can cost is bounded per frame by MAXMSGSIZE, not in frame
+        count). ([], 0) when the message announced never comes: ZeroMQ signals a message as it starts arriving, and
+        drops it with its peer's connection if a frame exceeds MAXMSGSIZE."""
         frames: list[zmq.Frame] = []
         count = 0
         try:
