@@ -60,7 +60,7 @@ class Run:
         import ray
         from torch.utils.tensorboard import SummaryWriter
 
-        from learner.base import RUN_FILE, checkpoint_state, run_of
+        from learner.base import RUN_FILE, checkpoint_state, is_branch, run_of
         from learner.rollout_log import FILE as ROLLOUTS
 
         OmegaConf.save(cfg, self.dir / "config.yaml", resolve=True)  # the resolved config, beside the event files
@@ -69,9 +69,13 @@ class Run:
             checkpoint, state = checkpoint_state(cfg.trainer.resume_from)
             print(f"resuming from {checkpoint}: step {state['version']}, data cursor {state['data_cursor']}")
         # a run's checkpoints carry its id, and the directory names the run that writes it: resuming from it never
-        # picks up checkpoints an earlier run left there (a resumed run keeps the id of the run it continues)
-        self.run_id = state.get("run_id") or uuid.uuid4().hex
-        if cfg.logging.overwrite and run_of(self.dir) not in (None, self.run_id):  # checked at load: asked for
+        # picks up checkpoints an earlier run left there. A resumed run keeps the id of the run it continues from its
+        # newest checkpoint; from an older one it is a branch with an id of its own, so a restart never jumps onto
+        # the abandoned timeline's newer checkpoints
+        self.run_id = state.get("run_id") if checkpoint is not None and not is_branch(checkpoint) else None
+        self.run_id = self.run_id or uuid.uuid4().hex
+        # (checked at load: asked for; a branch of the directory's own run keeps the checkpoint it resumes from)
+        if cfg.logging.overwrite and run_of(self.dir) not in (None, self.run_id, state.get("run_id")):
             shutil.rmtree(self.dir / "checkpoints", ignore_errors=True)
             for old in [*self.dir.glob("events.out.tfevents.*"), self.dir / "summary.json", self.dir / ROLLOUTS]:
                 old.unlink(missing_ok=True)

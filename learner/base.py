@@ -18,7 +18,7 @@ A checkpoint is a directory `checkpoints/step_N/` of a run: `deepspeed/` (weight
 weights as a Hugging Face checkpoint, what resumed actors load), with online distillation `draft/` (the running
 draft LM and its version, which a resumed run publishes first), `state.json` (`version` = step counter,
 `data_cursor` = one past the newest prompt trained on, counters) and `manifest.json` (the run's id and every file
-with its size). It is written as `step_N.partial/`, fsynced, and renamed into place only when whole, so a crash
+with its size and sha256). It is written as `step_N.partial/`, fsynced, and renamed into place only when whole, so a crash
 leaves either the previous checkpoint or the new one; resuming from a run directory takes the newest *complete*
 checkpoint *of the run that last wrote the directory* (`run.json`), never a checkpoint an earlier run left there.
 A resumed run continues at that step and that cursor (and that run id); prompts in flight but untrained at
@@ -27,6 +27,7 @@ checkpoint time are skipped, not repeated.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -45,12 +46,28 @@ def admissible(policy_versions: list[int], learner_version: int, max_staleness: 
     return staleness(policy_versions, learner_version) <= max_staleness
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _intact(path: Path, entry: dict | int) -> bool:
+    if isinstance(entry, int):  # a manifest written before they carried hashes: its sizes are all it can check
+        return path.stat().st_size == entry
+    return path.stat().st_size == entry["size"] and _sha256(path) == entry["sha256"]
+
+
 def manifest(checkpoint: Path) -> dict | None:
-    """A checkpoint's manifest when every file it lists is there with its size; None for a partial checkpoint."""
+    """A checkpoint's manifest when every file it lists is there with its size and sha256 (a file damaged in place,
+    same size or not, fails); None for a partial or damaged checkpoint. Reading every byte is the price: a resume or a
+    restart reads them anyway."""
     try:
         listed = json.loads((checkpoint / MANIFEST).read_text())
-        whole = all((checkpoint / name).stat().st_size == size for name, size in listed["files"].items())
-    except (OSError, ValueError, KeyError, AttributeError):
+        whole = all(_intact(checkpoint / name, entry) for name, entry in listed["files"].items())
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
         return None
     return listed if whole else None
 
@@ -69,8 +86,8 @@ def find_checkpoint(path: str) -> Path:
     root = Path(path).expanduser()
     if (root / "state.json").is_file():
         if manifest(root) is None:
-            raise FileNotFoundError(f"{root}: an incomplete checkpoint (its {MANIFEST} is missing or lists files "
-                                    "that are not there whole)")
+            raise FileNotFoundError(f"{root}: an incomplete or damaged checkpoint (its {MANIFEST} is missing or "
+                                    "lists files that are not there whole, by size and sha256)")
         return root
     run_id = run_of(root)
     steps = sorted((p for p in root.glob("checkpoints/step_*") if p.name.split("_")[1].isdigit()),
@@ -81,6 +98,14 @@ def find_checkpoint(path: str) -> Path:
             return step
     raise FileNotFoundError(f"{root}: neither a checkpoint nor a run directory with a complete checkpoint "
                             f"(checkpoints/step_N/{MANIFEST}) of its run")
+
+
+def is_branch(checkpoint: Path) -> bool:
+    """Whether resuming from `checkpoint` leaves a newer whole checkpoint of its run behind (its run directory's)."""
+    try:
+        return find_checkpoint(str(checkpoint.parent.parent)) != checkpoint
+    except FileNotFoundError:
+        return False
 
 
 def checkpoint_state(path: str) -> tuple[Path, dict]:
@@ -107,7 +132,8 @@ def seal_checkpoint(final: Path, state: dict) -> None:
     directory, and renames it to `final` (replacing an older checkpoint of that name) in one step."""
     partial_dir = partial(final)
     (partial_dir / "state.json").write_text(json.dumps(state, indent=2))
-    files = {str(p.relative_to(partial_dir)): p.stat().st_size for p in sorted(partial_dir.rglob("*")) if p.is_file()}
+    files = {str(p.relative_to(partial_dir)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(partial_dir.rglob("*")) if p.is_file()}
     (partial_dir / MANIFEST).write_text(json.dumps({"run_id": state["run_id"], "files": files}, indent=1))
     for p in [*partial_dir.rglob("*"), partial_dir]:
         _fsync(p)

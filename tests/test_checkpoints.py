@@ -1,6 +1,7 @@
 """Crash-safe checkpoints (learner/base.py): a checkpoint becomes visible whole or not at all, resuming takes the
 newest complete checkpoint of the run that last wrote the directory, and never one an earlier run left there."""
 
+import hashlib
 import json
 
 import pytest
@@ -23,7 +24,8 @@ def test_sealed_checkpoints_are_found_newest_first_and_partial_ones_never(tmp_pa
     assert find_checkpoint(str(tmp_path)).name == "step_4"
     assert not (tmp_path / "checkpoints" / "step_4.partial").exists()
     manifest = json.loads((tmp_path / "checkpoints" / "step_4" / "manifest.json").read_text())
-    assert manifest["files"]["hf/model.safetensors"] == len(b"weights") and manifest["run_id"] == "a"
+    assert manifest["files"]["hf/model.safetensors"] == {"size": len(b"weights"), "sha256": hashlib.sha256(
+        b"weights").hexdigest()} and manifest["run_id"] == "a"
 
 
 def test_a_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path):
@@ -32,8 +34,34 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path):
     write(tmp_path, 4, "a")
     (tmp_path / "checkpoints" / "step_4" / "hf" / "model.safetensors").write_bytes(b"trunc")  # torn write
     assert find_checkpoint(str(tmp_path)).name == "step_2"
-    with pytest.raises(FileNotFoundError, match="incomplete checkpoint"):
+    with pytest.raises(FileNotFoundError, match="incomplete or damaged checkpoint"):
         find_checkpoint(str(tmp_path / "checkpoints" / "step_4"))
+
+
+@pytest.mark.parametrize("damaged", ["state.json", "hf/model.safetensors"])
+def test_a_checkpoint_damaged_in_place_at_the_same_size_falls_back_to_the_previous_one(tmp_path, damaged):
+    (tmp_path / RUN_FILE).write_text(json.dumps({"run_id": "a"}))
+    write(tmp_path, 2, "a")
+    write(tmp_path, 4, "a")
+    path = tmp_path / "checkpoints" / "step_4" / damaged
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0xFF  # one flipped byte: the size is what the manifest says
+    path.write_bytes(bytes(data))
+    assert find_checkpoint(str(tmp_path)).name == "step_2"
+
+
+def test_resuming_from_an_older_checkpoint_of_a_run_is_a_branch(tmp_path):
+    """A resume from the newest checkpoint continues its run (same id); from an older one it branches (the driver
+    gives it an id of its own), so its restarts never find the abandoned timeline's newer checkpoints."""
+    from learner.base import is_branch
+
+    (tmp_path / RUN_FILE).write_text(json.dumps({"run_id": "a"}))
+    write(tmp_path, 2, "a")
+    write(tmp_path, 4, "a")
+    assert is_branch(tmp_path / "checkpoints" / "step_2") and not is_branch(tmp_path / "checkpoints" / "step_4")
+    (tmp_path / RUN_FILE).write_text(json.dumps({"run_id": "b"}))  # the branch took the directory over
+    write(tmp_path, 3, "b")
+    assert find_checkpoint(str(tmp_path)).name == "step_3"  # not the abandoned step_4
 
 
 def test_a_run_directory_reused_by_a_fresh_run_never_resumes_the_old_runs_checkpoints(tmp_path):
