@@ -69,15 +69,18 @@ class RolloutPool:
 
     def stop_silent(self) -> None:
         """Kills every actor rank 0 has heard nothing from for `rollout.stall_timeout_s` while it waits for groups
-        (a hung engine, a stopped process): it then stops like a dead one, and `wait` replaces it."""
-        limit = self.cfg.rollout.stall_timeout_s
-        if limit <= 0:
-            return
-        for i, silent in ray.get(self.learners.rank0.silences.remote()).items():
-            if silent > limit:
-                print(f"rollout actor {i} sent nothing for {silent:.0f} s (rollout.stall_timeout_s = {limit:g}): "
-                      "taken for hung and stopped", file=sys.stderr)
-                ray.kill(self.actors[i])
+        (a hung engine, a stopped process), or that has not spoken at all within `rollout.start_timeout_s` (an engine
+        that never finishes starting): it then stops like a dead one, and `wait` replaces it."""
+        rank0, r = self.learners.rank0, self.cfg.rollout
+        for key, limit, silences, what in [("stall_timeout_s", r.stall_timeout_s, rank0.silences, "sent nothing"),
+                                          ("start_timeout_s", r.start_timeout_s, rank0.unstarted, "never spoke")]:
+            if limit <= 0:
+                continue
+            for i, silent in ray.get(silences.remote()).items():
+                if silent > limit:
+                    print(f"rollout actor {i} {what} for {silent:.0f} s (rollout.{key} = {limit:g}): taken for hung "
+                          "and stopped", file=sys.stderr)
+                    ray.kill(self.actors[i])
 
     def replace(self, i: int) -> None:
         """Replaces actor `i`, which stopped: a replacement that dies or does not catch up within `CATCH_UP_S` is

@@ -256,6 +256,14 @@ class Intake:
         now = time.monotonic()
         return {actor: now - heard for actor, heard in self.heard.items() if actor in self.spoken}
 
+    def unstarted(self) -> dict[int, float]:
+        """While the learner listens: seconds since listening began for every first-incarnation actor that has not
+        spoken yet (an engine still starting, or one that never will); a replacement catching up is the driver's
+        to time (driver/rollouts.py)."""
+        now = time.monotonic()
+        return {actor: now - heard for actor, heard in self.heard.items()
+                if actor not in self.spoken and actor not in self.watched}
+
     def pending_trajectories(self) -> int:
         return sum(len(g) for g in [*self.pending.values(), *self.held])
 

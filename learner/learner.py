@@ -383,6 +383,11 @@ class Learner:
         with self.lock:
             return self.intake.silences()
 
+    def unstarted(self) -> dict[int, float]:
+        """Rank 0: seconds each actor that never spoke has been awaited while `collect` waits (`Intake.unstarted`)."""
+        with self.lock:
+            return self.intake.unstarted()
+
     def take_gaps(self) -> dict[int, int]:
         """Rank 0: actors that lost messages, each with the k to regenerate from (see `Intake.take_gaps`)."""
         with self.lock:

@@ -230,14 +230,15 @@ def test_silence_is_measured_while_listening_from_the_followed_incarnation_once_
     intake.listen(True)
     clock[0] = 130.0
     assert intake.silences() == {}  # nobody has spoken yet
+    assert intake.unstarted() == {0: 30.0, 1: 30.0}  # (driver/rollouts.py holds it against rollout.start_timeout_s)
     intake.take(Heartbeat(SCHEMA_VERSION, actor_id=0, seq=0), version=0)
     intake.take(trajectory(1, 0, seq=0, actor=1), version=0)
     clock[0] = 140.0
-    assert intake.silences() == {0: 10.0, 1: 10.0}
+    assert intake.silences() == {0: 10.0, 1: 10.0} and intake.unstarted() == {}
     intake.replaced(0, incarnation=2)  # actor 0 died; its replacement numbers from 2 << INCARNATION_SHIFT
     intake.take(Heartbeat(SCHEMA_VERSION, actor_id=0, seq=1), version=0)  # the dead one's, late
     intake.take(WeightAck(SCHEMA_VERSION, actor_id=0, version=1, apply_seconds=0.1), version=0)
-    assert intake.silences() == {1: 10.0}
+    assert intake.silences() == {1: 10.0} and intake.unstarted() == {}  # a replacement is timed by the driver
     clock[0] = 150.0
     intake.take(Heartbeat(SCHEMA_VERSION, actor_id=0, seq=2 << INCARNATION_SHIFT), version=0)  # the replacement
     assert intake.silences() == {0: 0.0, 1: 20.0}

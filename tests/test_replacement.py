@@ -22,8 +22,8 @@ NEWEST = 3  # the weight version rank 0 holds
 
 
 class Rank0:
-    def __init__(self):
-        self.reissued = 0
+    def __init__(self, never_started: bool = False):
+        self.reissued, self.never_started = 0, never_started
 
     def reissue(self, actor: int, incarnation: int) -> int:
         self.reissued += 1
@@ -36,7 +36,10 @@ class Rank0:
         return {}
 
     def silences(self) -> dict[int, float]:  # actor 0 silent for long, once; its replacement speaks
-        return {0: 1000.0} if self.reissued == 0 else {0: 0.1}
+        return {0: 1000.0} if self.reissued == 0 and not self.never_started else {0: 0.1}
+
+    def unstarted(self) -> dict[int, float]:  # or: actor 0 never speaks at all, once
+        return {0: 1000.0} if self.reissued == 0 and self.never_started else {}
 
     def count(self) -> int:
         return self.reissued
@@ -74,18 +77,20 @@ class StandIn:
 def local_ray():
     here = Path(__file__).resolve().parent  # workers import the stand-ins from this module
     # logical CPUs: every pool keeps its placement bundles (1 CPU per actor) for the module's life
-    ray.init(num_cpus=8, include_dashboard=False, configure_logging=False, log_to_driver=False,
+    ray.init(num_cpus=16, include_dashboard=False, configure_logging=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}})
     yield
     ray.shutdown()
 
 
-def pool(behaviour: dict[int, str], max_restarts: int, *overrides: str, earlier: int = 0) -> RolloutPool:
+def pool(behaviour: dict[int, str], max_restarts: int, *overrides: str, earlier: int = 0,
+         never_started: bool = False) -> RolloutPool:
     cfg = load_config("grpo_tiny", [f"rollout.max_restarts={max_restarts}", *overrides])
     p = object.__new__(RolloutPool)  # the pool without a run: its learners and actors are stand-ins
     p.cfg, p.model_dir, p.version, p.plan, p.restarts = cfg, "", 0, CursorPlan(0, 1, 1), 0
     p.allowed = max_restarts - earlier
-    p.learners = SimpleNamespace(rank0=ray.remote(Rank0).remote(), server_public=None, trajectory_endpoint="",
+    p.learners = SimpleNamespace(rank0=ray.remote(Rank0).remote(never_started), server_public=None,
+                                 trajectory_endpoint="",
                                  weight_endpoint="")
     cls = ray.remote(num_cpus=0.1, max_concurrency=4)(StandIn)
     p.cls = SimpleNamespace(options=lambda **kw: SimpleNamespace(
@@ -134,12 +139,15 @@ def test_the_least_stall_timeout_is_several_heartbeats():
     assert STALL_FLOOR_S >= 5 * HEARTBEAT_S
 
 
-@pytest.mark.parametrize("timeout_s,restarts", [(60, 1), (0, 0)], ids=["watched", "never"])
-def test_an_actor_silent_past_the_stall_timeout_is_stopped_and_replaced(local_ray, monkeypatch, timeout_s, restarts):
+@pytest.mark.parametrize("key,timeout_s,restarts", [("stall_timeout_s", 60, 1), ("stall_timeout_s", 0, 0),
+                                                    ("start_timeout_s", 60, 1), ("start_timeout_s", 0, 0)],
+                         ids=["hung", "hung-never", "never-started", "never-started-never"])
+def test_an_actor_silent_past_its_timeout_is_stopped_and_replaced(local_ray, monkeypatch, key, timeout_s, restarts):
     """While the learner waits, an actor rank 0 has not heard from for `rollout.stall_timeout_s` (a hung engine, a
-    stopped process: alive to Ray, so nothing else would notice) is killed, then replaced like a dead one."""
+    stopped process: alive to Ray, so nothing else would notice), or a first actor that has not spoken at all within
+    `rollout.start_timeout_s` (an engine that never finishes starting), is killed, then replaced like a dead one."""
     monkeypatch.setattr(driver.rollouts, "GAP_CHECK_S", 0.2)
-    p = pool({}, 3, f"rollout.stall_timeout_s={timeout_s}")
+    p = pool({}, 3, f"rollout.{key}={timeout_s}", never_started=key == "start_timeout_s")
     hung = p.actors[0]
     waiting = ray.remote(num_cpus=0)(lambda: time.sleep(3) or "collected").remote()  # the learner's collect
     assert p.wait([waiting]) == ["collected"]
