@@ -227,6 +227,11 @@ class TrainerConfig:
         "run from its newest checkpoint (its start, if none was written yet: trainer.checkpoint_every), this often "
         "per run; 0: the run stops and says where to resume from. An error raised in training code always stops "
         "the run", at_least(0))
+    step_timeout_s: float = knob(
+        1800.0, "learner ranks that have not finished a step's training or publishing this long (a stopped process, "
+        "a stuck collective: alive to Ray, so nothing else notices) are taken for lost, as a dead rank is, and the "
+        "run restarts from its newest checkpoint (0: never)",
+        zero_or_at_least(STALL_FLOOR_S, "never", "beyond the longest step a healthy learner takes"))
     deterministic: bool = knob(
         False, "true: bit-reproducible runs (needs algorithm.max_staleness 0): groups trained in data-cursor order, "
         "each step's groups generated together with nothing else in the engine (held-out evaluation waits for a "

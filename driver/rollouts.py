@@ -46,14 +46,18 @@ class RolloutPool:
             self.cfg, i, self.model_dir, self.learners.trajectory_endpoint, self.learners.weight_endpoint,
             self.version, self.plan, first_k, incarnation=self.restarts, keys=keys)
 
-    def wait(self, refs: list[ray.ObjectRef]) -> list:
+    def wait(self, refs: list[ray.ObjectRef], timeout_s: float = 0.0) -> list:
         """`ray.get(refs)`, replacing every rollout actor that stops meanwhile; the first error among `refs` is raised
-        as soon as it happens (a failed learner rank would otherwise leave the others waiting in a collective)."""
-        pending = list(refs)
+        as soon as it happens (a failed learner rank would otherwise leave the others waiting in a collective), and a
+        `TimeoutError` once `timeout_s` (0: none) passes without them, or when rank 0 does not answer its
+        bookkeeping calls within `trainer.step_timeout_s` (a stopped process)."""
+        pending, deadline = list(refs), time.monotonic() + timeout_s if timeout_s > 0 else None
         while pending:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"no answer within {timeout_s:g} s")
             ready = ray.wait([*pending, *self.runs], num_returns=1, timeout=GAP_CHECK_S)[0]
             if not ready:  # meanwhile: an actor whose trajectories were lost regenerates the groups they belonged to
-                for i, first_k in ray.get(self.learners.rank0.take_gaps.remote()).items():
+                for i, first_k in self._ask(self.learners.rank0.take_gaps).items():
                     print(f"rollout actor {i} lost trajectories; it generates again from data cursor "
                           f"{self.plan.cursor(i, first_k)}", file=sys.stderr)
                     self.actors[i].rewind.remote(first_k)
@@ -76,11 +80,16 @@ class RolloutPool:
                                           ("start_timeout_s", r.start_timeout_s, rank0.unstarted, "never spoke")]:
             if limit <= 0:
                 continue
-            for i, silent in ray.get(silences.remote()).items():
+            for i, silent in self._ask(silences).items():
                 if silent > limit:
                     print(f"rollout actor {i} {what} for {silent:.0f} s (rollout.{key} = {limit:g}): taken for hung "
                           "and stopped", file=sys.stderr)
                     ray.kill(self.actors[i])
+
+    def _ask(self, method):
+        """Rank 0's answer to a bookkeeping call: a `GetTimeoutError` (a TimeoutError) if it gives none within
+        `trainer.step_timeout_s`."""
+        return ray.get(method.remote(), timeout=self.cfg.trainer.step_timeout_s or None)
 
     def replace(self, i: int) -> None:
         """Replaces actor `i`, which stopped: a replacement that dies or does not catch up within `CATCH_UP_S` is

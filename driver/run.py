@@ -142,9 +142,13 @@ class Run:
 
     @contextlib.contextmanager
     def learners_alive(self):
-        """Turns the death of a learner rank's process into `LearnerLost` (an error raised in training stands)."""
+        """Turns the death of a learner rank's process, or its making no progress for `trainer.step_timeout_s`, into
+        `LearnerLost` (an error raised in training stands)."""
         try:
             yield
+        except TimeoutError as e:  # alive to Ray, but making no progress: lost all the same
+            raise LearnerLost(f"the learner ranks made no progress ({e}; trainer.step_timeout_s = "
+                              f"{self.cfg.trainer.step_timeout_s:g})") from e
         except self.ray.exceptions.RayActorError as e:
             ranks = [r._actor_id.hex() for r in self.learners.ranks]
             if e.actor_id is not None and e.actor_id not in ranks:
@@ -213,12 +217,12 @@ class Run:
     def train(self) -> dict[str, float]:
         """Every rank trains on its share; DeepSpeed all-reduces the gradients."""
         with self.learners_alive():
-            return self.rollouts.wait(self.learners.all("train"))[0]
+            return self.rollouts.wait(self.learners.all("train"), self.cfg.trainer.step_timeout_s)[0]
 
     def publish(self) -> dict[str, float]:
         """The new weights go out in buckets; actors apply them between engine steps."""
         with self.learners_alive():
-            return self.rollouts.wait(self.learners.all("publish"))[0]
+            return self.rollouts.wait(self.learners.all("publish"), self.cfg.trainer.step_timeout_s)[0]
 
     def log(self, step: int, metrics: dict[str, float]) -> dict[str, str]:
         """Writes the step's scalars; returns the progress line's fields."""

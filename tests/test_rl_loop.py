@@ -168,6 +168,30 @@ def test_a_dead_learner_restarts_every_process_from_the_newest_checkpoint(tmp_pa
     assert sorted({e.step for e in EventAccumulator(str(logdir)).Reload().Scalars("rl/reward_mean")}) == [0, 1, 2, 3, 4]
 
 
+def test_a_stopped_learner_rank_is_taken_for_lost_and_the_run_restarts_from_its_checkpoint(tmp_path, capsys):
+    """A learner rank stopped with SIGSTOP is alive to Ray, so nothing else would notice (its peers would wait in a
+    collective for a day): past `trainer.step_timeout_s` without progress it is lost like a dead one, and every
+    process starts again from the newest checkpoint."""
+    import signal
+
+    import ray
+
+    logdir = tmp_path / "run"
+
+    def stop():
+        pid = ray.get(ray.get_actor("learner-0").__ray_call__.remote(lambda learner: os.getpid()))
+        os.kill(pid, signal.SIGSTOP)
+
+    stopper = at_checkpoint(logdir, 2, stop)
+    assert launch.main(["--config", "grpo_tiny", "trainer.steps=5", "trainer.checkpoint_every=1",
+                        "trainer.step_timeout_s=15", f"logging.dir={logdir}", *SMALL]) == 0
+    stopper.join()
+    summary = json.loads((logdir / "summary.json").read_text())
+    assert summary["learner_restarts"] == 1 and summary["learner"]["version"] == 5
+    assert summary["learner"]["trained"] == 5 * 2 * 4
+    assert "the learner ranks made no progress" in capsys.readouterr().err
+
+
 def test_a_dead_learner_ends_the_run_saying_where_to_resume(tmp_path, capsys):
     """Without restarts (trainer.max_learner_restarts 0), learner rank 0 killed after step 2's checkpoint: the run
     stops with that error, every process shut down, summary.json written with the actors' counters, and the console
