@@ -29,15 +29,21 @@ def trajectory(actor: int, group: int, index: int, seq: int, rng: random.Random)
                       rng.choice([0.0, 1.0]), "stop", 0.1)
 
 
-def semantic_violations(t: Trajectory) -> dict[str, Trajectory]:
-    """One well-formed trajectory of actor 1 per reason the intake refuses (actor 1 owns the odd group ids)."""
+def semantic_violations(t: Trajectory) -> dict[str, list[Trajectory]]:
+    """Well-formed trajectories of actor 1 that the intake refuses, by reason (actor 1 owns the odd group ids): each
+    would crash the learner, poison its float32 loss or its metrics, or sit in memory for good."""
     n = len(t.response_ids)
-    return {"group": replace(t, group_size=GROUP_SIZE + 1), "owner": replace(t, group_id=t.group_id + 1),
-            "lengths": replace(t, behaviour_logprobs=t.behaviour_logprobs + [-1.0]),
-            "too_long": replace(t, prompt_ids=[1] * MAX_LEN), "token_ids": replace(t, response_ids=[VOCAB] * n),
-            "reward": replace(t, reward=float("nan")), "logprobs": replace(t, behaviour_logprobs=[float("-inf")] * n),
-            "versions": replace(t, policy_versions=[VERSION + 1] * n),
-            "ahead": replace(t, group_id=t.group_id + 6 * GROUPS)}  # a step no actor admits yet
+    return {"group": [replace(t, group_size=GROUP_SIZE + 1)], "owner": [replace(t, group_id=t.group_id + 1)],
+            "behind": [replace(t, group_id=-t.group_id)],  # before the plan's first cursor
+            "lengths": [replace(t, behaviour_logprobs=t.behaviour_logprobs + [-1.0])],
+            "too_long": [replace(t, prompt_ids=[1] * MAX_LEN)], "token_ids": [replace(t, response_ids=[VOCAB] * n)],
+            "reward": [replace(t, reward=float("nan")), replace(t, reward=1e39), replace(t, reward=3e38)],
+            "logprobs": [replace(t, behaviour_logprobs=[float("-inf")] * n),
+                         replace(t, reward=0.0, behaviour_logprobs=[-1e3] * n)],  # a negative advantage's ratio
+            "drafter_labels": [replace(t, drafter_labels={"ngram": [1, 2, 3]}), replace(t, drafter_choices={"x": -1}),
+                               replace(t, drafter_labels={"ngram": [1, -1]})],
+            "versions": [replace(t, policy_versions=[VERSION + 1] * n)],
+            "ahead": [replace(t, group_id=t.group_id + 6 * GROUPS)]}  # a step no actor admits yet
 
 
 def hostile_messages(rng: random.Random) -> tuple[list[list[bytes]], dict[str, int], dict[str, int]]:
@@ -67,7 +73,8 @@ def hostile_messages(rng: random.Random) -> tuple[list[list[bytes]], dict[str, i
             frames, reason = [b"x", msgspec.msgpack.encode(replace(base, actor_id=0, group_id=base.group_id - 1))], \
                 "sender"
         elif kind == 7:
-            reason, bad = rng.choice(list(semantic_violations(base).items()))
+            reason, variants = rng.choice(list(semantic_violations(base).items()))
+            bad = rng.choice(variants)
             intake_reasons[reason] = intake_reasons.get(reason, 0) + 1
             messages.append([b"x", msgspec.msgpack.encode(bad)])
             continue
@@ -87,6 +94,11 @@ def hostile_messages(rng: random.Random) -> tuple[list[list[bytes]], dict[str, i
         inbox_reasons[reason] = inbox_reasons.get(reason, 0) + 1
         messages.append(frames)
     return messages, inbox_reasons, intake_reasons
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
 def test_fuzzed_messages_never_crash_the_inbox_nor_touch_a_valid_group():
@@ -119,6 +131,7 @@ def test_fuzzed_messages_never_crash_the_inbox_nor_touch_a_valid_group():
                 except zmq.Again:  # its connection was dropped and is not back yet
                     pass
 
+    before = rss_mib()
     sender = threading.Thread(target=send)
     sender.start()
     plan = CursorPlan(0, 2, 2 * GROUPS)  # every valid group is step 0's
@@ -135,6 +148,7 @@ def test_fuzzed_messages_never_crash_the_inbox_nor_touch_a_valid_group():
             delivered.append(group)
     sender.join()
     assert inbox.recv(500) is None  # nothing more: none of the oversize-limit frames reached the application
+    assert rss_mib() - before < 64, "the storm grew the receiving process"  # sockets' buffers, counters, groups
 
     ours = [g for g in delivered if g[0].actor_id == 0]
     assert sorted(t.group_id for g in ours for t in g[:1]) == [2 * g for g in range(GROUPS)]  # each once
