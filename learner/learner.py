@@ -13,13 +13,13 @@ import threading
 import time
 from pathlib import Path
 
-import msgspec
 import torch
 from omegaconf import DictConfig
 
 from configs.schema import Dtype, LossAggregation, StepOrder
 from learner.base import checkpoint_state, partial, seal_checkpoint, staleness
 from learner.distill import RemoteDistiller
+from learner.exchange import broadcast_groups, gather_full_state
 from learner.grpo import Packed, group_advantages, micro_batch_loss, response_logprobs, step_rows
 from learner.intake import Intake
 from learner.metrics import intake_metrics, rollout_metrics
@@ -50,6 +50,7 @@ class Learner:
         the weight publisher (transport/auth.py)."""
         self.cfg, self.policy_dir, self.reference_dir = cfg, policy_dir, reference_dir
         self.rank, self.world, self.micro = rank, cfg.learner.num_ranks, cfg.learner.micro_batch_size
+        self.bucket_bytes = cfg.transport.weight_bucket_mib << 20  # weights are gathered and sent this much at a time
         self.distiller: RemoteDistiller | None = None  # rank 0, when the draft LM is distilled
         if rank == 0:
             self.gate = None if keys is None else Gate(keys)
@@ -162,7 +163,7 @@ class Learner:
         """Every rank: one GRPO step on its share of the collected groups; rank 0's metrics, {} on the others."""
         groups = self.groups
         if self.world > 1:  # every rank gets the step's groups and trains on its share
-            groups = self.share(groups)
+            groups = broadcast_groups(groups, self.rank, self.engine.device)
         algo = self.cfg.algorithm
         trajectories = [t for g in groups for t in g]
         rewards = torch.tensor([[t.reward for t in g] for g in groups])
@@ -254,55 +255,18 @@ class Learner:
             summary = self.intake.summary()
         return {**metrics, **intake_metrics(summary, self.inbox.dropped)}
 
-    def share(self, groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
-        """Every rank: rank 0's groups, sent as msgspec bytes in a tensor broadcast (no pickle between ranks: a
-        rank unpickling what it is sent would run whatever code the bytes name)."""
-        device = self.engine.device
-        payload = torch.frombuffer(bytearray(msgspec.msgpack.encode(groups)), dtype=torch.uint8) if self.rank == 0 \
-            else torch.empty(0, dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], device=device)
-        torch.distributed.broadcast(size, src=0)
-        payload = payload.to(device) if self.rank == 0 else torch.empty(int(size.item()), dtype=torch.uint8,
-                                                                        device=device)
-        torch.distributed.broadcast(payload, src=0)
-        return msgspec.msgpack.decode(payload.cpu().numpy().tobytes(), type=list[list[Trajectory]])
-
-    def full_state(self) -> dict[str, torch.Tensor] | None:
-        """Every rank: rank 0 gets the full parameters on the CPU in the training dtype, as the in-memory model
-        names them; other ranks get None (under ZeRO-3 they take part in gathering them, about a weight bucket's
-        worth at a time, so a device holds little more than its own shard)."""
-        import deepspeed
-
-        if self.rank != 0 and self.cfg.learner.zero_stage != 3:
-            return None
-        limit = self.cfg.transport.weight_bucket_mib << 20
-        chunks: list[list] = [[]]
-        size = 0
-        for name, p in self.engine.module.named_parameters():
-            if chunks[-1] and size >= limit:
-                chunks.append([])
-                size = 0
-            chunks[-1].append((name, p))
-            size += getattr(p, "ds_numel", p.numel()) * p.element_size()  # ds_numel: the full size of a shard
-        state = {}
-        for chunk in chunks:
-            with deepspeed.zero.GatheredParameters([p for _, p in chunk], enabled=self.cfg.learner.zero_stage == 3):
-                if self.rank == 0:
-                    state.update((name, p.detach().to("cpu", copy=True)) for name, p in chunk)
-        return state if self.rank == 0 else None
-
     def publish(self) -> dict[str, float]:
         """Every rank: sends the new weights (rank 0), each bucket once to all actors; rank 0's sync metrics."""
         from transformers.core_model_loading import revert_weight_conversion
 
         start = time.time()
-        state = self.full_state()
+        state = gather_full_state(self.engine, self.rank, self.cfg.learner.zero_stage, self.bucket_bytes)
         if state is None:
             return {}
         # named and shaped as the checkpoint has them: transformers fuses MoE experts in memory, vLLM reloads
         # per-expert checkpoint tensors
         named = revert_weight_conversion(self.engine.module, state).items()
-        self.published = pack_buckets(iter(named), self.cfg.transport.weight_bucket_mib << 20)
+        self.published = pack_buckets(iter(named), self.bucket_bytes)
         with self.lock:
             self.lead = self.intake.lead(self.version)  # between steps: exact (tasks/schedule.py)
         sent = self.publisher.publish(self.version, self.published, lead=self.lead)
@@ -311,7 +275,7 @@ class Learner:
         draft = self.distiller.take_outgoing() if self.distiller is not None else None
         if draft is not None:
             self.draft_version, self.draft_published = draft[0], pack_buckets(
-                iter(draft[1]), self.cfg.transport.weight_bucket_mib << 20)
+                iter(draft[1]), self.bucket_bytes)
             sent += self.publisher.publish(self.draft_version, self.draft_published, model="draft")
         with self.lock:  # the actors' acknowledgements of earlier versions
             applied, swapped = self.intake.take_apply_seconds(), self.intake.take_apply_seconds("draft")
@@ -336,7 +300,7 @@ class Learner:
 
     def save_pretrained(self, path: str) -> None:
         """Every rank: the weights as a Hugging Face checkpoint that vLLM can serve (written by rank 0)."""
-        state = self.full_state()
+        state = gather_full_state(self.engine, self.rank, self.cfg.learner.zero_stage, self.bucket_bytes)
         if state is not None:
             self.engine.module.save_pretrained(path, state_dict=state)
             copy_tokenizer(self.policy_dir, path)
