@@ -64,22 +64,45 @@ class DrafterBridge:
             self.seconds += self.step_end - start
 
     def _propose(self, start, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
+        """One engine step's drafts: forget the requests that left -> hear what was committed -> plan each request's
+        budget -> draft -> record the plan in the requests' counts."""
         if self.drafter is None:
             raise RuntimeError("DrafterBridge.propose before install(): no drafter bound")
-        batch, runner, sampler = self.runner.input_batch, self.runner, self.runner._sample
+        batch = self.runner.input_batch
         req_ids = batch.req_ids[: batch.num_reqs]
         self._observe_step(start, req_ids)
-        # a request out of this step's batch may only be waiting (unscheduled, preempted by a weight update): its
-        # drafter state is dropped once vLLM no longer holds it (finished or aborted)
+        gone = self._forget(req_ids)
+        rows = [row for row, committed in enumerate(sampled_token_ids[: len(req_ids)]) if committed]
+        self._hear([(req_ids[row], list(sampled_token_ids[row])) for row in rows], gone)
+        if self.failure or (self.max_batch and len(req_ids) > self.max_batch):  # no drafting above the bound
+            rows = []
+        lengths = num_tokens_no_spec[: len(req_ids)].tolist()  # plain ints: a numpy scalar per request costs more
+        budgets, explore = self._plan(req_ids, rows, lengths)
+        requests = self._requests(req_ids, rows, budgets, lengths, token_ids_cpu)
+        drafts: list[list[int]] = [[] for _ in req_ids]
+        if requests:
+            try:
+                self._draft(requests, drafts, len(req_ids), verify_all=explore or not self.planning)
+            except Exception as e:
+                self.switch_off(e)
+                drafts = [[] for _ in req_ids]
+        self._record(req_ids, rows, drafts)
+        return drafts
+
+    def _forget(self, req_ids: list[str]) -> list[str]:
+        """The requests vLLM no longer holds (finished or aborted), their state dropped. A request out of this step's
+        batch may only be waiting (unscheduled, preempted by a weight update): it is kept."""
         self.known.update(req_ids)
-        gone = [r for r in self.known - set(req_ids) if r not in runner.requests]
+        gone = [r for r in self.known - set(req_ids) if r not in self.runner.requests]
         for req_id in gone:
             self.acceptance.remove(req_id)
             self.shown.pop(req_id, None)
             self.known.discard(req_id)
         self.live = set(req_ids)
-        committed_rows = [row for row, committed in enumerate(sampled_token_ids[: len(req_ids)]) if committed]
-        commits = [(req_ids[row], list(sampled_token_ids[row])) for row in committed_rows]
+        return gone
+
+    def _hear(self, commits: list[tuple[str, list[int]]], gone: list[str]) -> None:
+        """What the verifier committed: each drafted request's acceptance and labels, then the drafter told."""
         for req_id, committed in commits:
             if req_id in self.verifying:
                 self._learn(req_id, committed)
@@ -89,18 +112,25 @@ class DrafterBridge:
             except Exception as e:
                 self.switch_off(e)
         self.verifying = {}
-        drafts: list[list[int]] = [[] for _ in req_ids]
-        if self.failure or (self.max_batch and len(req_ids) > self.max_batch):  # no drafting above the bound
-            committed_rows = []
-        budgets, explore = [self.k] * len(committed_rows), self.undrafted_steps >= EXPLORE_EVERY
-        lengths = num_tokens_no_spec[: len(req_ids)].tolist()  # plain ints: a numpy scalar per request costs more
-        if self.planning:
-            unseen = [lengths[row] - self.shown.get(req_ids[row], 0) for row in committed_rows]
-            rates = self.acceptance.rates([req_ids[row] for row in committed_rows])
-            budgets, _ = plan(geometric(rates, self.k), len(req_ids), self.step_cost,
-                              self.draft_cost, explore=explore, unseen=unseen)
-        requests, prompt_lengths = [], batch.num_prompt_tokens[: len(req_ids)].tolist()
-        for row, budget in zip(committed_rows, budgets):
+
+    def _plan(self, req_ids: list[str], rows: list[int], lengths: list[int]) -> tuple[list[int], bool]:
+        """Each drafting row's budget (k without the planner) and whether this step explores."""
+        explore = self.undrafted_steps >= EXPLORE_EVERY
+        if not self.planning:
+            return [self.k] * len(rows), explore
+        unseen = [lengths[row] - self.shown.get(req_ids[row], 0) for row in rows]
+        rates = self.acceptance.rates([req_ids[row] for row in rows])
+        budgets, _ = plan(geometric(rates, self.k), len(req_ids), self.step_cost, self.draft_cost,
+                          explore=explore, unseen=unseen)
+        return budgets, explore
+
+    def _requests(self, req_ids: list[str], rows: list[int], budgets: list[int], lengths: list[int],
+                  token_ids_cpu) -> list[tuple[int, DraftRequest]]:
+        """What the drafter is asked, per row with a budget: ids, seed, position, sampling settings and a read-only
+        view of the history."""
+        runner, sampler = self.runner, self.runner._sample
+        requests, prompt_lengths = [], runner.input_batch.num_prompt_tokens[: len(req_ids)].tolist()
+        for row, budget in zip(rows, budgets):
             length, req_id = lengths[row], req_ids[row]
             params = runner.requests[req_id].sampling_params
             position = length - prompt_lengths[row]
@@ -115,24 +145,23 @@ class DrafterBridge:
             requests.append((row, DraftRequest(
                 request_id=req_id, seed=sampler.seed_of(req_id), position=position, token_ids=history,
                 temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, max_tokens=budget)))
-        if requests:
-            try:
-                self._draft(requests, drafts, len(req_ids), verify_all=explore or not self.planning)
-            except Exception as e:
-                self.switch_off(e)
-                drafts = [[] for _ in req_ids]
+        return requests
+
+    def _record(self, req_ids: list[str], rows: list[int], drafts: list[list[int]]) -> None:
+        """The step's plan in its requests' counts (and a switched-off drafter or member on every request from now
+        on), and the step the planner expects."""
+        sampler = self.runner._sample
         members_off = "; ".join(self.call("failures", off=[]) or [])  # a composite's members switched off
         if self.failure or members_off:  # every request from now on says it was decoded without them
             reason = self.failure or f"drafter {type(self.drafter).__name__}: {members_off}"
             for req_id in req_ids:
                 sampler.counts_for(req_id).drafter_failure = reason
-        for row in committed_rows:
+        for row in rows:
             counts = sampler.counts_for(req_ids[row])
             counts.planned_steps += 1
             counts.planned_tokens += len(drafts[row])
         self.undrafted_steps = 0 if any(drafts) else self.undrafted_steps + 1
         self.predicted = float(self.step_cost.predict(len(req_ids) + sum(len(d) for d in drafts)))
-        return drafts
 
     def _tell(self, gone: list[str], commits: list[tuple[str, list[int]]]) -> None:
         """The drafter hears which requests left and what was committed (drafting or not), and a composite's

@@ -45,6 +45,12 @@ class Sample:
     versions: list[int] = field(default_factory=list)
 
 
+def request_id(cursor: int, index: int) -> str:
+    """The engine request of sample `index` of the group for data cursor `cursor` (vLLM appends its own suffix:
+    `actor.vllm_hooks.caller_id` takes it off)."""
+    return f"{cursor}-{index}"
+
+
 INCARNATION_SHIFT = 32  # a replacement actor numbers its messages from incarnation << 32 (learner/intake.py)
 HEARTBEAT_S = 2.0  # an actor says how far it got this often (rank 0 also learns it is alive)
 
@@ -83,44 +89,18 @@ class RolloutActor:
                       "drafter_failure": ""}  # why the drafter was switched off (actor/draft_bridge.py), if it was
 
     def run(self) -> dict:
-        """Generates until `stop()`; returns counters."""
+        """Generates until `stop()`; returns counters. Each turn: poll weights -> admit groups (and evaluations) ->
+        step the engine -> route its outputs (finished groups streamed to the learner)."""
         from vllm.inputs.engine import tokens_input
 
-        n = self.cfg.rollout.group_size
         self.stats["start_version"] = self.version  # a replacement actor first catches up with the learner
-        samples: dict[str, Sample] = {}
-        finished: dict[int, list] = {}
+        samples: dict[str, Sample] = {}  # training request id -> its sample, while in the engine
+        finished: dict[int, list] = {}  # cursor -> its group's finished samples, until the group is whole
         evaluating: dict[str, Evaluation] = {}  # request id -> its evaluation
-        k = self.first_k
-        beat = time.time()
+        k, beat = self.first_k, time.time()
         while not self.stopping.is_set():
             self.poll_weights(0, in_flight=bool(samples))
-            while not self.rewinds.empty():  # trajectories of this actor were lost: regenerate from the learner's k
-                k = self.rewinds.get()
-                self.abandon(samples, finished)
-            # deterministic runs: a step's groups have the engine (and an empty prefix cache) to themselves, so a
-            # regenerated step (a dead or rewound actor, a resumed run) runs exactly the batches it ran the first time
-            apart = self.cfg.trainer.deterministic
-            while not self.evaluations.empty() and not (apart and samples):
-                evaluating.update(self.start_evaluation(self.evaluations.get(), tokens_input))
-            cursor = self.plan.cursor(self.actor_id, k)
-            fresh = self.plan.admits(cursor, self.version, self.cfg.algorithm.max_staleness, self.lead)  # bounded
-            if apart and fresh and (samples or evaluating):
-                fresh = False  # the engine is not empty yet
-            elif apart and fresh and not self.llm.reset_prefix_cache():
-                raise RuntimeError(f"actor {self.actor_id}: vLLM could not reset its prefix cache with nothing running")
-            while fresh:
-                problem = self.dataset[cursor]
-                prompt_ids = self.tokenizer(problem.prompt, add_special_tokens=False).input_ids
-                for i in range(n):
-                    params = sampling_params(self.cfg, seed=group_seed(self.cfg.seed, cursor, n) + i)
-                    rid = f"{cursor}-{i}"
-                    self.engine.add_request(rid, tokens_input(prompt_ids), params)
-                    samples[rid] = Sample(cursor, i, prompt_ids, time.time())
-                finished[cursor] = []
-                k += 1
-                cursor = self.plan.cursor(self.actor_id, k)
-                fresh = self.plan.admits(cursor, self.version, self.cfg.algorithm.max_staleness, self.lead)
+            k = self._admit(k, samples, finished, evaluating, tokens_input)
             if time.time() - beat > HEARTBEAT_S:  # how far it got (a lost last trajectory shows), and that it lives
                 beat = time.time()
                 self._send(Heartbeat(SCHEMA_VERSION, self.actor_id, self.seq))
@@ -132,28 +112,63 @@ class RolloutActor:
             start = time.time()
             outputs = self.engine.step()
             self.stats["generate_seconds"] += time.time() - start
-            for out in outputs:
-                if out.request_id in evaluating:
-                    if out.finished:
-                        completion, evaluation = out.outputs[0], evaluating.pop(out.request_id)
-                        evaluation.record(out.request_id, completion_text(self.tokenizer, completion.token_ids),
-                                          len(completion.token_ids), self.version)
-                        if evaluation.done.is_set():  # its speculation counts are not a trajectory's: drop them
-                            ids = [rid for rid, _, _ in evaluation.request_ids()]
-                            self.llm.collective_rpc(take_spec_counts, args=(ids,))
-                    continue
-                sample = samples[out.request_id]
-                completion = out.outputs[0]
-                sample.versions += [self.version] * (len(completion.token_ids) - len(sample.versions))
-                if out.finished:
-                    del samples[out.request_id]
-                    finished[sample.cursor].append((sample, completion))
-                    if len(finished[sample.cursor]) == n:
-                        self.send_group(finished.pop(sample.cursor))
+            self._route(outputs, samples, finished, evaluating)
         self.engine.abort_request(list(samples) + list(evaluating))  # unfinished groups are abandoned, never half-sent
         for evaluation in set(evaluating.values()) | set(self.evaluations.queue):
             evaluation.done.set()  # an evaluation cut short by stop() reports what it has
-        return {**self.stats, "abandoned_requests": len(samples), "version": self.version, "dropped_weight_buckets": self.weights.dropped}
+        return {**self.stats, "abandoned_requests": len(samples), "version": self.version,
+                "dropped_weight_buckets": self.weights.dropped}
+
+    def _admit(self, k: int, samples: dict, finished: dict, evaluating: dict, tokens_input) -> int:
+        """Rewinds asked for, evaluations asked for, then every group the staleness bound admits, as requests;
+        returns the k of this actor's next group."""
+        while not self.rewinds.empty():  # trajectories of this actor were lost: regenerate from the learner's k
+            k = self.rewinds.get()
+            self.abandon(samples, finished)
+        # deterministic runs: a step's groups have the engine (and an empty prefix cache) to themselves, so a
+        # regenerated step (a dead or rewound actor, a resumed run) runs exactly the batches it ran the first time
+        apart = self.cfg.trainer.deterministic
+        while not self.evaluations.empty() and not (apart and samples):
+            evaluating.update(self.start_evaluation(self.evaluations.get(), tokens_input))
+        n = self.cfg.rollout.group_size
+        cursor = self.plan.cursor(self.actor_id, k)
+        fresh = self.plan.admits(cursor, self.version, self.cfg.algorithm.max_staleness, self.lead)  # bounded
+        if apart and fresh and (samples or evaluating):
+            fresh = False  # the engine is not empty yet
+        elif apart and fresh and not self.llm.reset_prefix_cache():
+            raise RuntimeError(f"actor {self.actor_id}: vLLM could not reset its prefix cache with nothing running")
+        while fresh:
+            prompt_ids = self.tokenizer(self.dataset[cursor].prompt, add_special_tokens=False).input_ids
+            for i in range(n):
+                params = sampling_params(self.cfg, seed=group_seed(self.cfg.seed, cursor, n) + i)
+                self.engine.add_request(request_id(cursor, i), tokens_input(prompt_ids), params)
+                samples[request_id(cursor, i)] = Sample(cursor, i, prompt_ids, time.time())
+            finished[cursor] = []
+            k += 1
+            cursor = self.plan.cursor(self.actor_id, k)
+            fresh = self.plan.admits(cursor, self.version, self.cfg.algorithm.max_staleness, self.lead)
+        return k
+
+    def _route(self, outputs: list, samples: dict, finished: dict, evaluating: dict) -> None:
+        """An engine step's outputs: evaluations recorded, each token's policy version noted, and a group sent to
+        the learner once its last sample finishes."""
+        for out in outputs:
+            if out.request_id in evaluating:
+                if out.finished:
+                    completion, evaluation = out.outputs[0], evaluating.pop(out.request_id)
+                    evaluation.record(out.request_id, completion_text(self.tokenizer, completion.token_ids),
+                                      len(completion.token_ids), self.version)
+                    if evaluation.done.is_set():  # its speculation counts are not a trajectory's: drop them
+                        ids = [rid for rid, _, _ in evaluation.request_ids()]
+                        self.llm.collective_rpc(take_spec_counts, args=(ids,))
+                continue
+            sample, completion = samples[out.request_id], out.outputs[0]
+            sample.versions += [self.version] * (len(completion.token_ids) - len(sample.versions))
+            if out.finished:
+                del samples[out.request_id]
+                finished[sample.cursor].append((sample, completion))
+                if len(finished[sample.cursor]) == self.cfg.rollout.group_size:
+                    self.send_group(finished.pop(sample.cursor))
 
     def rewind(self, first_k: int) -> None:
         """Trajectories of this actor were lost (the learner saw a gap in its sequence numbers): it abandons the
@@ -163,7 +178,7 @@ class RolloutActor:
     def abandon(self, samples: dict[str, Sample], finished: dict[int, list]) -> None:
         """Drops every training request in flight and every unsent finished sample, with their speculation counts
         (their request ids come back when the groups are generated again)."""
-        ids = list(samples) + [f"{s.cursor}-{s.index}" for group in finished.values() for s, _ in group]
+        ids = list(samples) + [request_id(s.cursor, s.index) for group in finished.values() for s, _ in group]
         self.engine.abort_request(list(samples))
         self.llm.collective_rpc(take_spec_counts, args=(ids,))
         self.stats["rewinds"] += 1
@@ -199,15 +214,16 @@ class RolloutActor:
     def send_group(self, group: list) -> None:
         problem = self.dataset[group[0][0].cursor]
         group = sorted(group, key=lambda sc: sc[0].index)
-        ids = [f"{s.cursor}-{s.index}" for s, _ in group]
+        ids = [request_id(s.cursor, s.index) for s, _ in group]
         counts: dict[str, SpecCounts] = self.llm.collective_rpc(take_spec_counts, args=(ids,))[0]
         for sample, completion in group:
-            spec = counts[f"{sample.cursor}-{sample.index}"]
+            rid = request_id(sample.cursor, sample.index)
+            spec = counts[rid]
             ids = list(completion.token_ids)
             logprobs = spec.logprobs[: len(ids)]
             if len(logprobs) != len(ids):
-                raise RuntimeError(f"actor {self.actor_id}: request {sample.cursor}-{sample.index} has {len(ids)} "
-                                   f"tokens but the coupled sampler recorded {len(spec.logprobs)} logprobs")
+                raise RuntimeError(f"actor {self.actor_id}: request {rid} has {len(ids)} tokens but the coupled "
+                                   f"sampler recorded {len(spec.logprobs)} logprobs")
             sent = self._send(Trajectory(
                 SCHEMA_VERSION, self.actor_id, self.seq, sample.cursor, len(group), sample.index,
                 sample.prompt_ids, ids, logprobs, sample.versions,
@@ -280,7 +296,8 @@ class RolloutActor:
         self.stopping.set()
 
     def wait_for_version(self, version: int, timeout_s: float) -> int:
-        """Applies weight updates until `version` is reached or `timeout_s` passes; call only while `run` is not running."""
+        """Applies weight updates until `version` is reached or `timeout_s` passes; call only while `run` is not
+        running."""
         deadline = time.time() + timeout_s
         while self.version < version and time.time() < deadline:
             self.poll_weights(100)

@@ -60,11 +60,29 @@ class Run:
         import ray
         from torch.utils.tensorboard import SummaryWriter
 
+        OmegaConf.save(cfg, self.dir / "config.yaml", resolve=True)  # the resolved config, beside the event files
+        checkpoint, state = self._take_run_dir()
+        self.first_step = state["version"]
+        self.origin = checkpoint, state  # where a restart goes back to while this run has written no checkpoint
+        self.env, self.reference_dir, self.ray, self.interrupted = env, reference_dir, ray, False
+        self.learner_restarts = self.earlier_actor_restarts = 0
+        try:
+            self._start(checkpoint, state)
+        except BaseException:
+            unroute(self.log_handlers)
+            raise
+        self.writer = SummaryWriter(str(self.dir))
+        self.step_started = time.time()
+        self.rewards = RewardWindows(window=max(1, min(10, (cfg.trainer.steps - self.first_step) // 2)))
+        self._announce(log_file)
+
+    def _take_run_dir(self) -> tuple[Path | None, dict]:
+        """The checkpoint to start from (None: the run's first step) and its state; the run's id written to the
+        directory (an earlier run's checkpoints and logs there deleted first when `logging.overwrite` asks)."""
         from learner.base import RUN_FILE, checkpoint_state, is_branch, run_of
         from learner.rollout_log import FILE as ROLLOUTS
 
-        OmegaConf.save(cfg, self.dir / "config.yaml", resolve=True)  # the resolved config, beside the event files
-        checkpoint, state = None, {"version": 0, "data_cursor": 0}
+        cfg, checkpoint, state = self.cfg, None, {"version": 0, "data_cursor": 0}
         if cfg.trainer.resume_from:  # continue: same step counter, same data cursor, optimizer state restored
             checkpoint, state = checkpoint_state(cfg.trainer.resume_from)
             print(f"resuming from {checkpoint}: step {state['version']}, data cursor {state['data_cursor']}")
@@ -80,18 +98,11 @@ class Run:
             for old in [*self.dir.glob("events.out.tfevents.*"), self.dir / "summary.json", self.dir / ROLLOUTS]:
                 old.unlink(missing_ok=True)
         (self.dir / RUN_FILE).write_text(json.dumps({"run_id": self.run_id}))
-        self.first_step = state["version"]
-        self.origin = checkpoint, state  # where a restart goes back to while this run has written no checkpoint
-        self.env, self.reference_dir, self.ray, self.interrupted = env, reference_dir, ray, False
-        self.learner_restarts = self.earlier_actor_restarts = 0
-        try:
-            self._start(checkpoint, state)
-        except BaseException:
-            unroute(self.log_handlers)
-            raise
-        self.writer = SummaryWriter(str(self.dir))
-        self.step_started = time.time()
-        self.rewards = RewardWindows(window=max(1, min(10, (cfg.trainer.steps - self.first_step) // 2)))
+        return checkpoint, state
+
+    def _announce(self, log_file: str) -> None:
+        """The console's configuration lines, once."""
+        cfg = self.cfg
         r, lr, spec = cfg.rollout, cfg.learner, cfg.speculation
         print(f"SpecActor: model {cfg.model.path} ({self.policy_dir}), data {cfg.data.source}\n"
               f"  rollout: {r.num_actors} actor(s), {r.prompts_per_step} prompts x {r.group_size} samples per step, "

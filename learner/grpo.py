@@ -4,6 +4,7 @@ trajectories packed as the model reads them (`Packed`)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig
@@ -52,6 +53,36 @@ def step_rows(lengths: list[int], live: list[int], rank: int, world: int, micro:
     mine = ordered[rank::world]
     count = max(1, math.ceil(math.ceil(len(ordered) / world) / micro))
     return [mine[j * micro : (j + 1) * micro] for j in range(count)]
+
+
+@dataclass
+class StepRows:
+    """A step's rows as one rank trains them (indices into `trajectories`): `micro_batches` have a gradient (one
+    optimizer step over all of them), `taught` are forwarded only, for the draft LM's distiller, and `shortest` is
+    what a rank with no rows left forwards to stay in step with the others."""
+
+    trajectories: list[Trajectory]
+    rewards: torch.Tensor  # [groups, group_size]
+    advantages: torch.Tensor  # [rows]
+    micro_batches: list[list[int]]
+    taught: list[list[int]]
+    shortest: list[Trajectory]
+
+
+def plan_step(groups: list[list[Trajectory]], algo: DictConfig, rank: int, world: int, micro: int,
+              teach: bool) -> StepRows:
+    """Group-normalised advantages and rank `rank`'s rows of the step. A row whose advantage is exactly 0 (a group
+    whose rewards are all equal) adds nothing to the gradient without a KL term: it gets no backward pass, and is
+    forwarded (`taught`) only when the distiller learns from the step (`teach`)."""
+    trajectories = [t for g in groups for t in g]
+    rewards = torch.tensor([[t.reward for t in g] for g in groups])
+    advantages = group_advantages(rewards, algo.normalize_advantage_std).flatten()
+    live = [i for i, a in enumerate(advantages.tolist()) if algo.kl_coef > 0 or a != 0.0]
+    lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
+    rest = sorted(set(range(len(trajectories))) - set(live))
+    return StepRows(trajectories, rewards, advantages, step_rows(lengths, live, rank, world, micro),
+                    step_rows(lengths, rest, rank, world, micro) if rest and teach else [],
+                    [trajectories[lengths.index(min(lengths))]])
 
 
 LOG_RATIO_MAX = 20.0  # a ratio above e^20 is clipped for a positive advantage, and otherwise overflows no float32

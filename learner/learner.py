@@ -20,7 +20,7 @@ from configs.schema import Dtype, LossAggregation, StepOrder
 from learner.base import checkpoint_state, partial, seal_checkpoint, staleness
 from learner.distill import RemoteDistiller
 from learner.exchange import broadcast_groups, gather_full_state
-from learner.grpo import Packed, group_advantages, micro_batch_loss, response_logprobs, step_rows
+from learner.grpo import Packed, StepRows, micro_batch_loss, plan_step, response_logprobs
 from learner.intake import Intake
 from learner.metrics import intake_metrics, rollout_metrics
 from learner.optim import FiniteAdamW
@@ -160,56 +160,57 @@ class Learner:
         return {"rl/wait_seconds": time.time() - start, "rollout/held_groups": float(held)}
 
     def train(self) -> dict[str, float]:
-        """Every rank: one GRPO step on its share of the collected groups; rank 0's metrics, {} on the others."""
-        groups = self.groups
-        if self.world > 1:  # every rank gets the step's groups and trains on its share
-            groups = broadcast_groups(groups, self.rank, self.engine.device)
-        algo = self.cfg.algorithm
-        trajectories = [t for g in groups for t in g]
-        rewards = torch.tensor([[t.reward for t in g] for g in groups])
-        advantages = group_advantages(rewards, algo.normalize_advantage_std).flatten()
-        # a row whose advantage is exactly 0 (a group whose rewards are all equal) adds nothing to the gradient
-        # without a KL term: it gets no backward pass, and no forward unless the distiller learns from it
-        live = [i for i, a in enumerate(advantages.tolist()) if algo.kl_coef > 0 or a != 0.0]
-        lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
-        shortest = [trajectories[lengths.index(min(lengths))]]  # what a rank with no rows left forwards
-        micro_batches = step_rows(lengths, live, self.rank, self.world, self.micro)
-        rest = sorted(set(range(len(trajectories))) - set(live))
-        # the distiller (rank 0) learns from those rows too when it is free to take this step (a busy one skips it),
-        # forwarded once the new weights are out (`publish`); under ZeRO-3 a forward gathers the weights from every
-        # rank, so there every rank forwards its share here, in step, every step
+        """Every rank: one GRPO step on its share of the collected groups: plan the rows -> forward the distiller's
+        -> descend -> metrics (rank 0's; {} on the others)."""
+        groups = self.groups if self.world == 1 else broadcast_groups(self.groups, self.rank, self.engine.device)
+        # the distiller (rank 0) learns from the step when it is free to take it (a busy one skips it); under
+        # ZeRO-3 a forward gathers the weights from every rank, so there every rank forwards its share, every step
         learning, zero3 = self.distiller is not None and self.distiller.ready(), self.cfg.learner.zero_stage == 3
         teach = learning or (self.cfg.speculation.distill.every_versions > 0 and zero3)
-        taught = step_rows(lengths, rest, self.rank, self.world, self.micro) if rest and teach else []
-        step_tokens = sum(len(t.response_ids) for t in trajectories)
-        # DeepSpeed divides each micro-batch's loss by its configured accumulation steps (gas) and the all-reduce
-        # averages the ranks: weights that make the sum the loss over the whole step, however it was cut
-        gas = self.engine.gradient_accumulation_steps()
+        rows = plan_step(groups, self.cfg.algorithm, self.rank, self.world, self.micro, teach)
         self.engine.train()
         lr = self.engine.get_lr()[0]  # this step's (the scheduler moves on with the optimizer step)
-        start, sums, extremes = time.time(), torch.zeros(7), torch.tensor([float("-inf"), float("-inf")])
-        for rows in taught:  # a forward only: the policy's distributions teach the draft LM
-            batch = [trajectories[i] for i in rows]
+        start = time.time()
+        self._forward_taught(rows, learning, zero3)
+        sums, extremes = self._descend(rows, learning)
+        self.version += 1
+        return self._step_metrics(rows, sums, extremes, lr, time.time() - start) if self.rank == 0 else {}
+
+    def _forward_taught(self, rows: StepRows, learning: bool, zero3: bool) -> None:
+        """The rows without a gradient that the distiller learns from: deferred until the new weights are out
+        (`publish`), or under ZeRO-3 forwarded now by every rank in step (a gathering forward)."""
+        for indices in rows.taught:
+            batch = [rows.trajectories[i] for i in indices]
             if not zero3:
                 self.distiller.defer(batch)
                 continue
             with torch.no_grad():
-                full = response_logprobs(self.engine, Packed(batch or shortest), self.cfg.rollout)
+                full = response_logprobs(self.engine, Packed(batch or rows.shortest), self.cfg.rollout)
             if learning and batch:
                 self.distiller.observe(batch, full)
-        for j, rows in enumerate(micro_batches):
-            self.engine.set_gradient_accumulation_boundary(j == len(micro_batches) - 1)  # one optimizer step
-            batch = [trajectories[i] for i in rows]
+
+    def _descend(self, rows: StepRows, learning: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The micro-batches' forward and backward passes and one optimizer step; returns the summed statistics
+        (loss, SUMMED..., micro-batches, grad norm) and the ratio extremes, all-reduced over the ranks."""
+        algo, trajectories = self.cfg.algorithm, rows.trajectories
+        step_tokens = sum(len(t.response_ids) for t in trajectories)
+        # DeepSpeed divides each micro-batch's loss by its configured accumulation steps (gas) and the all-reduce
+        # averages the ranks: weights that make the sum the loss over the whole step, however it was cut
+        gas = self.engine.gradient_accumulation_steps()
+        sums, extremes = torch.zeros(len(SUMMED) + 3), torch.tensor([float("-inf"), float("-inf")])
+        for j, indices in enumerate(rows.micro_batches):
+            self.engine.set_gradient_accumulation_boundary(j == len(rows.micro_batches) - 1)  # one optimizer step
+            batch = [trajectories[i] for i in indices]
             if batch:
-                loss, stats, full = micro_batch_loss(self.engine, self.reference, Packed(batch), advantages[rows],
-                                                     self.cfg)
+                loss, stats, full = micro_batch_loss(self.engine, self.reference, Packed(batch),
+                                                     rows.advantages[indices], self.cfg)
                 if learning:
                     self.distiller.observe(batch, full)
                 share = (sum(len(t.response_ids) for t in batch) / step_tokens
                          if algo.loss_aggregation == LossAggregation.token_mean else len(batch) / len(trajectories))
                 loss = loss * (share * gas * self.world)
             else:  # this rank has no rows left: a zero loss keeps its passes in step with the other ranks'
-                row = Packed(shortest)
+                row = Packed(rows.shortest)
                 loss = self.engine(input_ids=row.ids, attention_mask=row.attention).logits.sum() * 0.0
             self.engine.backward(loss)
             boundary = self.engine.is_gradient_accumulation_boundary()  # once per step: the optimizer steps
@@ -221,9 +222,9 @@ class Learner:
             if boundary and not plain:  # ZeRO and bf16 optimizers record the norm they clipped by
                 grad_norm = float(self.engine.get_global_grad_norm())
             if batch:
-                sums += torch.tensor([loss.item(), *(stats[name] for name in SUMMED), 1.0, 0.0])
+                sums += torch.tensor([loss.item() / (gas * self.world), *(stats[name] for name in SUMMED), 1.0, 0.0])
                 extremes = torch.maximum(extremes, torch.tensor([stats["ratio_max"], -stats["ratio_min"]]))
-        sums[6] = grad_norm
+        sums[-1] = grad_norm / self.world  # every rank computed the same all-reduced norm
         if not self.engine.was_step_applied():  # a non-finite gradient (all-reduced: the same on every rank)
             self.skipped_steps += 1  # the weights stay as they were; the next publish sends them unchanged
         if self.world > 1:
@@ -231,26 +232,27 @@ class Learner:
             torch.distributed.all_reduce(sums)
             torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX)
             sums, extremes = sums.cpu(), extremes.cpu()
-        self.version += 1
-        if self.rank != 0:
-            return {}
-        loss, clip, entropy, kl, outside, batches, grad_norm = sums.tolist()
+        return sums, extremes
+
+    def _step_metrics(self, rows: StepRows, sums: torch.Tensor, extremes: torch.Tensor, lr: float,
+                      seconds: float) -> dict[str, float]:
+        """Rank 0: the step's scalars (rl/*, the rollouts', the intake's)."""
+        loss, *means, batches, grad_norm = sums.tolist()
         metrics = {
-            "rl/reward_mean": rewards.mean().item(),
-            "rl/zero_advantage_fraction": (advantages == 0).float().mean().item(),  # rows that teach nothing
-            "rl/loss": loss / (gas * self.world),  # the step's objective
-            "rl/grad_norm": grad_norm / self.world,  # every rank computed the same all-reduced norm
+            "rl/reward_mean": rows.rewards.mean().item(),
+            "rl/zero_advantage_fraction": (rows.advantages == 0).float().mean().item(),  # rows that teach nothing
+            "rl/loss": loss,  # the step's objective
+            "rl/grad_norm": grad_norm,
             "rl/skipped_steps": float(self.skipped_steps),  # steps whose gradient was not finite, so not taken
             "rl/lr": lr,
-            "rl/staleness_max": max(staleness(t.policy_versions, self.version - 1) for t in trajectories),
-            "rl/train_seconds": time.time() - start,
-            **rollout_metrics(trajectories, self.cfg.speculation.method),
+            "rl/staleness_max": max(staleness(t.policy_versions, self.version - 1) for t in rows.trajectories),
+            "rl/train_seconds": seconds,
+            **rollout_metrics(rows.trajectories, self.cfg.speculation.method),
         }
         if batches:  # over the rows trained on (none when every group is uniform)
-            metrics.update({"rl/clip_fraction": clip / batches, "rl/entropy": entropy / batches,
-                            "rl/outside_mask_fraction": outside / batches,
-                            "rl/ratio_max": extremes[0].item(), "rl/ratio_min": -extremes[1].item(),
-                            **({"rl/kl": kl / batches} if algo.kl_coef > 0 else {})})
+            metrics.update({f"rl/{name}": value / batches for name, value in zip(SUMMED, means)
+                            if name != "kl" or self.cfg.algorithm.kl_coef > 0})
+            metrics.update({"rl/ratio_max": extremes[0].item(), "rl/ratio_min": -extremes[1].item()})
         with self.lock:
             summary = self.intake.summary()
         return {**metrics, **intake_metrics(summary, self.inbox.dropped)}

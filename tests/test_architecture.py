@@ -86,3 +86,14 @@ def test_modules_stay_small_and_the_launcher_reads_as_the_algorithm():
     long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > 400}
     assert not long, long
     assert len((ROOT / "launch.py").read_text().splitlines()) <= 150
+
+
+def test_long_bodies_are_cut_into_named_phases():
+    """No function of the run's own packages is over 60 lines: a long body reads as calls that name its phases."""
+    long = []
+    for name, path in modules().items():
+        if name.split(".")[0] in {"actor", "learner", "drafters", "driver", "sampling", "transport"}:
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 60:
+                    long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not long, long
