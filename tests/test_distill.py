@@ -156,6 +156,7 @@ def test_a_worse_candidate_is_kept_out_and_a_broken_drafter_raises_the_alarm(pol
     assert distiller.step(3, learnt(policy_batches))["draft/alarm"] == 1.0
 
 
+@pytest.mark.engine
 def test_distillation_never_holds_the_learner_back(policy_batches, tmp_path):
     """The distiller runs in a Ray actor of its own, scheduled as idle; a step that ends while it is still
     busy is skipped and counted, not waited for; what it learns comes back to the learner's handle; if it dies, it
@@ -216,6 +217,7 @@ def test_distillation_never_holds_the_learner_back(policy_batches, tmp_path):
         ray.shutdown()
 
 
+@pytest.mark.engine
 def test_rank_0s_distiller_is_placed_in_rank_0s_bundle():
     """Made by a process in a placement group (learner rank 0, in bundle 0 of the learner's group), the distiller's
     actor goes into that bundle, whose resources (a share of rank 0's GPU on GPU clusters) are already reserved."""

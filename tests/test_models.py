@@ -26,6 +26,7 @@ def vllm_greedy(path, prompts, max_tokens):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("name", ["dense", "moe", "draft"])
 def test_vllm_and_transformers_agree_on_greedy_continuations(name):
     path = resolve(f"builtin:{name}")
@@ -39,6 +40,7 @@ def test_vllm_and_transformers_agree_on_greedy_continuations(name):
     assert vllm_greedy(path, PROMPTS, 24) == expected
 
 
+@pytest.mark.engine
 def test_policies_solve_easy_problems_and_fail_hard_ones():
     from models.evaluate import accuracy_by_difficulty
 

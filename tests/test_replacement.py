@@ -18,6 +18,8 @@ from driver.placement import reserve
 from driver.rollouts import RolloutPool
 from tasks.schedule import CursorPlan
 
+pytestmark = pytest.mark.engine  # each test starts a vLLM engine or a Ray cluster
+
 NEWEST = 3  # the weight version rank 0 holds
 
 

@@ -12,6 +12,8 @@ from configs.load import load_config
 from models.zoo import resolve
 from tasks.arithmetic import ArithmeticTask
 
+pytestmark = pytest.mark.engine  # each test starts a vLLM engine or a Ray cluster
+
 SETTINGS = [(0.0, 1.0, 0), (0.7, 0.9, 0), (1.0, 1.0, 0), (0.8, 1.0, 20)]  # (temperature, top_p, top_k)
 PROMPTS = 12  # per setting
 DRAFTERS = {"ngram": [], "draft_lm": [], "suffix": [], "examples.drafters.bigram.BigramDrafter": [],
