@@ -16,7 +16,9 @@ from __future__ import annotations
 import logging
 import operator
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -151,7 +153,7 @@ class DrafterBridge:
         """The step's plan in its requests' counts (and a switched-off drafter or member on every request from now
         on), and the step the planner expects."""
         sampler = self.runner._sample
-        members_off = "; ".join(self.call("failures", off=[]) or [])  # a composite's members switched off
+        members_off = "; ".join(self.call(lambda d: d.failures(), off=[]) or [])  # a composite's members switched off
         if self.failure or members_off:  # every request from now on says it was decoded without them
             reason = self.failure or f"drafter {type(self.drafter).__name__}: {members_off}"
             for req_id in req_ids:
@@ -186,13 +188,13 @@ class DrafterBridge:
         self.verifying = {}
         log.error("%s; this engine decodes on without drafts", self.failure, exc_info=error)
 
-    def call(self, method: str, *args, off=None):
-        """The drafter's `method` outside proposing and committing (remember, new_policy, swap_weights, failures):
-        `off` once the drafter is switched off, or when this call raises (which switches it off)."""
+    def call(self, ask: Callable[[Drafter], Any], off=None):
+        """`ask(drafter)` outside proposing and committing (remember, new_policy, swap_weights, failures): `off` once
+        the drafter is switched off, or when this call raises (which switches it off)."""
         if not self.failure:
             try:
                 with guarded(self.drafter):
-                    return getattr(self.drafter, method)(*args)
+                    return ask(self.drafter)
             except Exception as e:
                 self.switch_off(e)
         return off
@@ -325,18 +327,18 @@ def remember_outputs(worker, outputs: list[tuple[list[int], list[int], int]]) ->
     bridge = getattr(worker.model_runner, "drafter", None)
     if isinstance(bridge, DrafterBridge):
         for prompt, response, version in outputs:
-            bridge.call("remember", prompt, response, version)
+            bridge.call(lambda d: d.remember(prompt, response, version))
 
 
 def new_policy_version(worker, version: int) -> None:
     """The policy the engine samples from is `version` from the next step on (`Drafter.new_policy`)."""
     bridge = getattr(worker.model_runner, "drafter", None)
     if isinstance(bridge, DrafterBridge):
-        bridge.call("new_policy", version)
+        bridge.call(lambda d: d.new_policy(version))
 
 
 def swap_draft_weights(worker, weights: list) -> bool:
     """New weights for the drafter's own model, between engine steps (`Drafter.swap_weights`); False: it has none.
     A switched-off drafter takes them and drops them: the engine no longer drafts."""
     bridge = getattr(worker.model_runner, "drafter", None)
-    return isinstance(bridge, DrafterBridge) and bool(bridge.call("swap_weights", weights, off=True))
+    return isinstance(bridge, DrafterBridge) and bool(bridge.call(lambda d: d.swap_weights(weights), off=True))

@@ -24,6 +24,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 from drafters.base import Drafter, DraftRequest, load_drafter
 from drafters.calibration import Calibration
@@ -72,8 +74,8 @@ class FastestOfN(Drafter):
             if not asked:
                 continue
             start = time.perf_counter()
-            answer = self._call(m, "propose", [requests[i] for i in asked], k)
-            sureness = self._call(m, "confidences") if answer is not None else None
+            answer = self._call(m, lambda member: member.propose([requests[i] for i in asked], k))
+            sureness = self._call(m, lambda member: member.confidences()) if answer is not None else None
             if answer is None or m in self.off:
                 continue
             per_request = (time.perf_counter() - start) / len(asked)
@@ -113,10 +115,10 @@ class FastestOfN(Drafter):
             out.append((i, proposal, own))
         return out
 
-    def _call(self, m: int, method: str, *args):
-        """Member `m`'s `method`; None once it raised (which switches it off)."""
+    def _call(self, m: int, ask: Callable[[Drafter], Any]):
+        """`ask(member m)`; None once it raised (which switches it off)."""
         try:
-            return getattr(self.members[m], method)(*args)
+            return ask(self.members[m])
         except Exception as e:
             self._switch_off(m, e)
             return None
@@ -152,12 +154,12 @@ class FastestOfN(Drafter):
         rate = min(self._own_rate(request.request_id, m), 0.99)
         return rate * (1 - rate**budget) / (1 - rate)  # the sum of rate**j over j = 1..budget
 
-    def _each(self, method: str, *args) -> list:
-        """`method` of every member still on, in order: their answers (None from one that raised and is now off)."""
-        return [self._call(m, method, *args) for m in range(len(self.members)) if m not in self.off]
+    def _each(self, ask: Callable[[Drafter], Any]) -> list:
+        """`ask` of every member still on, in order: their answers (None from one that raised and is now off)."""
+        return [self._call(m, ask) for m in range(len(self.members)) if m not in self.off]
 
     def commit(self, request_id: str, committed: list[int]) -> None:
-        self._each("commit", request_id, committed)
+        self._each(lambda member: member.commit(request_id, committed))
         last = self.last.pop(request_id, None)
         if last is None:
             return
@@ -183,19 +185,19 @@ class FastestOfN(Drafter):
         return fresh
 
     def remember(self, prompt_ids: list[int], response_ids: list[int], version: int) -> None:
-        self._each("remember", prompt_ids, response_ids, version)
+        self._each(lambda member: member.remember(prompt_ids, response_ids, version))
 
     def new_policy(self, version: int) -> None:
-        self._each("new_policy", version)
+        self._each(lambda member: member.new_policy(version))
 
     def swap_weights(self, weights) -> bool:
         """To every member with weights of its own (the draft LM): true if one took them, or if a member is switched
         off (it may have been the one: the weights are dropped, as the engine drops them for a drafter it switched
         off)."""
-        return any(self._each("swap_weights", weights)) or bool(self.off)
+        return any(self._each(lambda member: member.swap_weights(weights))) or bool(self.off)
 
     def remove(self, request_id: str) -> None:
-        self._each("remove", request_id)
+        self._each(lambda member: member.remove(request_id))
         self.labels.pop(request_id, None)
         self.last.pop(request_id, None)
         self.fresh.pop(request_id, None)
