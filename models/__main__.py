@@ -1,5 +1,5 @@
-"""`python -m models [--evaluate N]`: builds the built-in models if missing and prints where they are and how well
-they solve the task."""
+"""`python -m models`: builds the built-in models if missing and prints where they are (`python -m
+bench.model_accuracy` says how well they solve the task)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ from models.zoo import build, builtin_dir, is_built
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--evaluate", type=int, default=0, metavar="N",
-                        help="also report greedy accuracy of each policy on N easy and N hard problems (vLLM)")
     parser.add_argument("--quiet", action="store_true",
                         help="print nothing when the models are built already, one line while building (the build's "
                              "progress goes to build.log beside them)")
@@ -26,13 +24,8 @@ def main() -> None:
             with open(log_path, "a") as log:
                 build(log=lambda line: print(line, file=log, flush=True))
         return
-    path = build()
+    build()
     print(json.dumps(json.loads((builtin_dir() / "build.json").read_text())["models"], indent=2))
-    if args.evaluate:
-        from models.evaluate import accuracy_by_difficulty
-
-        for name in ("dense", "moe"):
-            print(name, json.dumps(accuracy_by_difficulty(path / name, args.evaluate)))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ ALLOWED = {
     "sampling": set(),
     "tasks": set(),
     "transport": set(),
-    "models": {"tasks", "actor"},  # actor: models/evaluate.py closes its vLLM engine like a rollout actor
+    "models": {"tasks"},
     "drafters": {"sampling", "models"},
     # sampling: the largest run seed; learner: reads a checkpoint's state to validate a resume
     "configs": {"sampling", "tasks", "drafters", "models", "learner"},

@@ -42,7 +42,7 @@ def test_vllm_and_transformers_agree_on_greedy_continuations(name):
 
 @pytest.mark.engine
 def test_policies_solve_easy_problems_and_fail_hard_ones():
-    from models.evaluate import accuracy_by_difficulty
+    from bench.model_accuracy import accuracy_by_difficulty
 
     for name in ("dense", "moe"):
         acc = accuracy_by_difficulty(resolve(f"builtin:{name}"), per_split=48)

@@ -1,7 +1,13 @@
-"""Greedy accuracy of a checkpoint on the arithmetic task, split by difficulty, decoded with vLLM."""
+"""Greedy accuracy of a checkpoint on the arithmetic task, split by difficulty, decoded with vLLM: how well the
+built-in policies start RL (some signal on easy problems, room on hard ones).
+
+    python -m bench.model_accuracy [--per-split N]     # the built-in dense and MoE policies
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 
 from actor.engine import close_engine
@@ -31,3 +37,20 @@ def accuracy_by_difficulty(model_dir: Path, per_split: int, max_operand: int = A
         result[split] = sum(score(o.outputs[0].text, p.answer).correct for o, p in zip(outputs, problems)) / len(problems)
     close_engine(llm)
     return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    from models.zoo import build
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--per-split", type=int, default=64, help="problems per difficulty split")
+    args = parser.parse_args(argv)
+    if args.per_split < 1:
+        parser.error(f"--per-split must be 1 or more, got {args.per_split}")
+    path = build()
+    for name in ("dense", "moe"):
+        print(name, json.dumps(accuracy_by_difficulty(path / name, args.per_split)))
+
+
+if __name__ == "__main__":
+    main()
