@@ -29,11 +29,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from configs.load import ConfigError, load_config
+    from configs.load import ConfigError
+    from driver.preflight import load_run_config
 
     args = parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)  # every check runs before any process starts
+        cfg = load_run_config(args.config, args.overrides)  # every check runs before any process starts
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -44,7 +44,8 @@ import tempfile
 from pathlib import Path
 
 from bench.stats import paired
-from configs.load import ConfigError, load_config
+from configs.load import ConfigError
+from driver.preflight import load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = {
@@ -77,7 +78,7 @@ def system_config(system: str, overrides: list[str], staleness: int):
     """The launcher's config of `system` over `overrides` (the oracle's replay file, written during the benchmark,
     named by a placeholder): a system checked before any run starts."""
     replay = ["speculation.options.path=replay.json"] if system == "oracle" else []
-    return load_config("grpo_tiny", [*overrides, *system_overrides(system, staleness), *replay])
+    return load_run_config("grpo_tiny", [*overrides, *system_overrides(system, staleness), *replay])
 
 
 def oracle_replay(sync_logdir: Path, path: Path) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import ipaddress
 import math
@@ -16,7 +15,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from configs.knobs import ranges
 from configs.schema import Config
-from drafters.base import DrafterLoadError, drafter_class
 from models.zoo import BUILTIN_MODELS, BUILTIN_NAMES, BUILTIN_PREFIX
 from tasks.dataset import eval_set, jsonl_sources
 from tasks.jsonl import DataFormatError, load_jsonl
@@ -93,7 +91,8 @@ def _refuse_numbers_for_switches(given: DictConfig, cfg: DictConfig, where: str)
 
 def _check_values(cfg: DictConfig, path: Path) -> None:
     """Each key against its range (configs/schema.py), then the rules that span sections, then what the values
-    name outside the config: the model, the drafters, the places the run binds and writes, a checkpoint, data."""
+    name outside the config: the model, the places the run binds and writes, data. (What only other packages can
+    judge, the drafters' options and the checkpoints, is driver/preflight.py's.)"""
     for key, value in _leaves(OmegaConf.to_container(cfg)):
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{path}: key '{key}' = {value!r} must be a finite number")
@@ -104,14 +103,12 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
     for key, ok, why in _across_sections(cfg):
         if not ok:
             raise ConfigError(f"{path}: key '{key}' = {OmegaConf.select(cfg, key)!r} {why}")
-    _check_model(path, "model.path", cfg.model.path)
+    check_model(path, "model.path", cfg.model.path)
     longest = max_positions(cfg.model.path)
     if longest is not None and cfg.model.max_model_len > longest:
         raise ConfigError(f"{path}: key 'model.max_model_len' = {cfg.model.max_model_len} is more than the "
                           f"{longest} positions {cfg.model.path!r} was built for (max_position_embeddings)")
-    _check_drafter(path, cfg.speculation)
     _check_places(path, cfg)
-    _check_checkpoints(path, cfg)
     for key, source in jsonl_sources(cfg.data).items():
         try:  # parsed now, naming file and line, not inside an actor after Ray and DeepSpeed started
             load_jsonl(source)
@@ -142,30 +139,6 @@ def _across_sections(cfg: DictConfig) -> list[tuple[str, bool, str]]:
          f"times learner.num_ranks must divide the step's {batch} trajectories "
          "(rollout.prompts_per_step x rollout.group_size)"),
     ]
-
-
-def _check_checkpoints(path: Path, cfg: DictConfig) -> None:
-    """trainer.resume_from names a checkpoint behind trainer.steps; logging.dir holds no other run's checkpoints."""
-    from learner.base import checkpoint_state
-
-    resumed_run = None
-    if cfg.trainer.resume_from:
-        try:
-            state = checkpoint_state(cfg.trainer.resume_from)[1]
-            step, resumed_run = state["version"], state.get("run_id")
-        except (FileNotFoundError, KeyError, ValueError) as e:
-            raise ConfigError(f"{path}: key 'trainer.resume_from': {e}") from None
-        if step >= cfg.trainer.steps:
-            raise ConfigError(f"{path}: key 'trainer.resume_from' is at step {step} but trainer.steps = "
-                              f"{cfg.trainer.steps}; raise trainer.steps to train further")
-    try:  # a directory that holds another run's checkpoints is that run's, unless this run continues it
-        held, state = checkpoint_state(cfg.logging.dir)
-    except (FileNotFoundError, KeyError, ValueError):
-        held = None
-    if held is not None and state.get("run_id") != resumed_run and not cfg.logging.overwrite:
-        raise ConfigError(f"{path}: key 'logging.dir' = {cfg.logging.dir!r} holds another run's checkpoints (newest "
-                          f"{held.name}); pass trainer.resume_from={cfg.logging.dir} to continue that run, another "
-                          "logging.dir, or logging.overwrite=true to delete its checkpoints and event files first")
 
 
 def _leaves(node: dict, prefix: str = ""):
@@ -206,43 +179,6 @@ def _check_places(path: Path, cfg: DictConfig) -> None:
                           f"directory ({e.strerror})") from None
 
 
-def _check_drafter(path: Path, spec: DictConfig) -> None:
-    if spec.drafters and spec.method != "fastest_of_n":
-        raise ConfigError(f"{path}: key 'speculation.drafters' is read by method fastest_of_n only "
-                          f"(method is {spec.method!r})")
-    members = {} if spec.method == "none" else {spec.method: spec.options}
-    if spec.method == "fastest_of_n":
-        members = {name: spec.options.get(name, {}) for name in spec.drafters}
-    if spec.distill.every_versions > 0 and "draft_lm" not in members:
-        raise ConfigError(f"{path}: key 'speculation.distill.every_versions' = {spec.distill.every_versions}: "
-                          "distillation trains the draft LM, but no drafter of speculation.method "
-                          f"{spec.method!r} is draft_lm (method draft_lm, or fastest_of_n with draft_lm among "
-                          "drafters)")
-    if spec.method == "none":
-        return
-    if spec.method == "fastest_of_n":
-        if len(spec.drafters) < 2 or len(set(spec.drafters)) != len(spec.drafters):
-            raise ConfigError(f"{path}: key 'speculation.drafters' = {list(spec.drafters)}: fastest_of_n needs two or "
-                              "more distinct drafters")
-        unknown = set(spec.options) - set(spec.drafters)
-        if unknown:
-            raise ConfigError(f"{path}: key 'speculation.options': {sorted(unknown)} not among speculation.drafters")
-    for name, options in members.items():
-        key = "speculation.method" if name == spec.method else "speculation.drafters"
-        try:
-            cls = drafter_class(name)
-        except DrafterLoadError as e:
-            raise ConfigError(f"{path}: key '{key}': {e}") from None
-        where = "speculation.options" if name == spec.method else f"speculation.options.{name}"
-        try:  # the drafter's own judgement, without building it (constructing one may load a model)
-            cls.check_options(dict(options))
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"{path}: key '{where}' = {dict(options)}: {cls.__name__}{inspect.signature(cls)} "
-                              f"refuses them: {e}") from None
-        if name == "draft_lm":
-            _check_model(path, f"{where}.model", options.get("model", "builtin:draft"))
-
-
 def max_positions(spec: str) -> int | None:
     """How many positions model `spec` (checked by `_check_model`) holds; None where its config does not say."""
     if spec.startswith(BUILTIN_PREFIX):
@@ -253,7 +189,8 @@ def max_positions(spec: str) -> int | None:
         return None
 
 
-def _check_model(path: Path, key: str, spec: str) -> None:
+def check_model(path: Path, key: str, spec: str) -> None:
+    """`spec` names a built-in model or a Hugging Face checkpoint directory; else a ConfigError naming `key`."""
     if spec.startswith(BUILTIN_PREFIX):
         if spec[len(BUILTIN_PREFIX):] not in BUILTIN_NAMES:
             raise ConfigError(f"{path}: key '{key}' = {spec!r} is not a built-in model; choose one of "

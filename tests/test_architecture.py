@@ -14,11 +14,11 @@ ALLOWED = {
     "transport": set(),
     "models": {"tasks"},
     "drafters": {"sampling", "models"},
-    # sampling: the largest run seed; learner: reads a checkpoint's state to validate a resume
-    "configs": {"sampling", "tasks", "drafters", "models", "learner"},
+    # sampling: the largest run seed (the drafters and checkpoints a config names are driver/preflight.py's)
+    "configs": {"sampling", "tasks", "models"},
     "actor": {"sampling", "drafters", "transport", "tasks", "configs", "models"},
     "learner": {"sampling", "transport", "tasks", "configs", "models"},
-    "driver": {"actor", "learner", "tasks", "configs", "models", "transport"},  # transport: makes the run's keys
+    "driver": {"actor", "drafters", "learner", "tasks", "configs", "models", "transport"},  # transport: makes the run's keys
     # driver: log routing; transport: bench.weight_sync; learner: bench.gpu_torch times the draft LM's distiller
     "bench": {"actor", "sampling", "drafters", "configs", "models", "tasks", "driver", "transport", "learner"},
 }

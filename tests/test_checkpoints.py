@@ -83,20 +83,21 @@ def test_sealing_again_replaces_a_checkpoint_of_the_same_step(tmp_path):
 
 
 def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints_unless_told(tmp_path):
-    from configs.load import ConfigError, load_config
+    from configs.load import ConfigError
+    from driver.preflight import load_run_config
 
     (tmp_path / RUN_FILE).write_text(json.dumps({"run_id": "old"}))
     write(tmp_path, 7, "old")
     fresh = ["trainer.steps=20", f"logging.dir={tmp_path}"]
     with pytest.raises(ConfigError, match=r"'logging.dir'.*another run's checkpoints \(newest step_7\).*resume_from"):
-        load_config("grpo_tiny", [*fresh, "logging.overwrite=false"])
-    assert load_config("grpo_tiny", [*fresh, "logging.overwrite=false", f"trainer.resume_from={tmp_path}"])
-    assert load_config("grpo_tiny", [*fresh, "logging.overwrite=true"])
+        load_run_config("grpo_tiny", [*fresh, "logging.overwrite=false"])
+    assert load_run_config("grpo_tiny", [*fresh, "logging.overwrite=false", f"trainer.resume_from={tmp_path}"])
+    assert load_run_config("grpo_tiny", [*fresh, "logging.overwrite=true"])
     other = tmp_path / "other"  # continuing a third run into this directory would mix two runs' checkpoints
     (other / RUN_FILE).parent.mkdir()
     (other / RUN_FILE).write_text(json.dumps({"run_id": "third"}))
     write(other, 3, "third")
     with pytest.raises(ConfigError, match="another run's checkpoints"):
-        load_config("grpo_tiny", [*fresh, "logging.overwrite=false", f"trainer.resume_from={other}"])
-    assert load_config("grpo_tiny", ["trainer.steps=20", f"logging.dir={tmp_path / 'empty'}",
+        load_run_config("grpo_tiny", [*fresh, "logging.overwrite=false", f"trainer.resume_from={other}"])
+    assert load_run_config("grpo_tiny", ["trainer.steps=20", f"logging.dir={tmp_path / 'empty'}",
                                      "logging.overwrite=false"])

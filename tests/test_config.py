@@ -7,29 +7,30 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from configs.load import CONFIG_DIR, ConfigError, load_config
+from configs.load import CONFIG_DIR, ConfigError
 from configs.schema import Dtype
+from driver.preflight import load_run_config  # what the launcher loads: every check
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("name", ["grpo_tiny", "grpo_moe_tiny"])
 def test_bundled_cpu_configs_load(name):
-    cfg = load_config(name)
+    cfg = load_run_config(name)
     assert cfg.model.path.startswith("builtin:")
     assert cfg.logging.dir == f"runs/{name}"
     assert OmegaConf.is_readonly(cfg)
 
 
 def test_overrides_apply_with_types():
-    cfg = load_config("grpo_tiny", ["trainer.steps=3", "model.dtype=bfloat16", "seed=5"])
+    cfg = load_run_config("grpo_tiny", ["trainer.steps=3", "model.dtype=bfloat16", "seed=5"])
     assert (cfg.trainer.steps, cfg.model.dtype, cfg.seed) == (3, Dtype.bfloat16, 5)
 
 
 def test_path_to_yaml_works(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text("model:\n  path: builtin:moe\nspeculation:\n  method: ngram\n")
-    cfg = load_config(str(path))
+    cfg = load_run_config(str(path))
     assert cfg.model.path == "builtin:moe" and cfg.speculation.method == "ngram"
 
 
@@ -98,7 +99,7 @@ def test_path_to_yaml_works(tmp_path):
 ])
 def test_bad_override_names_the_key(override, needles):
     with pytest.raises(ConfigError) as e:
-        load_config("grpo_tiny", override.split(" "))
+        load_run_config("grpo_tiny", override.split(" "))
     for needle in needles:
         assert needle in str(e.value)
 
@@ -108,7 +109,7 @@ def test_a_malformed_data_file_fails_at_load_naming_key_file_and_line(tmp_path, 
     path = tmp_path / "eval.jsonl"
     path.write_text('{"question": "1+1?", "answer": "2 #### 2"}\n{"question": "no answer"}\n')
     with pytest.raises(ConfigError) as e:
-        load_config("grpo_tiny", [f"{key}={path}"])
+        load_run_config("grpo_tiny", [f"{key}={path}"])
     assert key in str(e.value) and f"{path}:2" in str(e.value) and "answer" in str(e.value)
 
 
@@ -116,26 +117,26 @@ def test_bad_file_names_the_key_and_file(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("learner:\n  lr: fast\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml.*learner\.lr"):
-        load_config(str(path))
+        load_run_config(str(path))
     path.write_text("learner: {typo_key: 1}\nmodel: {path: builtin:dense}\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml.*learner\.typo_key"):
-        load_config(str(path))
+        load_run_config(str(path))
     path.write_text("model: [unclosed\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml.*not valid YAML"):
-        load_config(str(path))
+        load_run_config(str(path))
 
 
 def test_production_config_requires_a_model_path(tmp_path):
     with pytest.raises(ConfigError, match=r"grpo_moe\.yaml.*'model\.path' is not set.*model\.path="):
-        load_config("grpo_moe")
+        load_run_config("grpo_moe")
     (tmp_path / "config.json").write_text("{}")
-    cfg = load_config("grpo_moe", [f"model.path={tmp_path}"])
+    cfg = load_run_config("grpo_moe", [f"model.path={tmp_path}"])
     assert cfg.learner.zero_stage == 3 and cfg.cluster.device.value == "cuda"
 
 
 def test_unknown_config_name_lists_bundled_ones():
     with pytest.raises(ConfigError, match="grpo_tiny"):
-        load_config("no_such_config")
+        load_run_config("no_such_config")
 
 
 def test_every_bundled_yaml_is_checked_here():
@@ -174,20 +175,20 @@ def test_resume_from_must_name_a_checkpoint_that_is_behind_trainer_steps(tmp_pat
     from learner.base import partial, seal_checkpoint
 
     with pytest.raises(ConfigError, match="trainer.resume_from.*complete checkpoint"):
-        load_config("grpo_tiny", [f"trainer.resume_from={tmp_path}"])
+        load_run_config("grpo_tiny", [f"trainer.resume_from={tmp_path}"])
     final = tmp_path / "checkpoints" / "step_30"
     partial(final).mkdir(parents=True)
     seal_checkpoint(final, {"version": 30, "data_cursor": 120, "counts": {}, "run_id": "r"})
     with pytest.raises(ConfigError, match="at step 30 but trainer.steps = 30"):
-        load_config("grpo_tiny", [f"trainer.resume_from={tmp_path}", "trainer.steps=30"])
-    assert load_config("grpo_tiny", [f"trainer.resume_from={tmp_path}", "trainer.steps=40"]).trainer.steps == 40
+        load_run_config("grpo_tiny", [f"trainer.resume_from={tmp_path}", "trainer.steps=30"])
+    assert load_run_config("grpo_tiny", [f"trainer.resume_from={tmp_path}", "trainer.steps=40"]).trainer.steps == 40
 
 
 def test_speculation_method_must_name_a_drafter():
     with pytest.raises(ConfigError, match="speculation.method.*no_such"):
-        load_config("grpo_tiny", ["speculation.method=no_such"])
+        load_run_config("grpo_tiny", ["speculation.method=no_such"])
     with pytest.raises(ConfigError, match="key .speculation.options.model. = ./nowhere. is not a Hugging Face"):
-        load_config("grpo_tiny", ["speculation.method=draft_lm", "speculation.options.model=/nowhere"])
+        load_run_config("grpo_tiny", ["speculation.method=draft_lm", "speculation.options.model=/nowhere"])
 
 
 @pytest.mark.parametrize("overrides,needle", [
@@ -202,14 +203,14 @@ def test_speculation_method_must_name_a_drafter():
 ])
 def test_fastest_of_n_members_are_checked_at_load(overrides, needle):
     with pytest.raises(ConfigError, match=needle):
-        load_config("grpo_tiny", overrides)
-    assert load_config("grpo_tiny", ["speculation.method=fastest_of_n", "speculation.drafters=[suffix,draft_lm]"])
+        load_run_config("grpo_tiny", overrides)
+    assert load_run_config("grpo_tiny", ["speculation.method=fastest_of_n", "speculation.drafters=[suffix,draft_lm]"])
 
 
 def test_a_deterministic_run_needs_the_synchronous_schedule():
     with pytest.raises(ConfigError, match="key 'algorithm.max_staleness' = 1 must be 0 when trainer.deterministic"):
-        load_config("grpo_tiny", ["trainer.deterministic=true"])
-    assert load_config("grpo_tiny", ["trainer.deterministic=true", "algorithm.max_staleness=0"]).trainer.deterministic
+        load_run_config("grpo_tiny", ["trainer.deterministic=true"])
+    assert load_run_config("grpo_tiny", ["trainer.deterministic=true", "algorithm.max_staleness=0"]).trainer.deterministic
 
 
 def test_every_key_fuzzed_loads_or_names_itself():
@@ -221,9 +222,9 @@ def test_every_key_fuzzed_loads_or_names_itself():
         for key, value in node.items():
             yield from keys(value, f"{prefix}{key}.") if isinstance(value, DictConfig) else [f"{prefix}{key}"]
 
-    for key in keys(load_config("grpo_tiny")):
+    for key in keys(load_run_config("grpo_tiny")):
         for value in ["-1", "0", "0.5", "abc", "''", "[]", "{}", "null", "nan", "inf"]:
             try:
-                load_config("grpo_tiny", [f"{key}={value}"])
+                load_run_config("grpo_tiny", [f"{key}={value}"])
             except ConfigError as e:
                 assert key in str(e), (key, value, str(e))

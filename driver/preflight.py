@@ -1,0 +1,84 @@
+"""The checks of a run's config that need packages above configs/: the drafter plugins' options (drafters/) and the
+checkpoints a run resumes from or would overwrite (learner/). The same refusals as the loader's, naming key and
+file, before any process starts: `load_run_config` is what the launcher loads a run with."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from configs.load import ConfigError, check_model, find_config, load_config
+from drafters.base import DrafterLoadError, drafter_class
+from learner.base import checkpoint_state
+
+
+def load_run_config(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
+    """`configs.load.load_config`, then the drafters' and the checkpoints' checks."""
+    cfg = load_config(name_or_path, overrides)
+    path = find_config(name_or_path)
+    check_drafters(path, cfg.speculation)
+    check_checkpoints(path, cfg)
+    return cfg
+
+
+def check_drafters(path: Path, spec: DictConfig) -> None:
+    """The drafters `speculation` names exist and take its options (each drafter's own `check_options`, without
+    building it), fastest-of-N's members are distinct, distillation has a draft LM to train."""
+    if spec.drafters and spec.method != "fastest_of_n":
+        raise ConfigError(f"{path}: key 'speculation.drafters' is read by method fastest_of_n only "
+                          f"(method is {spec.method!r})")
+    members = {} if spec.method == "none" else {spec.method: spec.options}
+    if spec.method == "fastest_of_n":
+        members = {name: spec.options.get(name, {}) for name in spec.drafters}
+    if spec.distill.every_versions > 0 and "draft_lm" not in members:
+        raise ConfigError(f"{path}: key 'speculation.distill.every_versions' = {spec.distill.every_versions}: "
+                          "distillation trains the draft LM, but no drafter of speculation.method "
+                          f"{spec.method!r} is draft_lm (method draft_lm, or fastest_of_n with draft_lm among "
+                          "drafters)")
+    if spec.method == "none":
+        return
+    if spec.method == "fastest_of_n":
+        if len(spec.drafters) < 2 or len(set(spec.drafters)) != len(spec.drafters):
+            raise ConfigError(f"{path}: key 'speculation.drafters' = {list(spec.drafters)}: fastest_of_n needs two or "
+                              "more distinct drafters")
+        unknown = set(spec.options) - set(spec.drafters)
+        if unknown:
+            raise ConfigError(f"{path}: key 'speculation.options': {sorted(unknown)} not among speculation.drafters")
+    for name, options in members.items():
+        key = "speculation.method" if name == spec.method else "speculation.drafters"
+        try:
+            cls = drafter_class(name)
+        except DrafterLoadError as e:
+            raise ConfigError(f"{path}: key '{key}': {e}") from None
+        where = "speculation.options" if name == spec.method else f"speculation.options.{name}"
+        try:  # the drafter's own judgement, without building it (constructing one may load a model)
+            cls.check_options(dict(options))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{path}: key '{where}' = {dict(options)}: {cls.__name__}{inspect.signature(cls)} "
+                              f"refuses them: {e}") from None
+        if name == "draft_lm":
+            check_model(path, f"{where}.model", options.get("model", "builtin:draft"))
+
+
+def check_checkpoints(path: Path, cfg: DictConfig) -> None:
+    """trainer.resume_from names a checkpoint behind trainer.steps; logging.dir holds no other run's checkpoints."""
+    resumed_run = None
+    if cfg.trainer.resume_from:
+        try:
+            state = checkpoint_state(cfg.trainer.resume_from)[1]
+            step, resumed_run = state["version"], state.get("run_id")
+        except (FileNotFoundError, KeyError, ValueError) as e:
+            raise ConfigError(f"{path}: key 'trainer.resume_from': {e}") from None
+        if step >= cfg.trainer.steps:
+            raise ConfigError(f"{path}: key 'trainer.resume_from' is at step {step} but trainer.steps = "
+                              f"{cfg.trainer.steps}; raise trainer.steps to train further")
+    try:  # a directory that holds another run's checkpoints is that run's, unless this run continues it
+        held, state = checkpoint_state(cfg.logging.dir)
+    except (FileNotFoundError, KeyError, ValueError):
+        held = None
+    if held is not None and state.get("run_id") != resumed_run and not cfg.logging.overwrite:
+        raise ConfigError(f"{path}: key 'logging.dir' = {cfg.logging.dir!r} holds another run's checkpoints (newest "
+                          f"{held.name}); pass trainer.resume_from={cfg.logging.dir} to continue that run, another "
+                          "logging.dir, or logging.overwrite=true to delete its checkpoints and event files first")
