@@ -109,19 +109,33 @@ def test_a_resumed_run_continues_step_counter_data_cursor_and_logs(tmp_path):
     assert [e.step for e in EventAccumulator(str(second)).Reload().Scalars("rl/reward_mean")] == [0]
 
 
-def killed_once(logdir, name: str) -> dict:
-    """A 5-step run into `logdir` whose Ray actor `name` is killed once checkpoint 2 is sealed: its summary.json."""
+def kill(name: str) -> None:
     import ray
 
-    killer = at_checkpoint(logdir, 2, lambda: ray.kill(ray.get_actor(name)))
-    assert launch.main(["--config", "grpo_tiny", "trainer.steps=5", "trainer.checkpoint_every=1",
-                        f"logging.dir={logdir}", *SMALL]) == 0
-    killer.join()
+    ray.kill(ray.get_actor(name))
+
+
+def sigstop(name: str) -> None:
+    """Stops the process of Ray actor `name`: alive to Ray, silent to everyone."""
+    import signal
+
+    import ray
+
+    os.kill(ray.get(ray.get_actor(name).__ray_call__.remote(lambda actor: os.getpid())), signal.SIGSTOP)
+
+
+def hit_once(logdir, name: str, hit=kill, steps: int = 5, *overrides: str) -> dict:
+    """A `steps`-step run into `logdir` whose Ray actor `name` is hit (`hit(name)`) once checkpoint 2 is sealed: its
+    summary.json."""
+    hitter = at_checkpoint(logdir, 2, lambda: hit(name))
+    assert launch.main(["--config", "grpo_tiny", f"trainer.steps={steps}", "trainer.checkpoint_every=1",
+                        f"logging.dir={logdir}", *SMALL, *overrides]) == 0
+    hitter.join()
     return json.loads((logdir / "summary.json").read_text())
 
 
 def test_a_dead_rollout_actor_is_replaced_and_its_work_reissued(tmp_path):
-    summary = killed_once(tmp_path / "run", "rollout-0")
+    summary = hit_once(tmp_path / "run", "rollout-0")
     learner, replacement = summary["learner"], summary["actors"][0]
     assert summary["actor_restarts"] == 1 and learner["version"] == 5
     assert learner["trained"] == 5 * 2 * 4  # every step still got its groups
@@ -133,21 +147,7 @@ def test_a_dead_rollout_actor_is_replaced_and_its_work_reissued(tmp_path):
 def test_a_hung_rollout_actor_is_taken_for_dead_and_replaced(tmp_path, capsys):
     """A rollout actor stopped with SIGSTOP is alive to Ray, so only its silence tells: past
     `rollout.stall_timeout_s` it is killed and replaced, and the run ends with every step trained."""
-    import signal
-
-    import ray
-
-    logdir = tmp_path / "run"
-
-    def stop():
-        pid = ray.get(ray.get_actor("rollout-0").__ray_call__.remote(lambda actor: os.getpid()))
-        os.kill(pid, signal.SIGSTOP)
-
-    stopper = at_checkpoint(logdir, 2, stop)
-    assert launch.main(["--config", "grpo_tiny", "trainer.steps=6", "trainer.checkpoint_every=1",
-                        "rollout.stall_timeout_s=15", f"logging.dir={logdir}", *SMALL]) == 0
-    stopper.join()
-    summary = json.loads((logdir / "summary.json").read_text())
+    summary = hit_once(tmp_path / "run", "rollout-0", sigstop, 6, "rollout.stall_timeout_s=15")
     assert summary["actor_restarts"] == 1 and summary["learner"]["version"] == 6
     assert summary["learner"]["trained"] == 6 * 2 * 4
     assert "rollout actor 0 sent nothing for" in capsys.readouterr().err
@@ -159,7 +159,7 @@ def test_a_dead_learner_restarts_every_process_from_the_newest_checkpoint(tmp_pa
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logdir = tmp_path / "run"
-    summary = killed_once(logdir, "learner-0")
+    summary = hit_once(logdir, "learner-0")
     learner = summary["learner"]
     assert summary["learner_restarts"] == 1 and learner["version"] == 5
     assert learner["trained"] == 5 * 2 * 4  # the checkpoint's counters, then the steps after it
@@ -172,21 +172,7 @@ def test_a_stopped_learner_rank_is_taken_for_lost_and_the_run_restarts_from_its_
     """A learner rank stopped with SIGSTOP is alive to Ray, so nothing else would notice (its peers would wait in a
     collective for a day): past `trainer.step_timeout_s` without progress it is lost like a dead one, and every
     process starts again from the newest checkpoint."""
-    import signal
-
-    import ray
-
-    logdir = tmp_path / "run"
-
-    def stop():
-        pid = ray.get(ray.get_actor("learner-0").__ray_call__.remote(lambda learner: os.getpid()))
-        os.kill(pid, signal.SIGSTOP)
-
-    stopper = at_checkpoint(logdir, 2, stop)
-    assert launch.main(["--config", "grpo_tiny", "trainer.steps=5", "trainer.checkpoint_every=1",
-                        "trainer.step_timeout_s=15", f"logging.dir={logdir}", *SMALL]) == 0
-    stopper.join()
-    summary = json.loads((logdir / "summary.json").read_text())
+    summary = hit_once(tmp_path / "run", "learner-0", sigstop, 5, "trainer.step_timeout_s=15")
     assert summary["learner_restarts"] == 1 and summary["learner"]["version"] == 5
     assert summary["learner"]["trained"] == 5 * 2 * 4
     assert "the learner ranks made no progress" in capsys.readouterr().err
