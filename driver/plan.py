@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,12 +42,23 @@ def described(spec: str) -> list[Node]:
     return [Node(f"node-{i}", int(match[2]), float(match[3] or 80)) for i in range(int(match[1]))]
 
 
-def connected(address: str, gpu_gib: float) -> list[Node]:
-    """The alive nodes of the Ray cluster at `address` (Ray does not report GPU memory: `gpu_gib` is assumed)."""
+class NoCluster(RuntimeError):
+    pass
+
+
+def connected(address: str, gpu_gib: float) -> tuple[list[Node], str]:
+    """The alive nodes of the Ray cluster at `address` (Ray does not report GPU memory: `gpu_gib` is assumed) and
+    the address of the cluster it joined (`auto` joins whichever one runs on this machine: the plan names it)."""
     import ray
 
-    ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
+        context = ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    except ConnectionError as e:
+        raise NoCluster(f"no Ray cluster at cluster.address={address!r} ({e}); start it (ray start --head on this "
+                        "node, ray start --address=HEAD:6379 on the others), or plan on a described one with "
+                        "--cluster NODESxGPUS[:GIB]") from None
+    try:
+        joined = context.address_info.get("gcs_address", address)
         nodes = [n for n in ray.nodes() if n["Alive"]]
     finally:
         ray.shutdown()
@@ -56,7 +68,7 @@ def connected(address: str, gpu_gib: float) -> list[Node]:
                  n["Resources"].get("memory", 0) / GIB,
                  {k: v for k, v in n["Resources"].items() if k not in standard and not k.startswith(("node:",
                                                                                                       "accelerator"))})
-            for n in nodes]
+            for n in nodes], joined
 
 
 def this_machine() -> list[Node]:
@@ -138,12 +150,19 @@ def place(cfg: DictConfig, nodes: list[Node]) -> tuple[dict[str, list[str]], str
 
 def plan(cfg: DictConfig, cluster: list[Node] | None, gpu_gib: float) -> int:
     """Prints the plan on `cluster` (a described one), or else the one at `cluster.address` or this machine; 0 if
-    it holds the run, 3 naming the first shortfall otherwise."""
-    nodes = cluster or (connected(cfg.cluster.address, gpu_gib) if cfg.cluster.address else this_machine())
+    it holds the run, 3 naming the first shortfall otherwise, 2 when there is no cluster to plan on."""
+    where = "described" if cluster else "this machine (embedded Ray)"
+    nodes = cluster or this_machine()
+    if cluster is None and cfg.cluster.address:
+        try:
+            nodes, joined = connected(cfg.cluster.address, gpu_gib)
+        except NoCluster as e:
+            print(f"plan: {e}", file=sys.stderr)
+            return 2
+        where = f"the Ray cluster at {joined} (cluster.address={cfg.cluster.address!r})"
     cuda = cfg.cluster.device.value == "cuda"
     kind, params = parameters(cfg.model.path)
     sync_bytes = rollout_bytes(cfg, params)["weights"] * (cfg.rollout.tensor_parallel_size if cuda else 1)
-    where = "described" if cluster else cfg.cluster.address or "this machine (embedded Ray)"
     print(f"plan: model {cfg.model.path} ({kind}), {params / 1e9:.3f} B parameters ({params:,})\n"
           f"  cluster: {where}, {len(nodes)} node(s): " + ", ".join(
               f"{n.name} {n.gpus} GPU x {n.memory_gib:.0f} GiB" if cuda else f"{n.name} {n.memory_gib:.0f} GiB"

@@ -69,3 +69,13 @@ def test_the_distiller_is_planned_on_its_share_of_rank_0s_gpu(capsys, monkeypatc
     assert launch.main(["--config", "grpo_moe", "--plan", "--cluster", "2x8:80",
                         "model.path=configs/shapes/qwen3_30b_a3b", *spec]) == 3
     assert "learner rank 0 with the distiller needs 82.95 GiB, a GPU has 80" in capsys.readouterr().out
+
+
+def test_a_plan_on_cluster_address_without_a_cluster_says_what_to_do(capsys, monkeypatch):
+    """grpo_moe names `cluster.address: auto`: with no Ray cluster running, --plan exits 2 saying how to start one
+    or to describe it, not with a ConnectionError traceback."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert launch.main(MOE) == 2
+    err = capsys.readouterr().err
+    assert "no Ray cluster at cluster.address='auto'" in err and "--cluster NODESxGPUS" in err
+    assert "Traceback" not in err
