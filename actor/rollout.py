@@ -26,12 +26,13 @@ from omegaconf import DictConfig
 from actor.engine import completion_text, make_engine, sampling_params
 from actor.evaluation import EVAL_SEED_BASE, Evaluation
 from actor.draft_bridge import new_policy_version, remember_outputs, swap_draft_weights
-from actor.vllm_hooks import SpecCounts, apply_weights, take_spec_counts
+from actor.vllm_hooks import SpecCounts, apply_weights, join_weight_group, pull_weights, take_spec_counts
 from sampling.coupled import group_seed
 from tasks.dataset import eval_set, open_dataset
 from tasks.reward import length_penalized, score
 from tasks.schedule import CursorPlan
 from transport.auth import ClientKeys
+from transport.collective import GroupTicket
 from transport.messages import SCHEMA_VERSION, Heartbeat, Trajectory, WeightAck
 from transport.zmq import Outbox, WeightSubscriber
 
@@ -58,10 +59,13 @@ HEARTBEAT_S = 2.0  # an actor says how far it got this often (rank 0 also learns
 class RolloutActor:
     def __init__(self, cfg: DictConfig, actor_id: int, model_dir: str, trajectory_endpoint: str,
                  weight_endpoint: str, version: int, plan: CursorPlan, first_k: int = 0, incarnation: int = 0,
-                 keys: ClientKeys | None = None):
+                 keys: ClientKeys | None = None, weight_group: GroupTicket | None = None):
+        """`weight_group`: with `transport.weights: nccl`, the learner's weight-sync group for this engine."""
         self.cfg, self.actor_id, self.plan = cfg, actor_id, plan
         self.llm = make_engine(cfg, model_dir)  # coupled sampler installed; drafting if speculation.method is set
         self.engine = self.llm.llm_engine
+        if weight_group is not None:
+            self.llm.collective_rpc(join_weight_group, args=(weight_group,))
         self.tokenizer = self.llm.get_tokenizer()
         self.dataset = open_dataset(cfg.data, cfg.seed)
         self.outbox = Outbox(trajectory_endpoint, f"actor-{actor_id}", hwm=cfg.transport.trajectory_queue, keys=keys)
@@ -270,10 +274,18 @@ class RolloutActor:
         if self.waiting is None or (in_flight and time.time() - self.waiting[1] < self.cfg.rollout.update_wait_s):
             return
         (version, tensors), _ = self.waiting
+        start = time.time()
+        if tensors is not None:
+            self.llm.collective_rpc(apply_weights, args=(tensors,))
+        else:  # over the weight-sync group: the learner's newest, whose headers this engine may not hold yet
+            pulled = self.llm.collective_rpc(pull_weights, args=(self.weights.layouts,))[0]
+            if pulled is None:
+                return
+            if pulled < version:
+                raise RuntimeError(f"actor {self.actor_id}: pulled weights v{pulled}, older than v{version}")
+            version = pulled
         self.waiting = None
         self.stats["preempting_updates"] += in_flight
-        start = time.time()
-        self.llm.collective_rpc(apply_weights, args=(tensors,))
         # Cached KV was computed by the old weights: drop it, and preempt running requests so their context is
         # recomputed, making every later token a sample of exactly the new policy (what the learner's ratio assumes).
         if not self.llm.reset_prefix_cache(reset_running_requests=True):

@@ -18,6 +18,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch
 
@@ -231,7 +232,8 @@ def install(worker, drafter_path: str | None = None, drafter_options: dict | Non
         if not isinstance(getattr(runner, "drafter", None), DrafterBridge):
             raise RuntimeError("a drafter needs the engine built with speculative_config method 'custom_class' "
                                "and model 'actor.draft_bridge.DrafterBridge' (see actor/engine.py)")
-        runner.drafter.bind(runner, load_drafter(drafter_path, drafter_options or {}), max_batch, planning)
+        drafter = load_drafter(drafter_path, drafter_options or {}, device=str(runner.device))  # a draft LM: there
+        runner.drafter.bind(runner, drafter, max_batch, planning)
 
 
 def quiet_expected(logger: str, *prefixes: str) -> None:
@@ -251,7 +253,7 @@ def _quiet_expected_reload_warnings(model) -> None:
                    *(f"{name}: Failed to load weights" for name in sorted(expected)))
 
 
-def apply_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
+def apply_weights(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """In-place weight update (checkpoint-format names and shapes), then the CPU re-packing vLLM 0.32 skips on a
     reload: the tied lm_head keeps a packed copy of the old embedding, and MoE experts are packed for the CPU
     kernel only on the first load (garbage after a reload without this)."""
@@ -267,6 +269,25 @@ def apply_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         if kernel is not None and isinstance(kernel.fused_experts, CPUUnquantizedExperts):
             kernel.fused_experts.process_weights_after_loading(module)
+
+
+def join_weight_group(worker, ticket) -> None:
+    """The worker's member of its engine's weight-sync group with learner rank 0 (`transport.weights: nccl`;
+    `ticket`: a transport.collective.GroupTicket). Blocks until the whole group has formed."""
+    from transport.collective import WeightReceiver
+
+    worker.weight_receiver = WeightReceiver(ticket, 1 + worker.rank)
+
+
+def pull_weights(worker, layouts: dict) -> int | None:
+    """Pulls the learner's newest policy version over the weight-sync group straight into the engine's parameters,
+    bucket by bucket as they arrive; returns its version, or None when its headers (`layouts`, by version) have
+    not reached this engine yet (then nothing was applied: pull again once they have)."""
+    version, tensors = worker.weight_receiver.pull(layouts)
+    if tensors is None:
+        return None
+    apply_weights(worker, tensors)
+    return version
 
 
 def _expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):

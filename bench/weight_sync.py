@@ -12,7 +12,9 @@ first byte sent to the acknowledgement. Systems, every one in every repeat (rota
   nothing decoded: the machine's ZeroMQ bandwidth;
 - `raw_curve`: the same over CURVE (authenticated, encrypted);
 - `weights`: `transport.zmq.WeightPublisher` -> `WeightSubscriber` (headers decoded and checked, tensors built);
-- `weights_curve`: the same behind the run's gate (`transport.auth`), what a run does by default.
+- `weights_curve`: the same behind the run's gate (`transport.auth`), what a run does by default;
+- `collective`: `transport.weights: nccl` on this CPU: the headers over `WeightPublisher` (CURVE), the bytes pulled
+  over the weight-sync process group (`transport.collective`, gloo here) and viewed as tensors.
 The JSON has per-system GB/s medians and each system's bandwidth as a fraction of `raw` (median and 95% interval
 of the paired ratio).
 """
@@ -32,9 +34,10 @@ import zmq
 
 from bench.stats import paired
 from transport.auth import ClientKeys, Gate, keypair
+from transport.collective import GroupTicket, WeightGroups, WeightReceiver
 from transport.zmq import WeightPublisher, WeightSubscriber, pack_buckets
 
-SYSTEMS = ["raw", "raw_curve", "weights", "weights_curve"]
+SYSTEMS = ["raw", "raw_curve", "weights", "weights_curve", "collective"]
 HEADER = struct.Struct("<iii")  # version, bucket, number of buckets
 
 
@@ -50,13 +53,26 @@ def model(mib: int) -> list[tuple[str, torch.Tensor]]:
     return tensors
 
 
-def subscribe(system: str, endpoint: str, ack_endpoint: str, keys: ClientKeys | None, last: int) -> None:
+def subscribe(system: str, endpoint: str, ack_endpoint: str, keys: ClientKeys | None, last: int,
+              ticket: GroupTicket | None) -> None:
     """The subscriber process: acknowledges each complete version (0 is the warm-up, sent until acknowledged)
     until it has version `last`."""
     ctx = zmq.Context()
     ack = ctx.socket(zmq.PUSH)
     ack.connect(ack_endpoint)
-    if system.startswith("weights"):
+    if ticket is not None:
+        sub, receiver, version = WeightSubscriber(endpoint, ctx, keys), WeightReceiver(ticket, 1), -1
+        while version < last:
+            if (result := sub.poll(1000)) is not None and result[0] > version:
+                pulled, tensors = receiver.pull(sub.layouts)
+                if tensors is None:
+                    continue
+                for _ in tensors:  # every bucket received and viewed as its tensors
+                    pass
+                version = pulled
+                ack.send(HEADER.pack(version, 0, 0))
+        sub.close()
+    elif system.startswith("weights"):
         sub = WeightSubscriber(endpoint, ctx, keys)
         version = -1
         while version < last:
@@ -92,7 +108,7 @@ def subscribe(system: str, endpoint: str, ack_endpoint: str, keys: ClientKeys | 
 def measure(system: str, tensors, bucket_mib: int, repeats_here: int) -> list[float]:
     """Seconds per version for `repeats_here` versions sent to a fresh subscriber process."""
     ctx = zmq.Context()
-    gate = Gate(keypair(), ctx) if system.endswith("curve") else None
+    gate = Gate(keypair(), ctx) if system.endswith("curve") or system == "collective" else None
     keys = None
     if gate is not None:
         keys = ClientKeys(keypair(), gate.keys.public)
@@ -100,7 +116,17 @@ def measure(system: str, tensors, bucket_mib: int, repeats_here: int) -> list[fl
     acks = ctx.socket(zmq.PULL)
     ack_endpoint = f"tcp://127.0.0.1:{acks.bind_to_random_port('tcp://127.0.0.1')}"
     buckets = pack_buckets(iter(tensors), bucket_mib << 20)
-    if system.startswith("weights"):
+    groups = ticket = None
+    if system == "collective":
+        groups = WeightGroups("127.0.0.1", "cpu")
+        ticket = groups.open(0, 0, workers=1)
+        publisher = WeightPublisher("127.0.0.1", ctx, gate)
+        endpoint, socket = publisher.endpoint, publisher.socket
+
+        def send(version, buckets):
+            groups.offer(version, buckets)
+            publisher.publish(version, buckets, inline=False)
+    elif system.startswith("weights"):
         publisher = WeightPublisher("127.0.0.1", ctx, gate)
         send = publisher.publish
         endpoint, socket = publisher.endpoint, publisher.socket
@@ -116,10 +142,10 @@ def measure(system: str, tensors, bucket_mib: int, repeats_here: int) -> list[fl
             for index, bucket in enumerate(frames):
                 socket.send_multipart([HEADER.pack(version, index, len(frames)), *bucket], copy=False)
     process = mp.get_context("spawn").Process(target=subscribe, args=(system, endpoint, ack_endpoint, keys,
-                                                                      repeats_here))
+                                                                      repeats_here, ticket))
     process.start()
     while not acks.poll(200):  # warm-up: PUB/SUB drops what is sent before the subscription is live
-        if system.startswith("weights"):
+        if system.startswith("weights") or groups is not None:
             send(0, [buckets[0][:1]])
         else:
             socket.send_multipart([HEADER.pack(0, 0, 1), b"x"])
@@ -135,6 +161,8 @@ def measure(system: str, tensors, bucket_mib: int, repeats_here: int) -> list[fl
     acks.close(0)
     if gate is not None:
         gate.close()
+    if groups is not None:
+        groups.close()
     ctx.term()
     return seconds
 

@@ -47,6 +47,11 @@ class TransportAuth(Enum):
     none = "none"
 
 
+class WeightTransport(Enum):
+    zmq = "zmq"
+    nccl = "nccl"
+
+
 class StepOrder(Enum):
     cursor = "cursor"
     arrival = "arrival"
@@ -242,7 +247,7 @@ class TrainerConfig:
 
 @dataclass
 class TransportConfig:
-    """The ZeroMQ sockets between learner rank 0 and the rollout actors."""
+    """The channels between learner rank 0 and the rollout actors."""
 
     host: str = knob("127.0.0.1", "the address receivers bind; 0.0.0.0 binds all and advertises the outward "
                      "address")
@@ -255,6 +260,11 @@ class TransportConfig:
     max_message_mib: int = knob(64, "the largest message the learner's inbox accepts",
                                 between(1, 1024, why="a trajectory is a few MiB at most"))
     weight_bucket_mib: int = knob(32, "the size of the buckets a weight version is sent in", between(1, 4096))
+    weights: WeightTransport = knob(
+        WeightTransport.zmq, "how policy versions reach the engines. zmq: their buckets over the ZeroMQ weight "
+        "channel. nccl: over a process group of learner rank 0 and each engine's workers (NCCL on cuda, gloo on cpu; "
+        "rendezvous on transport.host under a per-run secret), pulled by each engine straight into its parameters; "
+        "names, shapes and dtypes still go over ZeroMQ, and the draft LM's versions stay there")
 
     def check(self) -> Iterator[tuple[str, str]]:
         """(key, why) for each rule between two keys of this section that fails (configs/knobs.ranges)."""

@@ -154,5 +154,10 @@ def drafter_class(name: str) -> type[Drafter]:
     return cls
 
 
-def load_drafter(name: str, options: dict) -> Drafter:
-    return drafter_class(name)(**options)
+def load_drafter(name: str, options: dict, device: str | None = None) -> Drafter:
+    """The drafter `name` built with `options`. `device`: the engine's; a drafter whose constructor takes a
+    `device` keyword gets it unless `options` names one, so its tensors live where the engine's do."""
+    cls = drafter_class(name)
+    if device is not None and "device" not in options and "device" in inspect.signature(cls).parameters:
+        options = {**options, "device": device}
+    return cls(**options)

@@ -39,16 +39,17 @@ class SlotCache:
     both dimensions grown by doubling as needed (length up to `max_len`), so a draft model with a long context costs
     memory for the lengths actually drafted at, not for its whole context per slot."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype):
-        self.heads, self.dtype, self.max_len = (2 * kv_heads, head_dim), dtype, max_len
-        self.kv = [torch.zeros(0, min(256, max_len), *self.heads, dtype=dtype) for _ in range(layers)]
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.heads, self.dtype, self.device, self.max_len = (2 * kv_heads, head_dim), dtype, device, max_len
+        self.kv = [torch.zeros(0, min(256, max_len), *self.heads, dtype=dtype, device=device) for _ in range(layers)]
         self.free: list[int] = []
 
     def _grow(self, dim: int, new: int) -> None:
         def grown(t: torch.Tensor) -> torch.Tensor:
             shape = list(t.shape)
             shape[dim] = new - shape[dim]
-            return torch.cat([t, torch.zeros(shape, dtype=self.dtype)], dim=dim)
+            return torch.cat([t, torch.zeros(shape, dtype=self.dtype, device=self.device)], dim=dim)
 
         self.kv = [grown(t) for t in self.kv]
 
@@ -88,13 +89,17 @@ class _Layer:
 
 
 class DraftLM(Drafter):
-    def __init__(self, model: str = "builtin:draft", dtype: str = "float32"):
+    def __init__(self, model: str = "builtin:draft", dtype: str = "float32", device: str = "cpu"):
+        """`device`: where its weights, slot cache and drafting live (built by the engine: the engine's device, a
+        GPU's when the engine runs on one; a config may name another, e.g. a drafter GPU of its own)."""
         from transformers import AutoModelForCausalLM
 
         from models.zoo import resolve
 
-        self.check_options(dict(model=model, dtype=dtype))
+        self.check_options(dict(model=model, dtype=dtype, device=device))
+        self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(str(resolve(model)), dtype=getattr(torch, dtype)).eval()
+        self.model.to(self.device)
         config = self.model.config
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
             raise ValueError(f"DraftLM: {config.architectures} with sliding-window attention is not supported")
@@ -109,9 +114,9 @@ class DraftLM(Drafter):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.cache = SlotCache(config.num_hidden_layers, self.kv_heads, self.head_dim,
-                               config.max_position_embeddings, self.model.dtype)
+                               config.max_position_embeddings, self.model.dtype, self.device)
         # rotary angles per position, grown as needed (from the rotary module's buffers: no weight swap changes them)
-        self.cos = self.sin = torch.zeros(0, self.head_dim)
+        self.cos = self.sin = torch.zeros(0, self.head_dim, device=self.device)
         self._pack()
         self.states: dict[str, _State] = {}
         self.sureness: list[list[float]] = []  # the last proposal's confidences
@@ -122,6 +127,10 @@ class DraftLM(Drafter):
         dtype = getattr(torch, o["dtype"], None)
         if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"dtype={o['dtype']!r} is not a torch floating-point dtype (float32, bfloat16, float16)")
+        try:
+            torch.device(o["device"])
+        except RuntimeError as e:
+            raise ValueError(f"device={o['device']!r} is not a torch device (cpu, cuda, cuda:1)") from e
         return o
 
     def _pack(self) -> None:
@@ -152,7 +161,8 @@ class DraftLM(Drafter):
         """The rotary embedding's cos and sin for positions [0, length) at least, computed by the model's module."""
         if length > self.cos.shape[0]:
             n = min(max(2 * self.cos.shape[0], length, 256), self.cache.max_len)
-            cos, sin = self.model.model.rotary_emb(torch.zeros(1, dtype=self.model.dtype), torch.arange(n)[None])
+            cos, sin = self.model.model.rotary_emb(torch.zeros(1, dtype=self.model.dtype, device=self.device),
+                                                   torch.arange(n, device=self.device)[None])
             self.cos, self.sin = cos[0], sin[0]
         return self.cos, self.sin
 
@@ -170,17 +180,19 @@ class DraftLM(Drafter):
             return drafts
         rows = [requests[i] for i in active]
         passes = max(budgets[i] for i in active)
-        seeds, positions = torch.tensor([r.seed for r in rows]), torch.tensor([r.position for r in rows])
-        temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float32)
-        top_k = torch.tensor([r.top_k for r in rows]) if any(r.top_k > 0 for r in rows) else None
-        top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32) if any(r.top_p < 1 for r in rows) else None
+        on = dict(device=self.device)
+        seeds, positions = torch.tensor([r.seed for r in rows], **on), torch.tensor([r.position for r in rows], **on)
+        temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float32, **on)
+        top_k = torch.tensor([r.top_k for r in rows], **on) if any(r.top_k > 0 for r in rows) else None
+        top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32, **on) \
+            if any(r.top_p < 1 for r in rows) else None
         vocab = self.head.shape[0]
         noise = None  # the coupled noise of every position the proposal may reach, in one go where it is small
         if len(rows) * passes * vocab <= NOISE_ELEMENTS and any(r.temperature >= GREEDY_BELOW for r in rows):
-            offsets = torch.arange(passes)
+            offsets = torch.arange(passes, **on)
             noise = gumbel(seeds.repeat_interleave(passes), (positions[:, None] + offsets).flatten(), vocab)
             noise = noise.view(len(rows), passes, vocab)
-        live = torch.arange(len(rows))  # the rows still drafting
+        live = torch.arange(len(rows), **on)  # the rows still drafting
         for j in range(passes):
             logits = self._forward([self.states[requests[i].request_id] for i in active], chunks)
             tokens, margins = coupled_draft(
@@ -222,18 +234,20 @@ class DraftLM(Drafter):
         """Feeds each state its chunk (appending keys/values to its slot) and returns each one's last logits."""
         m, lengths = len(chunks), [len(c) for c in chunks]
         q, hd, heads, kv_heads = max(lengths), self.head_dim, self.heads, self.kv_heads
-        start, slots = torch.tensor([len(s.fed) for s in states]), torch.tensor([s.slot for s in states])
+        on = dict(device=self.device)
+        start, slots = torch.tensor([len(s.fed) for s in states], **on), torch.tensor([s.slot for s in states], **on)
         if q == 1:  # every pass after a proposal's first: one token each, no ragged chunks
-            ids, positions = torch.tensor(chunks), start[:, None]
+            ids, positions = torch.tensor(chunks, **on), start[:, None]
             written = (slots, start)
         else:
-            ids = torch.tensor([c + [0] * (q - len(c)) for c in chunks])
-            positions = start[:, None] + torch.arange(q)  # [m, q]
-            rows, cols = (torch.arange(q)[None, :] < torch.tensor(lengths)[:, None]).nonzero(as_tuple=True)
+            ids = torch.tensor([c + [0] * (q - len(c)) for c in chunks], **on)
+            positions = start[:, None] + torch.arange(q, **on)  # [m, q]
+            rows, cols = (torch.arange(q, **on)[None, :] < torch.tensor(lengths, **on)[:, None]).nonzero(
+                as_tuple=True)
             written = (slots[rows], positions[rows, cols])
         span = max(len(s.fed) + n for s, n in zip(states, lengths))
         self.cache.reserve(span)
-        mask = (torch.arange(span) <= positions[:, :, None]).unsqueeze(1)  # [m, 1, q, span]
+        mask = (torch.arange(span, **on) <= positions[:, :, None]).unsqueeze(1)  # [m, 1, q, span]
         cos, sin = self._angles(span)
         # a short chunk's padding runs past its row's last position, and can run past `span` (a long history fed one
         # token beside a new request's prompt): its outputs are never read, so it takes the last angle there is
@@ -258,7 +272,7 @@ class DraftLM(Drafter):
             hidden = hidden + F.linear(layer.act(gate) * up, layer.down, layer.down_bias)
         for state, chunk in zip(states, chunks):
             state.fed.extend(chunk)
-        last = hidden[:, 0] if q == 1 else hidden[torch.arange(m), torch.tensor(lengths) - 1]
+        last = hidden[:, 0] if q == 1 else hidden[torch.arange(m, **on), torch.tensor(lengths, **on) - 1]
         return F.linear(_norm(last, self.final_norm, self.eps), self.head, self.head_bias).float()
 
     def commit(self, request_id: str, committed: list[int]) -> None:
@@ -268,7 +282,7 @@ class DraftLM(Drafter):
     def swap_weights(self, weights: list[tuple[str, torch.Tensor]]) -> bool:
         """New weights in place (every tensor of the model, checkpoint names); the slot caches, computed by the old
         weights, are refilled from each request's history at its next proposal."""
-        self.model.load_state_dict(dict(weights), strict=True)
+        self.model.load_state_dict(dict(weights), strict=True)  # copied onto the model's device
         self._pack()
         for state in self.states.values():
             state.fed.clear()

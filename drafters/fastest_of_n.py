@@ -35,10 +35,11 @@ log = logging.getLogger(__name__)
 
 
 class FastestOfN(Drafter):
-    def __init__(self, drafters: list[str], options: dict | None = None, prior: float = 2.0):
+    def __init__(self, drafters: list[str], options: dict | None = None, prior: float = 2.0, device: str = "cpu"):
         """`drafters`: member names (built-in, dotted path or entry point); `options`: per member name, the keyword
-        arguments of its constructor; `prior`: pseudo-labels of a member's overall rate in a new request's own."""
-        self.check_options(dict(drafters=drafters, options=options, prior=prior))
+        arguments of its constructor; `prior`: pseudo-labels of a member's overall rate in a new request's own;
+        `device`: where members that take one put their tensors (the engine's, when the engine builds it)."""
+        self.check_options(dict(drafters=drafters, options=options, prior=prior, device=device))
         if len(drafters) < 2 or len(set(drafters)) != len(drafters):
             raise ValueError(f"FastestOfN: needs two or more distinct drafters, got {drafters!r}")
         options = options or {}
@@ -46,7 +47,7 @@ class FastestOfN(Drafter):
         if unknown:
             raise ValueError(f"FastestOfN: options for {sorted(unknown)}, which are not among drafters {drafters}")
         self.names = list(drafters)
-        self.members = [load_drafter(name, dict(options.get(name, {}))) for name in self.names]
+        self.members = [load_drafter(name, dict(options.get(name, {})), device) for name in self.names]
         self.prior = prior
         self.tables = [Calibration() for _ in self.members]
         self.labels: dict[str, list[list[float]]] = {}  # per request and member: [accepted, rejected] labels

@@ -24,6 +24,9 @@ from omegaconf import DictConfig
 
 GIB = 1 << 30
 WEIGHT_SYNC_RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results" / "weight_sync_cpu2.json"
+# a packed NCCL broadcast between nodes: NeMo-RL refits Qwen3-30B-A3B (61 GB in bf16) in 0.74-1.6 s; this is the
+# slow end, a published figure, not one this project measured (README, "Running on GPUs")
+NCCL_GB_S = 38.0
 
 
 @dataclass
@@ -148,6 +151,23 @@ def place(cfg: DictConfig, nodes: list[Node]) -> tuple[dict[str, list[str]], str
     return placed, None
 
 
+def weight_sync(cfg: DictConfig, gb: float) -> str:
+    """The plan's line on sending one policy version of `gb` GB to the engines by `transport.weights`."""
+    measured = json.loads(WEIGHT_SYNC_RESULTS.read_text())["systems"]
+    cuda, actors = cfg.cluster.device.value == "cuda", cfg.rollout.num_actors
+    zmq_rate = measured["weights_curve" if cfg.transport.auth.value == "curve" else "weights"]["gb_per_s"]
+    over_zmq = (f"~{gb / zmq_rate:.1f} s over ZeroMQ ({cfg.transport.auth.value}) at the {zmq_rate:.2f} GB/s "
+                "bench/weight_sync.py measured on one host")
+    if cfg.transport.weights.value == "zmq":
+        nccl = f"; transport.weights nccl: ~{gb / NCCL_GB_S:.1f} s per engine" if cuda else ""
+        return f"  weight sync: {gb:.2f} GB per version, {over_zmq}{nccl}"
+    rate, how = (NCCL_GB_S, "NCCL at a published packed-broadcast rate between nodes") if cuda else \
+        (measured["collective"]["gb_per_s"], "gloo at the rate bench/weight_sync.py measured on one host")
+    return (f"  weight sync: {gb:.2f} GB per version, ~{gb / rate:.1f} s per engine by {how} ({rate:.2f} GB/s); "
+            f"rank 0 sends each of the {actors} engines its own copy, ~{actors * gb / rate:.1f} s where they share "
+            f"its link ({over_zmq})")
+
+
 def plan(cfg: DictConfig, cluster: list[Node] | None, gpu_gib: float) -> int:
     """Prints the plan on `cluster` (a described one), or else the one at `cluster.address` or this machine; 0 if
     it holds the run, 3 naming the first shortfall otherwise, 2 when there is no cluster to plan on."""
@@ -197,10 +217,7 @@ def plan(cfg: DictConfig, cluster: list[Node] | None, gpu_gib: float) -> int:
                  + distiller)
         if total > budget and shortfall is None:
             shortfall = f"the processes need {total / GIB:.2f} GiB, the machine has {budget / GIB:.0f}"
-    system = "weights_curve" if cfg.transport.auth.value == "curve" else "weights"
-    rate = json.loads(WEIGHT_SYNC_RESULTS.read_text())["systems"][system]["gb_per_s"]
-    print(f"  weight sync: {sync_bytes / 1e9:.2f} GB per version over ZeroMQ ({cfg.transport.auth.value}), "
-          f"~{sync_bytes / 1e9 / rate:.1f} s at the {rate:.2f} GB/s bench/weight_sync.py measured on one host")
+    print(weight_sync(cfg, sync_bytes / 1e9))
     if shortfall is not None:
         print(f"plan: the cluster cannot hold the run: {shortfall}")
         return 3

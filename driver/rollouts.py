@@ -42,9 +42,12 @@ class RolloutPool:
         if self.learners.server_public is not None:  # a key of its own, admitted as actor-<i> (the last one revoked)
             keys = ClientKeys(keypair(), self.learners.server_public)
             ray.get(self.learners.rank0.admit.remote(f"actor-{i}", keys.own.public))
+        group = None  # transport.weights nccl: a weight-sync group of its own with rank 0 (the last one closed)
+        if self.cfg.transport.weights.value == "nccl":
+            group = ray.get(self.learners.rank0.open_weight_group.remote(i, self.restarts))
         return self.cls.options(name=name, scheduling_strategy=slot(self.group, i)).remote(
             self.cfg, i, self.model_dir, self.learners.trajectory_endpoint, self.learners.weight_endpoint,
-            self.version, self.plan, first_k, incarnation=self.restarts, keys=keys)
+            self.version, self.plan, first_k, incarnation=self.restarts, keys=keys, weight_group=group)
 
     def wait(self, refs: list[ray.ObjectRef], timeout_s: float = 0.0) -> list:
         """`ray.get(refs)`, replacing every rollout actor that stops meanwhile; the first error among `refs` is raised

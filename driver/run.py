@@ -104,13 +104,16 @@ class Run:
         """The console's configuration lines, once."""
         cfg = self.cfg
         r, lr, spec = cfg.rollout, cfg.learner, cfg.speculation
+        weights = f"weights {self.learners.weight_endpoint}" if cfg.transport.weights.value == "zmq" else \
+            (f"weight headers {self.learners.weight_endpoint}, weight bytes over "
+             f"{'NCCL' if cfg.cluster.device.value == 'cuda' else 'gloo (transport.weights nccl on a cpu run)'}")
         print(f"SpecActor: model {cfg.model.path} ({self.policy_dir}), data {cfg.data.source}\n"
               f"  rollout: {r.num_actors} actor(s), {r.prompts_per_step} prompts x {r.group_size} samples per step, "
               f"T={r.temperature} top_p={r.top_p} top_k={r.top_k}, speculation {spec.method}\n"
               f"  learner: {lr.num_ranks} rank(s), ZeRO-{lr.zero_stage}, {lr.dtype.value}, lr {lr.lr}, "
               f"steps {self.first_step}..{cfg.trainer.steps}\n"
-              f"  transport: trajectories {self.learners.trajectory_endpoint}, weights "
-              f"{self.learners.weight_endpoint}, auth {cfg.transport.auth.value}\n"
+              f"  transport: trajectories {self.learners.trajectory_endpoint}, {weights}, auth "
+              f"{cfg.transport.auth.value}\n"
               f"  placement: {placed(self.placement)}\n"
               f"  logs: {self.dir} (engine log: {log_file})", flush=True)
 

@@ -28,6 +28,7 @@ from learner.rollout_log import RolloutLog
 from models.zoo import copy_tokenizer, tensor_count
 from tasks.schedule import CursorPlan
 from transport.auth import Gate, KeyPair
+from transport.collective import GroupTicket, WeightGroups
 from transport.messages import Heartbeat, Trajectory, WeightAck
 from transport.zmq import Inbox, WeightPublisher, pack_buckets
 
@@ -62,6 +63,9 @@ class Learner:
             # a subscriber that stops reading holds up two versions here at most (>= 1 tensor a bucket, a History)
             self.publisher = WeightPublisher(cfg.transport.host, gate=self.gate,
                                              queued_buckets=2 * (tensor_count(policy_dir) + 2 + draft_tensors))
+            # transport.weights nccl: the bytes of policy versions go over a process group per engine instead
+            self.weight_groups = WeightGroups(cfg.transport.host, cfg.cluster.device.value) \
+                if cfg.transport.weights.value == "nccl" else None
             vocab = json.loads((Path(policy_dir) / "config.json").read_text())["vocab_size"]
             self.intake = Intake(cfg.rollout.group_size, cfg.algorithm.max_staleness, plan, vocab,
                                  cfg.model.max_model_len, whole_steps=cfg.trainer.deterministic)
@@ -80,6 +84,12 @@ class Learner:
     def admit(self, name: str, public: bytes) -> None:
         """Rank 0: the CURVE key `name` (actor-<i>) connects with from now on; its earlier key is revoked."""
         self.gate.admit(name, public)
+
+    def open_weight_group(self, actor: int, incarnation: int) -> GroupTicket:
+        """Rank 0 (`transport.weights: nccl`): the weight-sync group of `actor`'s engine, formed anew for each of
+        its incarnations (an earlier one's is closed)."""
+        workers = self.cfg.rollout.tensor_parallel_size if self.cfg.cluster.device.value == "cuda" else 1
+        return self.weight_groups.open(actor, incarnation, workers)
 
     def master_address(self) -> str:
         """Rank 0: where the other ranks meet it (torch.distributed rendezvous)."""
@@ -271,7 +281,10 @@ class Learner:
         self.published = pack_buckets(iter(named), self.bucket_bytes)
         with self.lock:
             self.lead = self.intake.lead(self.version)  # between steps: exact (tasks/schedule.py)
-        sent = self.publisher.publish(self.version, self.published, lead=self.lead)
+        if self.weight_groups is not None:  # before its headers: an engine that has them pulls this version
+            self.weight_groups.offer(self.version, self.published)
+        sent = self.publisher.publish(self.version, self.published, lead=self.lead,
+                                      inline=self.weight_groups is None)
         if self.cfg.speculation.method != "none":  # the step's outputs, for every actor's history drafter
             self.publisher.publish_history(self.version, [t for g in self.groups for t in g])
         draft = self.distiller.take_outgoing() if self.distiller is not None else None
@@ -281,7 +294,9 @@ class Learner:
             sent += self.publisher.publish(self.draft_version, self.draft_published, model="draft")
         with self.lock:  # the actors' acknowledgements of earlier versions
             applied, swapped = self.intake.take_apply_seconds(), self.intake.take_apply_seconds("draft")
+        pulled = self.weight_groups.take_seconds() if self.weight_groups is not None else []
         metrics = {"sync/weight_seconds": time.time() - start, "sync/weight_bytes": float(sent),
+                   **({"sync/broadcast_seconds_max": max(pulled)} if pulled else {}),
                    "rollout/cursor_lead": float(self.lead),
                    **({"sync/apply_seconds_max": max(applied)} if applied else {}),
                    **({"draft/swap_seconds": max(swapped)} if swapped else {})}
@@ -295,7 +310,7 @@ class Learner:
         first step there is nothing to send: the actors' starting weights are that version."""
         with self.lock:
             if self.published is not None:
-                self.publisher.publish(self.version, self.published, lead=self.lead)
+                self.publisher.publish(self.version, self.published, lead=self.lead, inline=self.weight_groups is None)
             if self.draft_published is not None:
                 self.publisher.publish(self.draft_version, self.draft_published, model="draft")
             return self.version

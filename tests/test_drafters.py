@@ -261,3 +261,29 @@ def test_suffix_history_keeps_only_outputs_of_the_last_versions_when_asked():
     assert not drafter.prompts[tuple(PROMPT)].past and drafter.propose([req("c", [1, 2])], 4) == [[]]
     with pytest.raises(ValueError, match="max_versions"):
         SuffixDrafter(max_versions=-1)
+
+
+def test_the_draft_lm_makes_every_tensor_on_its_own_device():
+    """The device plumbing a GPU engine relies on (the engine hands the draft LM its device: drafters.base
+    .load_drafter): with the default device set to `meta`, any tensor the drafter made without naming its device
+    would land there and fail to mix with its weights; it drafts what it drafts with no default device set."""
+    from drafters.base import load_drafter
+
+    drafter = load_drafter("draft_lm", {}, device="cpu")
+    assert drafter.device == torch.device("cpu") and drafter.cache.kv[0].device == drafter.device
+    assert load_drafter("draft_lm", {"device": "cpu"}, device="meta").device == torch.device("cpu")  # config wins
+    rng = random.Random(5)
+    vocab = drafter.model.config.vocab_size
+    rows = [DraftRequest(f"r{i}", seed=i, position=3, token_ids=[rng.randrange(vocab) for _ in range(n)],
+                         temperature=t, top_k=tk, top_p=tp)
+            for i, (n, t, tk, tp) in enumerate([(12, 1.0, 0, 1.0), (30, 0.7, 20, 0.9), (5, 0.0, 0, 1.0)])]
+    torch.set_default_device("meta")
+    try:
+        meta = drafter.propose(rows, 4)
+        meta = [meta[0]] + drafter.propose([DraftRequest("r0", 0, 4, [*rows[0].token_ids, meta[0][0]], 1.0)], 3)
+    finally:
+        torch.set_default_device(None)
+    fresh = load_drafter("draft_lm", {}, device="cpu")
+    plain = fresh.propose(rows, 4)
+    plain = [plain[0]] + fresh.propose([DraftRequest("r0", 0, 4, [*rows[0].token_ids, plain[0][0]], 1.0)], 3)
+    assert meta == plain and all(len(d) > 0 for d in meta)

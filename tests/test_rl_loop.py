@@ -134,8 +134,10 @@ def hit_once(logdir, name: str, hit=kill, steps: int = 5, *overrides: str) -> di
     return json.loads((logdir / "summary.json").read_text())
 
 
-def test_a_dead_rollout_actor_is_replaced_and_its_work_reissued(tmp_path):
-    summary = hit_once(tmp_path / "run", "rollout-0")
+@pytest.mark.parametrize("weights", ["zmq", "nccl"])
+def test_a_dead_rollout_actor_is_replaced_and_its_work_reissued(tmp_path, weights):
+    """With `transport.weights: nccl` (gloo here) the replacement joins a weight-sync group of its own."""
+    summary = hit_once(tmp_path / "run", "rollout-0", kill, 5, f"transport.weights={weights}")
     learner, replacement = summary["learner"], summary["actors"][0]
     assert summary["actor_restarts"] == 1 and learner["version"] == 5
     assert learner["trained"] == 5 * 2 * 4  # every step still got its groups
@@ -286,16 +288,18 @@ def test_each_actors_history_drafter_learns_what_the_other_actors_sampled(tmp_pa
     assert len(remembered) == 2 and all(n >= 2 * 4 for n in remembered), remembered
 
 
-@pytest.mark.parametrize("model", ["builtin:dense", "builtin:moe"])
-def test_after_a_sync_the_actor_samples_what_the_learner_computes(model):
-    """A weight version published over ZeroMQ is what the actor's vLLM engine samples from: every behaviour logprob
-    of a trajectory sampled under it equals the learner's processed logprob under those weights, with top-k and
-    top-p on (MoE experts included, in the checkpoint layout the learner sends)."""
+@pytest.mark.parametrize("model,weights", [("builtin:dense", "zmq"), ("builtin:moe", "zmq"), ("builtin:dense", "nccl")])
+def test_after_a_sync_the_actor_samples_what_the_learner_computes(model, weights):
+    """A weight version published over ZeroMQ (or its bytes pulled over the weight-sync group: gloo here) is what
+    the actor's vLLM engine samples from: every behaviour logprob of a trajectory sampled under it equals the
+    learner's processed logprob under those weights, with top-k and top-p on (MoE experts included, in the
+    checkpoint layout the learner sends)."""
     import ray
     from transformers.core_model_loading import revert_weight_conversion
 
     from actor.rollout import RolloutActor
     from sampling.coupled import processed_logprobs
+    from transport.collective import WeightGroups
     from transport.zmq import Inbox, WeightPublisher, pack_buckets
 
     cfg = load_config("grpo_tiny", [*SMALL, f"model.path={model}", "rollout.top_p=0.9", "rollout.top_k=20"])
@@ -308,14 +312,18 @@ def test_after_a_sync_the_actor_samples_what_the_learner_computes(model):
     state = {name: p.detach().clone() for name, p in policy.named_parameters()}
     buckets = pack_buckets(iter(revert_weight_conversion(policy, state).items()), 1 << 20)
     inbox, publisher = Inbox("127.0.0.1", 64 << 20), WeightPublisher("127.0.0.1")
+    groups = WeightGroups("127.0.0.1", "cpu") if weights == "nccl" else None
     env = {k: os.environ[k] for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "DS_ACCELERATOR", "OMP_NUM_THREADS")}
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
     try:
         actor = ray.remote(num_cpus=1, max_concurrency=2)(RolloutActor).remote(
-            cfg, 0, model_dir, inbox.endpoint, publisher.endpoint, 0, CursorPlan(0, 1, 2))
-        publisher.publish(1, buckets)
+            cfg, 0, model_dir, inbox.endpoint, publisher.endpoint, 0, CursorPlan(0, 1, 2),
+            weight_group=groups.open(0, 0, workers=1) if groups else None)
+        if groups:
+            groups.offer(1, buckets)
+        publisher.publish(1, buckets, inline=groups is None)
         while ray.get(actor.wait_for_version.remote(1, 2.0)) < 1:  # a subscription may miss the first send
-            publisher.publish(1, buckets)
+            publisher.publish(1, buckets, inline=groups is None)
         run = actor.run.remote()
         trajectories = []
         while len(trajectories) < 8:
@@ -329,6 +337,10 @@ def test_after_a_sync_the_actor_samples_what_the_learner_computes(model):
         ray.shutdown()
         inbox.close()
         publisher.close()
+        pulls = groups.take_seconds() if groups else None
+        if groups:
+            groups.close()
+    assert pulls is None or pulls, "nothing was pulled over the weight-sync group"
     worst_processed = worst_plain = 0.0
     for t in trajectories:
         assert set(t.policy_versions) == {1}

@@ -11,7 +11,7 @@ from configs.load import load_config
 
 class Channel:  # transport.zmq.WeightSubscriber's interface: `poll` hands each complete version over once
     def __init__(self):
-        self.arrived, self.lead, self.histories = [], 0, []
+        self.arrived, self.lead, self.histories, self.layouts = [], 0, [], {}
 
     def poll(self, timeout_ms):
         return self.arrived.pop(0) if self.arrived else None
@@ -27,9 +27,12 @@ class Channel:  # transport.zmq.WeightSubscriber's interface: `poll` hands each 
 class Engine:  # the vLLM calls `poll_weights` makes
     def __init__(self):
         self.applied, self.resets, self.drafter = [], 0, []
+        self.pulls = []  # what each pull over the weight-sync group returns: a version, or None (headers missing)
 
     def collective_rpc(self, fn, args):
         (self.drafter if fn.__module__ == "actor.draft_bridge" else self.applied).append((fn.__name__, args[0]))
+        if fn.__name__ == "pull_weights":
+            return [self.pulls.pop(0)]
 
     def reset_prefix_cache(self, reset_running_requests):
         self.resets += reset_running_requests
@@ -104,3 +107,16 @@ def test_other_actors_outputs_and_each_new_version_reach_a_speculating_actors_dr
     plain.weights.arrived.append((4, ["v4"]))
     plain.poll_weights(0)
     assert plain.llm.drafter == [] and plain.version == 4
+
+
+def test_a_version_sent_as_headers_is_pulled_and_the_pulled_version_is_the_one_acknowledged():
+    """`transport.weights: nccl`: the version's bytes come over the weight-sync group, and the learner sends its
+    newest; when the engine lacks that one's headers nothing is applied and the version keeps waiting."""
+    a = actor(wait_s=0)
+    a.weights.arrived.append((4, None))
+    a.llm.pulls = [None, 5]
+    a.poll_weights(0)
+    assert a.version == 3 and a.waiting is not None and a.sent == [] and a.llm.resets == 0
+    a.poll_weights(0)  # the headers of v5 arrived meanwhile: the pull applies it
+    assert a.version == 5 and a.waiting is None and [m.version for m in a.sent] == [5] and a.llm.resets == 1
+    assert [name for name, _ in a.llm.applied] == ["pull_weights", "pull_weights"]

@@ -62,7 +62,8 @@ class TensorSpec(msgspec.Struct, frozen=True):
 
 
 class WeightBucket(msgspec.Struct, tag="weights", frozen=True):
-    """Header of one size-bounded bucket of a weight update; tensors follow as separate frames."""
+    """Header of one size-bounded bucket of a weight update; its tensors follow as separate frames, or travel over
+    the weight-sync process group (`inline` false: transport/collective.py)."""
 
     schema: int
     version: int  # the version of `model` these weights are
@@ -71,6 +72,7 @@ class WeightBucket(msgspec.Struct, tag="weights", frozen=True):
     tensors: list[TensorSpec]
     model: str = "policy"  # or "draft": a version of the draft LM (learner/distill.py), numbered on its own
     lead: int = 0  # policy versions: the learner's cursor lead, by which actors admit groups (tasks/schedule.py)
+    inline: bool = True  # false: no tensor frames; the engine pulls the bytes over the collective
 
 
 class WeightAck(msgspec.Struct, tag="weight_ack", frozen=True):

@@ -182,14 +182,17 @@ class WeightPublisher:
         self.endpoint = f"tcp://{dialable(host)}:{port}"
 
     def publish(self, version: int, buckets: list[list[tuple[str, torch.Tensor]]], model: str = "policy",
-                lead: int = 0) -> int:
+                lead: int = 0, inline: bool = True) -> int:
         """Sends each bucket of `model`'s weights once to every subscriber, with the learner's cursor `lead`;
-        returns the bytes sent."""
+        returns the bytes of its tensors. `inline` false: the headers only (the bytes go over
+        transport/collective.py)."""
         sent = 0
         for index, bucket in enumerate(buckets):
             specs = [TensorSpec(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in bucket]
-            header = WeightBucket(SCHEMA_VERSION, version, index, len(buckets), specs, model, lead)
-            frames = [_encoder.encode(header)] + [t.view(torch.uint8).reshape(-1).numpy() for _, t in bucket]
+            header = WeightBucket(SCHEMA_VERSION, version, index, len(buckets), specs, model, lead, inline)
+            frames = [_encoder.encode(header)]
+            if inline:
+                frames += [t.view(torch.uint8).reshape(-1).numpy() for _, t in bucket]
             self.socket.send_multipart(frames, copy=False)
             sent += sum(t.numel() * t.element_size() for _, t in bucket)
         return sent
@@ -214,14 +217,19 @@ DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float1
                                                   "int8", "uint8", "bool")}  # what a weight bucket may carry
 
 
-def _tensor(spec: TensorSpec, buffer) -> torch.Tensor:
-    """A bucket's tensor from its frame, after checking what the header claims (dtype, shape, byte size)."""
+def checked_size(spec: TensorSpec) -> tuple[torch.dtype, int]:
+    """The dtype and byte size a bucket header claims for a tensor, after checking them."""
     dtype = DTYPES.get(spec.dtype)
     if dtype is None:
         raise ValueError(f"{spec.name}: dtype {spec.dtype!r} is not a weight dtype")
     if any(d < 0 for d in spec.shape):
         raise ValueError(f"{spec.name}: shape {spec.shape}")
-    expected = math.prod(spec.shape) * dtype.itemsize
+    return dtype, math.prod(spec.shape) * dtype.itemsize
+
+
+def _tensor(spec: TensorSpec, buffer) -> torch.Tensor:
+    """A bucket's tensor from its frame, after checking what the header claims (dtype, shape, byte size)."""
+    dtype, expected = checked_size(spec)
     if len(buffer) != expected:
         raise ValueError(f"{spec.name}: {len(buffer)} bytes for shape {spec.shape} {spec.dtype} ({expected})")
     return torch.frombuffer(bytearray(buffer), dtype=dtype).reshape(spec.shape) if expected else \
@@ -239,15 +247,19 @@ class WeightSubscriber:
         self.socket.connect(endpoint)
         self._decoder = msgspec.msgpack.Decoder(WeightBucket | History)
         self._histories: deque[History] = deque(maxlen=MAX_HISTORIES)
-        # per model: partial versions being assembled, and the newest complete one not yet taken
-        self._pending: dict[str, dict[int, dict[int, list[tuple[str, torch.Tensor]]]]] = {m: {} for m in MODELS}
-        self._complete: dict[str, tuple[int, list[tuple[str, torch.Tensor]]]] = {}
+        # per model: partial versions being assembled (per bucket: its tensors, or inline=False its specs), and the
+        # newest complete one not yet taken
+        self._pending: dict[str, dict[int, dict[int, list]]] = {m: {} for m in MODELS}
+        self._complete: dict[str, tuple[int, list]] = {}
+        # policy versions sent inline=False: per bucket the specs of its tensors, for the engine's pull (the newest)
+        self.layouts: dict[int, list[list[TensorSpec]]] = {}
         self.lead = 0  # sent with the newest complete policy version
         self.dropped = 0
 
-    def poll(self, timeout_ms: int = 0) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
-        """The newest complete policy version received so far, or None. Older partial versions are discarded;
-        draft LM versions received meanwhile wait for `take_draft`."""
+    def poll(self, timeout_ms: int = 0) -> tuple[int, list[tuple[str, torch.Tensor]] | None] | None:
+        """The newest complete policy version received so far, or None: (version, its tensors), or (version, None)
+        when it was sent without them (its layout is in `layouts`). Older partial versions are discarded; draft LM
+        versions received meanwhile wait for `take_draft`."""
         self._receive(timeout_ms)
         return self._complete.pop("policy", None)
 
@@ -273,24 +285,37 @@ class WeightSubscriber:
                                          f"{len(frames) - 1} extra frames")
                     self._histories.append(header)
                     continue
-                if header.schema != SCHEMA_VERSION or len(frames) != len(header.tensors) + 1:
+                if header.schema != SCHEMA_VERSION or len(frames) != (len(header.tensors) if header.inline else 0) + 1:
                     raise ValueError(f"schema {header.schema}, {len(frames) - 1} tensor frames")
                 if not 0 <= header.bucket < header.num_buckets <= MAX_BUCKETS or header.version < 0 \
-                        or header.model not in MODELS or header.lead < 0:
+                        or header.model not in MODELS or header.lead < 0 or not (header.inline or
+                                                                             header.model == "policy"):
                     raise ValueError(f"bucket {header.bucket} of {header.num_buckets}, version {header.version} of "
-                                     f"{header.model!r}, lead {header.lead}")
-                tensors = [(spec.name, _tensor(spec, frame.buffer)) for spec, frame in zip(header.tensors, frames[1:])]
+                                     f"{header.model!r}, lead {header.lead}, inline {header.inline}")
+                if header.inline:
+                    content = [(spec.name, _tensor(spec, frame.buffer)) for spec, frame in
+                               zip(header.tensors, frames[1:])]
+                else:
+                    for spec in header.tensors:
+                        checked_size(spec)
+                    content = header.tensors
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
                 self.dropped += 1
                 log.warning("dropped a malformed message on the weight channel: %s", e)
                 continue
             pending = self._pending[header.model]
             buckets = pending.setdefault(header.version, {})
-            buckets[header.bucket] = tensors
+            buckets[header.bucket] = content
             while len(pending) > MAX_PENDING_VERSIONS:  # bounded: a peer could start endless versions
                 del pending[min(pending)]
             if len(buckets) == header.num_buckets:
-                self._complete[header.model] = (header.version, [t for i in sorted(buckets) for t in buckets[i]])
+                ordered = [buckets[i] for i in sorted(buckets)]
+                if header.inline:
+                    self._complete[header.model] = (header.version, [t for bucket in ordered for t in bucket])
+                else:
+                    self._complete[header.model] = (header.version, None)
+                    self.layouts = {v: b for v, b in self.layouts.items() if v > header.version - MAX_PENDING_VERSIONS}
+                    self.layouts[header.version] = ordered
                 if header.model == "policy":
                     self.lead = header.lead
                 self._pending[header.model] = {v: b for v, b in pending.items() if v > header.version}
