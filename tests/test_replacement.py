@@ -50,7 +50,7 @@ class Rank0:
 class StandIn:
     """Takes a RolloutActor's arguments; incarnation `n` behaves as `behaviour[n]` says."""
 
-    def __init__(self, *args, incarnation: int, keys, behaviour: dict[int, str]):
+    def __init__(self, *args, incarnation: int, keys, weight_group, behaviour: dict[int, str]):
         self.what = behaviour.get(incarnation, "healthy")
         self.stopping = threading.Event()
 
