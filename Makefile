@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(EXTRA)-$(shell cat pyproject.toml | sha256sum | cu
 CONFIG ?= grpo_tiny
 ARGS ?=
 
-.PHONY: setup models run test test-all clean-venv
+.PHONY: setup models run test test-all clean-venv gpu-check-bundle
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
@@ -37,3 +37,13 @@ test-all: models
 
 clean-venv:
 	rm -rf $(VENV)
+
+# What `python -m bench.gpu_check` imports that a GPU machine without network lacks (Python 3.12 wheels, unpacked)
+# and the built-in models, under runs/gpu_bundle/ (docs/benchmarks.md, "The GPU check")
+gpu-check-bundle: models
+	rm -rf runs/gpu_bundle && mkdir -p runs/gpu_bundle/wheels runs/gpu_bundle/site runs/gpu_bundle/cache
+	$(PY) -m pip download --disable-pip-version-check -q --only-binary=:all: --python-version 3.12 \
+		--platform manylinux2014_x86_64 --no-deps -d runs/gpu_bundle/wheels msgspec==0.22.0 omegaconf==2.4.0
+	cd runs/gpu_bundle/site && for w in ../wheels/*.whl; do $(abspath $(PY)) -m zipfile -e $$w .; done
+	cp -r $$($(PY) -c "from models.zoo import cache_root; print(cache_root())")/models runs/gpu_bundle/cache/
+	@du -sh runs/gpu_bundle

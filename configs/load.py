@@ -124,6 +124,7 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
 def _across_sections(cfg: DictConfig) -> list[tuple[str, bool, str]]:
     """(key, whether it holds, why) for the rules between keys of two sections; each key is in its range."""
     batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    share = cfg.cluster.share_gpu
     return [
         ("rollout.max_tokens", cfg.rollout.max_tokens < cfg.model.max_model_len,
          f"must be < model.max_model_len ({cfg.model.max_model_len}): the prompt needs room too"),
@@ -135,6 +136,13 @@ def _across_sections(cfg: DictConfig) -> list[tuple[str, bool, str]]:
         ("transport.auth", cfg.transport.auth.value != "none" or cfg.cluster.address is None,
          "is for a single-user host (every local user could speak for an actor); a cluster "
          f"(cluster.address {cfg.cluster.address!r}) needs transport.auth=curve"),
+        ("cluster.share_gpu", not share or (cfg.cluster.device.value == "cuda" and cfg.learner.num_ranks == 1
+                                            and cfg.rollout.num_actors == 1 and cfg.rollout.tensor_parallel_size == 1),
+         "needs cluster.device cuda, one learner rank and one rollout actor of tensor_parallel_size 1"),
+        ("transport.weights", not share or cfg.transport.weights.value == "zmq",
+         "must be zmq with cluster.share_gpu: two processes on one GPU cannot form an NCCL group"),
+        ("speculation.distill.num_gpus", not share or cfg.speculation.distill.num_gpus < 0.5,
+         "must be < 0.5 with cluster.share_gpu: it is a share of the learner's half of the GPU"),
         ("learner.micro_batch_size", batch % (cfg.learner.micro_batch_size * cfg.learner.num_ranks) == 0,
          f"times learner.num_ranks must divide the step's {batch} trajectories "
          "(rollout.prompts_per_step x rollout.group_size)"),

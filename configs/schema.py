@@ -286,6 +286,9 @@ class ClusterConfig:
         "--resources='{\"learner\": 8}'`, one unit per GPU, or per process on CPU); the role is reserved whole as a "
         "placement group. null: any node")
     rollout_resource: Optional[str] = knob(None, "the same for the rollout actors. null: any node")
+    share_gpu: bool = knob(False, "cuda, one learner rank and one rollout actor: both on one GPU, half each in Ray's "
+                           "accounting (the engine takes rollout.kv_cache_mib of its memory besides its weights, the "
+                           "learner the rest): the one-GPU run of configs/grpo_gpu1.yaml")
 
 
 @dataclass

@@ -18,13 +18,19 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 WAIT_S = 120  # for the cluster to grant a role's resources (an autoscaler may be adding nodes)
 
 
+def gpus_per_device(cfg: DictConfig) -> float:
+    """What one learner rank, or one device of a rollout engine, takes of a GPU: 0 on CPU, half with
+    `cluster.share_gpu`, else one."""
+    return 0.0 if cfg.cluster.device.value != "cuda" else 0.5 if cfg.cluster.share_gpu else 1.0
+
+
 def bundles(cfg: DictConfig, role: str) -> list[dict[str, float]]:
     """The resources of every process of `role` ("learner" or "rollout")."""
-    gpu = cfg.cluster.device.value == "cuda"
-    gpus, count, resource = ((1 if gpu else 0, cfg.learner.num_ranks, cfg.cluster.learner_resource) if role == "learner"
-                             else (cfg.rollout.tensor_parallel_size if gpu else 0, cfg.rollout.num_actors,
+    gpu = gpus_per_device(cfg)
+    gpus, count, resource = ((gpu, cfg.learner.num_ranks, cfg.cluster.learner_resource) if role == "learner"
+                             else (cfg.rollout.tensor_parallel_size * gpu, cfg.rollout.num_actors,
                                    cfg.cluster.rollout_resource))
-    bundle = {"CPU": 1.0, **({"GPU": float(gpus)} if gpus else {}), **({resource: float(max(gpus, 1))}
+    bundle = {"CPU": 1.0, **({"GPU": gpus} if gpus else {}), **({resource: float(max(gpus, 1))}
                                                                          if resource else {})}
     return [dict(bundle) for _ in range(count)]
 

@@ -131,8 +131,9 @@ def place(cfg: DictConfig, nodes: list[Node]) -> tuple[dict[str, list[str]], str
     cuda = cfg.cluster.device.value == "cuda"
     free = {n.name: (n.gpus if cuda else 1 << 30) for n in nodes}
     placed: dict[str, list[str]] = {n.name: [] for n in nodes}
-    roles = [("learner", cfg.learner.num_ranks, 1, cfg.cluster.learner_resource),
-             ("rollout", cfg.rollout.num_actors, cfg.rollout.tensor_parallel_size if cuda else 1,
+    share = 0.5 if cfg.cluster.share_gpu else 1  # of a GPU, per learner rank and rollout device
+    roles = [("learner", cfg.learner.num_ranks, share if cuda else 1, cfg.cluster.learner_resource),
+             ("rollout", cfg.rollout.num_actors, cfg.rollout.tensor_parallel_size * share if cuda else 1,
               cfg.cluster.rollout_resource)]
     for role, count, width, resource in roles:
         offering = [n for n in nodes if not resource or not n.resources or resource in n.resources]
@@ -159,7 +160,8 @@ def weight_sync(cfg: DictConfig, gb: float) -> str:
     over_zmq = (f"~{gb / zmq_rate:.1f} s over ZeroMQ ({cfg.transport.auth.value}) at the {zmq_rate:.2f} GB/s "
                 "bench/weight_sync.py measured on one host")
     if cfg.transport.weights.value == "zmq":
-        nccl = f"; transport.weights nccl: ~{gb / NCCL_GB_S:.1f} s per engine" if cuda else ""
+        nccl = f"; transport.weights nccl: ~{gb / NCCL_GB_S:.1f} s per engine" if cuda and not cfg.cluster.share_gpu \
+            else ""
         return f"  weight sync: {gb:.2f} GB per version, {over_zmq}{nccl}"
     rate, how = (NCCL_GB_S, "NCCL at a published packed-broadcast rate between nodes") if cuda else \
         (measured["collective"]["gb_per_s"], "gloo at the rate bench/weight_sync.py measured on one host")
@@ -212,6 +214,11 @@ def plan(cfg: DictConfig, cluster: list[Node] | None, gpu_gib: float) -> int:
         rank0 = sum(learner.values()) + distiller
         if share and rank0 > budget and shortfall is None:
             shortfall = f"learner rank 0 with the distiller needs {rank0 / GIB:.2f} GiB, a GPU has {budget / GIB:.0f}"
+    if cfg.cluster.share_gpu:  # the learner rank and the engine on one GPU
+        both = sum(learner.values()) + sum(rollout.values()) + distiller
+        print(f"  shared GPU: learner rank and rollout engine together {both / GIB:.2f} GiB of {budget / GIB:.0f}")
+        if both > budget and shortfall is None:
+            shortfall = f"the shared GPU needs {both / GIB:.2f} GiB, it has {budget / GIB:.0f}"
     if not cuda:  # one host: every process's memory together
         total = (cfg.learner.num_ranks * sum(learner.values()) + cfg.rollout.num_actors * sum(rollout.values())
                  + distiller)

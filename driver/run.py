@@ -121,7 +121,7 @@ class Run:
         """Ray, the learner ranks and the rollout actors, at `checkpoint`'s step and data cursor (None: the run's
         first step, `state`)."""
         from driver.learners import LearnerGroup
-        from driver.placement import nodes_of
+        from driver.placement import gpus_per_device, nodes_of
         from driver.rollouts import RolloutPool
         from tasks.schedule import CursorPlan
         from transport.auth import keypair
@@ -139,7 +139,7 @@ class Run:
                  runtime_env={"env_vars": {k: os.environ[k] for k in self.env}, "working_dir": None,
                               "worker_process_setup_hook": "driver.logs.route_worker_logs"})
         try:
-            gpus = 1 if cfg.cluster.device.value == "cuda" else 0
+            gpus = gpus_per_device(cfg)
             curve = cfg.transport.auth.value == "curve"  # keys made here, per run; actors get theirs as they start
             self.learners = LearnerGroup(cfg, self.policy_dir, self.reference_dir, plan,
                                          None if checkpoint is None else str(checkpoint), num_gpus=gpus,

@@ -249,3 +249,35 @@ def test_each_member_of_fastest_of_n_gets_its_acceptance_over_the_run(tmp_path, 
     assert run["member_acceptance_by_step"] == {"suffix": [[0, 0.5], [1, 0.6], [2, 0.7], [3, 0.8]],
                                                 "draft_lm": [[0, 0.8], [1, 0.8], [3, 0.8]]}
     assert run["acceptance_by_step"] == [2.0] * 4
+
+
+def test_the_gpu_check_fits_its_window_and_runs_with_only_what_a_gpu_machine_has(tmp_path):
+    """`--dry-run` lists every section within the 8 minutes one GPU check may take; the check itself, run small on
+    this CPU, finishes every section importing nothing the GPU machines lack (ZeroMQ, Ray, vLLM: blocked here)."""
+    import subprocess
+    import sys
+
+    from bench.gpu_check import LIMIT_S, SECTIONS, START_S
+
+    dry = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry-run"], capture_output=True, text=True)
+    assert dry.returncode == 0 and all(name in dry.stdout for name in SECTIONS)
+    assert START_S + sum(s for s, _ in SECTIONS.values()) <= LIMIT_S <= 480
+    (tmp_path / "sitecustomize.py").write_text(
+        "import importlib.abc, sys\n"
+        "class Absent(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] in {'zmq', 'ray', 'vllm'}:\n"
+        "            raise ImportError(name + ' is not on the GPU machine')\n"
+        "sys.meta_path.insert(0, Absent())\n")
+    import os
+
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.getcwd()}"}
+    run = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--quick", "--out",
+                          str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=300)
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert run.returncode == 0, report
+    sections = report["sections"]
+    assert list(sections) == list(SECTIONS) and not any("error" in s for s in sections.values())
+    assert sections["learner"]["result"]["logprob_gap_max"] < 1e-3  # fp32 here: the learner's are the decode's
+    assert all(v["ms_per_draft_position"] > 0 for v in sections["draft_lm"]["result"]["builtin_draft"]["by_requests"]
+               .values())

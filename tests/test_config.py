@@ -126,12 +126,22 @@ def test_bad_file_names_the_key_and_file(tmp_path):
         load_run_config(str(path))
 
 
-def test_production_config_requires_a_model_path(tmp_path):
-    with pytest.raises(ConfigError, match=r"grpo_moe\.yaml.*'model\.path' is not set.*model\.path="):
-        load_run_config("grpo_moe")
+@pytest.mark.parametrize("name", ["grpo_moe", "grpo_gpu1"])
+def test_gpu_configs_require_a_model_path(tmp_path, name):
+    with pytest.raises(ConfigError, match=name + r"\.yaml.*'model\.path' is not set.*model\.path="):
+        load_run_config(name)
     (tmp_path / "config.json").write_text("{}")
-    cfg = load_run_config("grpo_moe", [f"model.path={tmp_path}"])
-    assert cfg.learner.zero_stage == 3 and cfg.cluster.device.value == "cuda"
+    cfg = load_run_config(name, [f"model.path={tmp_path}"])
+    assert cfg.cluster.device.value == "cuda"
+
+
+@pytest.mark.parametrize("override,key", [
+    ("cluster.device=cpu", "cluster.share_gpu"), ("learner.num_ranks=2", "cluster.share_gpu"),
+    ("transport.weights=nccl", "transport.weights"), ("speculation.distill.num_gpus=0.5", "speculation.distill.num_gpus")])
+def test_one_shared_gpu_holds_one_learner_rank_and_one_engine_with_weights_over_zeromq(tmp_path, override, key):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        load_run_config("grpo_gpu1", [f"model.path={tmp_path}", override])
 
 
 def test_unknown_config_name_lists_bundled_ones():
@@ -140,7 +150,7 @@ def test_unknown_config_name_lists_bundled_ones():
 
 
 def test_every_bundled_yaml_is_checked_here():
-    assert {p.stem for p in CONFIG_DIR.glob("*.yaml")} == {"grpo_tiny", "grpo_moe_tiny", "grpo_moe"}
+    assert {p.stem for p in CONFIG_DIR.glob("*.yaml")} == {"grpo_tiny", "grpo_moe_tiny", "grpo_moe", "grpo_gpu1"}
 
 
 @pytest.mark.parametrize("override", ["trainer.no_such_key=1", "trainer.steps=abc"])

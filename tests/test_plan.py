@@ -20,7 +20,19 @@ def test_grpo_moe_plans_on_two_nodes_of_eight_gpus(capsys):
     assert "node-1: " + ", ".join(f"rollout-{i}" for i in range(4)) in out
     assert "learner rank: weights 7.11 + gradients 7.11 + optimizer 42.65 = 56.87 GiB of 80" in out
     assert "rollout GPU: weights 28.44 + kv_cache 40.00 = 68.44 GiB of 80" in out
+    # transport.weights nccl: a version's time per engine at NCCL's rate, each engine sent its own copy
+    assert "~1.6 s per engine by NCCL" in out and "each of the 4 engines its own copy, ~6.4 s" in out
     assert out.strip().endswith("plan: the cluster holds the run")
+
+
+def test_one_gpu_holds_a_learner_rank_and_an_engine_together(capsys):
+    args = ["--config", "grpo_gpu1", "model.path=configs/shapes/qwen3_1.7b", "--plan", "--cluster"]
+    assert launch.main([*args, "1x1:80"]) == 0
+    out = capsys.readouterr().out
+    assert "node-0: learner-0, rollout-0" in out and "together 44.84 GiB of 80" in out
+    assert "nccl" not in out  # two processes on one GPU cannot form an NCCL group: not offered
+    assert launch.main([*args, "1x1:40"]) == 3
+    assert "the shared GPU needs 44.84 GiB, it has 40" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("cluster,shortfall", [
