@@ -43,6 +43,7 @@ from pathlib import Path
 
 from actor.engine import set_env_defaults
 from bench.engine_process import in_fresh_process
+from bench.rollout_report import plot, table
 from bench.stats import paired
 from transport.messages import add_labels
 
@@ -126,9 +127,12 @@ def make_llm(name: str, target: Path, draft: Path, oracle: Path | None, device: 
     return llm
 
 
-def generate(llm, prompt_ids: list[list[int]], params: list) -> dict:
-    """Steps the engine by hand over every request: makespan, per-request finish times and tokens, batch curve."""
+def generate(llm, prompt_ids: list[list[int]], params: list, records: list | None = None) -> dict:
+    """Steps the engine by hand over every request: makespan, per-request finish times and tokens, batch curve.
+    `records`: a coupled engine's steps are appended to it (bench/trace.py)."""
     from vllm.inputs.engine import tokens_input
+
+    from bench.trace import step_record
 
     engine = llm.llm_engine
     for i, (ids, p) in enumerate(zip(prompt_ids, params)):
@@ -136,7 +140,11 @@ def generate(llm, prompt_ids: list[list[int]], params: list) -> dict:
     finish, tokens, curve = [0.0] * len(params), [[] for _ in params], []
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        begin = time.perf_counter()
+        outputs = engine.step()
+        if records is not None:
+            records.append([time.perf_counter() - begin, *llm.collective_rpc(step_record)[0]])
+        for out in outputs:
             if out.finished:
                 finish[int(out.request_id[1:])] = time.perf_counter() - start
                 tokens[int(out.request_id[1:])] = list(out.outputs[0].token_ids)
@@ -145,7 +153,8 @@ def generate(llm, prompt_ids: list[list[int]], params: list) -> dict:
 
 
 def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: list[int], max_tokens: int,
-               oracle: Path | None, sweep: list[int], device: str, earlier: list[list[int]], k: int) -> dict:
+               oracle: Path | None, sweep: list[int], device: str, earlier: list[list[int]], k: int,
+               trace: bool = False) -> dict:
     from vllm import SamplingParams
 
     from actor.engine import close_engine
@@ -169,7 +178,10 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
             if coupled:
                 llm.collective_rpc(take_spec_counts, args=(request_ids,))
         before = llm.collective_rpc(profile)[0] if coupled else {}
-        run = generate(llm, prompt_ids, sampling(seeds))
+        records = [] if coupled and trace else None
+        run = generate(llm, prompt_ids, sampling(seeds), records)
+        if records is not None:
+            run.update(step_records=records, prompt_ids=prompt_ids)
         run["earlier_sequences"] = earlier_sequences
         steps = len(run["batch_curve"])
         if coupled:  # where the time of a step went
@@ -222,51 +234,6 @@ def shape(run: dict) -> dict:
             "tail_share_last_10pct": round((run["makespan_s"] - p90_done) / run["makespan_s"], 3)}
 
 
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    systems = result["systems"]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
-    names = list(systems)
-    speed = [systems[n]["speedup"] for n in names]
-    errors = [[s - systems[n].get("speedup_ci95", [s, s])[0] for n, s in zip(names, speed)],
-              [systems[n].get("speedup_ci95", [s, s])[1] - s for n, s in zip(names, speed)]]
-    axes[0].bar(names, speed, yerr=errors, color=["#888" if n in ("vanilla", "oracle") else "#4878a8" for n in names])
-    axes[0].axhline(1.0, color="k", lw=0.8)
-    for i, n in enumerate(names):
-        axes[0].annotate(f"acc {systems[n]['acceptance_length']:.2f}\nid {result['identical_fraction'][n]:.2f}",
-                         (i, speed[i]), ha="center", va="bottom", fontsize=7)
-    axes[0].set_ylabel("speed-up over vanilla (median, 95% CI)")
-    axes[0].tick_params(axis="x", rotation=30, labelsize=7)
-    for n in ("vanilla", "oracle", "specactor"):
-        if "batch_curve" in systems.get(n, {}):
-            t, b = zip(*systems[n]["batch_curve"])
-            axes[1].step(t, b, where="post", label=n)
-    axes[1].set_xlabel("seconds")
-    axes[1].set_ylabel("running requests")
-    axes[1].legend(fontsize=8)
-    sweep = result.get("sweep", {})
-    if sweep:
-        sizes = [int(s) for s in sweep]
-        axes[2].plot(sizes, [sweep[s]["speedup"] for s in sweep], marker="o")
-        axes[2].axhline(1.0, color="k", lw=0.8)
-        axes[2].set_xscale("log", base=2)
-        axes[2].set_xlabel(f"concurrent requests ({SWEEP_TOKENS} tokens each)")
-        axes[2].set_ylabel("specactor speed-up over vanilla")
-    else:
-        axes[2].axis("off")
-        axes[2].text(0.5, 0.5, "no fixed-batch sweep in this run (--no-sweep)", ha="center", va="center")
-    c = result["config"]
-    epoch = f" (epoch {c['epochs_before'] + 1})" if c.get("epochs_before") else ""
-    fig.suptitle(f"{c['preset']}{epoch}: {c['sequences']} sequences, target {c['target_params'] / 1e6:.1f}M params, "
-                 f"tail share {result['workload']['tail_share_last_10pct']:.2f}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
@@ -278,6 +245,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--speculative-tokens", type=int, default=SPECULATIVE_TOKENS,
                         help="k: the most draft tokens per request and step of every speculating system")
     parser.add_argument("--no-sweep", action="store_true", help="skip the fixed-batch sweep")
+    parser.add_argument("--trace", type=Path, help="also write the run's trace here (bench/trace.py), which "
+                        "bench.simulate replays")
     parser.add_argument("--epochs-before", type=int, default=0,
                         help="measure epoch N+1: each engine first generates the same prompts N times with the "
                              "seeds of earlier epochs, unmeasured (the history a training run's drafters hold)")
@@ -318,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
             for name in order:  # one fresh process per engine: vLLM keeps global state between engines
                 run = in_fresh_process(log, run_system, name, target, draft, prompts, seeds, preset["max_tokens"],
                                        oracle, sweep if name in ("vanilla", "specactor") else [], device, earlier,
-                                       args.speculative_tokens)
+                                       args.speculative_tokens, args.trace is not None)
                 if name == "vanilla" and repeat == 0:  # the oracle replays every epoch it sees
                     replay = zip([*sum(earlier, []), *seeds], [*run["earlier_sequences"], *run["sequences"]])
                     oracle.write_text(json.dumps({s: t for s, t in replay}))
@@ -364,31 +333,17 @@ def main(argv: list[str] | None = None) -> dict:
         "device": "one CUDA GPU, bf16" if device == "cuda" else "CPU, one engine thread (OMP_NUM_THREADS=1), fp32",
         "sweep_tokens": SWEEP_TOKENS,
     }
+    if args.trace is not None:
+        from bench.trace import write
+
+        write(args.trace, result["config"], runs["vanilla"][0]["prompt_ids"], seeds, runs, draft,
+              args.speculative_tokens, TEMPERATURE)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     plot(result, out.with_suffix(".png"))
     print(table(result))
     print(f"wrote {out} and {out.with_suffix('.png')} (engine logs: {log})")
     return result
-
-
-def table(result: dict) -> str:
-    rows = ["| system | makespan s | tokens/s | speed-up (95% CI) | acceptance | identical |",
-            "|---|---|---|---|---|---|"]
-    for name, s in result["systems"].items():
-        ci = s.get("speedup_ci95")
-        rows.append(f"| {name} | {s['makespan_s']:.2f} | {s['tokens_per_s']:.0f} | {s['speedup']:.2f}"
-                    + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
-                    + f" | {s['acceptance_length']:.2f} | {result['identical_fraction'][name]:.2f} |")
-    w = result["workload"]
-    rows.append(f"workload: lengths {w['response_length']}, max/median {w['max_over_median']}, "
-                f"last 10% of requests take {w['tail_share_last_10pct']:.0%} of vanilla's makespan")
-    if "share_of_oracle_speedup" in result:
-        rows.append(f"specactor takes {result['share_of_oracle_speedup']:.0%} of the oracle's speed-up")
-    if "sweep" in result:
-        rows.append("sweep (specactor / vanilla): " + ", ".join(f"{b}: {s['speedup']:.2f}x"
-                                                                for b, s in result["sweep"].items()))
-    return "\n".join(rows)
 
 
 if __name__ == "__main__":

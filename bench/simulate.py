@@ -1,0 +1,299 @@
+"""Trace-driven rollout simulator: what speculation gives on hardware this project cannot run vLLM on, computed from
+a recorded rollout (bench/trace.py) and measured step-cost curves.
+
+    python -m bench.simulate --trace TRACE --validate [--out PATH]
+    python -m bench.simulate --trace TRACE --costs bench/results/step_cost_h100.json [--shape qwen3_8b]
+                             [--context 2048] [--gpu-draft-ms-per-pass 1.5] [--out PATH]
+
+Every coupled system commits the same tokens, so a request's schedule is fixed by how many tokens each step commits
+for it: `1 + min(drafts, match)`, where `match` is the trace's match length of the drafter at that position (the
+oracle matches everywhere). What is left is time. The simulator steps a continuous batch on a simulated clock: the
+trace's prefill, then decode steps over the running requests until each has its tokens; per step the real draft
+planner (`actor/draft_planner.plan` with its `StepCost`, `DraftCost` and `Acceptance`, fed the simulated steps as the
+engine feeds it measured ones) chooses each request's drafts, and the step costs the engine's seconds for the tokens
+it computes plus drafting's seconds (serial), or only the drafting the engine waits for (decoupled: see below).
+
+- `--validate`: costs fitted from the trace itself (the engine's seconds per step against the tokens it computed,
+  pooled over the systems; each drafter's seconds per step against the requests and drafts), then vanilla, oracle and
+  specactor simulated and compared with the makespans measured in the same run. The model is trusted only where
+  these agree (within 10%; speed-ups within 0.05x).
+- `--costs FILE`: a `bench.step_cost` result for another device (its measured decode and verify-4 step times by
+  requests at `--context` tokens of context, interpolated in between); the projected rollout speed-up of each
+  system over vanilla, drafting on the host CPU (the trace's own drafting cost), on the GPU (`--gpu-draft-ms-per-pass`
+  per sequential draft pass: an estimate until bench.gpu_check measures it) and decoupled; and the speed-up as a
+  function of mean acceptance length (drafts accepted at a fixed per-token rate), from which a user reads what a
+  drafter must reach.
+
+Decoupled drafting: drafts for step t+1 are prepared while step t verifies. Two bounds: `decoupled_chain`, where a
+request finds its drafts ready only if all its last ones were accepted (prepared from its own chain; the others
+wait for drafting as in the serial mode), and `decoupled_every_outcome`, where drafts were prepared for every
+outcome of the verify step, so the engine waits only for drafting that outlasts the verify step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, StepCost, geometric, plan
+
+
+@dataclass
+class Costs:
+    """What a simulated step costs: `engine(requests, drafts)` seconds, drafting's seconds as
+    `draft_fixed + draft_per_request * requests + draft_per_pass * passes + draft_per_token * drafts` when it drafts
+    (`bridge_per_request * requests` when it does not: the planner's own work), and the prefill's seconds."""
+
+    engine: object  # (requests, drafts) -> seconds
+    prefill_s: float
+    draft_fixed: float = 0.0
+    draft_per_request: float = 0.0
+    draft_per_pass: float = 0.0
+    draft_per_token: float = 0.0
+    bridge_per_request: float = 0.0
+
+    def drafting(self, requests: int, drafts: int, passes: int) -> float:
+        if drafts == 0:
+            return self.bridge_per_request * requests
+        return (self.draft_fixed + self.draft_per_request * requests + self.draft_per_pass * passes
+                + self.draft_per_token * drafts)
+
+
+def monotone_curve(points: dict[int, float]):
+    """Seconds against tokens: the median per token count, never falling, interpolated linearly and extrapolated
+    along the last two points' slope."""
+    x = np.array(sorted(points), dtype=float)
+    y = np.maximum.accumulate(np.array([points[int(t)] for t in x]))
+    slope = (y[-1] - y[-2]) / (x[-1] - x[-2]) if len(x) > 1 else 0.0
+
+    def seconds(tokens: float) -> float:
+        return float(np.interp(tokens, x, y)) if tokens <= x[-1] else float(y[-1] + slope * (tokens - x[-1]))
+
+    return seconds
+
+
+def decode_steps(run: dict, k: int) -> tuple[list[list[float]], int]:
+    """A run's steps after its prefill (the leading steps that computed more tokens than `k + 1` per request: prompt
+    tokens), and how many those were."""
+    steps, first = run["steps"], 0
+    while first < len(steps) and steps[first][1] > (k + 1) * steps[first][2]:
+        first += 1
+    return steps[first:], first
+
+
+def fit_costs(trace: dict, drafter: str | None) -> Costs:
+    """Costs from the trace: the engine curve pooled over every coupled system's decode steps; drafting from
+    `drafter`'s own steps (None: vanilla, which never drafts)."""
+    k, by_tokens = trace["config"]["num_speculative_tokens"], {}
+    for runs in trace["systems"].values():
+        for run in runs:
+            for wall, tokens, requests, _, bridge, drafter_s in decode_steps(run, k)[0]:
+                by_tokens.setdefault(int(tokens), []).append(wall - bridge - drafter_s)
+    curve = monotone_curve({t: statistics.median(v) for t, v in by_tokens.items()})
+    vanilla = trace["systems"]["vanilla"]
+    prefill = statistics.median(sum(s[0] for s in r["steps"][: decode_steps(r, k)[1]]) for r in vanilla)
+    costs = Costs(engine=lambda requests, drafts: curve(requests + drafts), prefill_s=prefill)
+    if drafter is None:
+        return costs
+    rows, spent = [], []
+    for run in trace["systems"][drafter]:
+        steps = decode_steps(run, k)[0]
+        for step, after in zip(steps, steps[1:]):  # a step's drafting makes the next step's drafts
+            drafted = after[1] - after[2]
+            rows.append([1.0 if drafted else 0.0, step[2] if drafted else 0.0, drafted, 0.0 if drafted else step[2]])
+            spent.append(step[4] + step[5])
+    coef = np.clip(np.linalg.lstsq(np.array(rows), np.array(spent), rcond=None)[0], 0.0, None)
+    costs.draft_fixed, costs.draft_per_request, costs.draft_per_token, costs.bridge_per_request = coef
+    return costs
+
+
+def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k: int, drafting: bool,
+             decoupled: str | None = None) -> dict:
+    """Makespan and batch curve of one rollout: `lengths` tokens per request, drafts accepted by `match` (None: the
+    oracle, every draft), drafting decided by the real planner when `drafting`. `decoupled`: None (drafting on the
+    critical path), "chain" (a request finds its drafts prepared only when all its last ones were accepted) or
+    "every_outcome" (drafts prepared for every outcome of the verify step: always ready)."""
+    n = len(lengths)
+    position = [1] * n  # the prefill samples every request's first token
+    clock, curve, waited = costs.prefill_s, [], 0.0
+    step_cost, draft_cost, acceptance = StepCost(), DraftCost(), Acceptance()
+    ready = [False] * n  # decoupled: this request's next drafts were prepared during the last step
+    undrafted = 0
+    while True:
+        running = [i for i in range(n) if position[i] < lengths[i]]
+        if not running:
+            break
+        ids = [str(i) for i in running]
+        drafts = [0] * len(running)
+        if drafting:
+            budgets, _ = plan(geometric(acceptance.rates(ids), k), len(running), step_cost, draft_cost,
+                              explore=undrafted >= EXPLORE_EVERY)
+            drafts = [min(b, lengths[i] - position[i] - 1) for b, i in zip(budgets, running)]
+        total, passes = sum(drafts), max(drafts, default=0)
+        engine = costs.engine(len(running), total)
+        draft = costs.drafting(len(running), total, passes)
+        if decoupled and total:  # only the requests whose drafts were not prepared wait for drafting
+            missed = [d for d, i in zip(drafts, running) if d and not (ready[i] or decoupled == "every_outcome")]
+            waited_here = costs.drafting(len(missed), sum(missed), max(missed, default=0)) if missed else 0.0
+            prepared = draft - waited_here
+            waited_here += max(0.0, prepared - engine)  # what the prepared drafting could not hide
+        else:
+            waited_here = draft
+        clock += engine + waited_here
+        waited += waited_here
+        for d, i, rid in zip(drafts, running, ids):
+            accepted = d if match is None else min(d, match[i][position[i]])
+            ready[i] = bool(d) and accepted == d
+            position[i] = min(lengths[i], position[i] + accepted + 1)
+            if d:
+                acceptance.observe(rid, d, accepted)
+        step_cost.observe(len(running) + total, engine)
+        if total:
+            draft_cost.observe(passes, total, 0, draft)
+        undrafted = 0 if total else undrafted + 1
+        curve.append((round(clock, 4), len(running)))
+    return {"makespan_s": clock, "steps": len(curve), "drafting_waited_s": waited, "batch_curve": curve}
+
+
+def matches_at_rate(lengths: list[int], k: int, rate: float, seed: int = 0) -> list[list[int]]:
+    """Match lengths of a drafter whose every token is accepted with probability `rate` given the ones before it."""
+    rng, out = random.Random(seed), []
+    for length in lengths:
+        row = []
+        for _ in range(length):
+            m = 0
+            while m < k and rng.random() < rate:
+                m += 1
+            row.append(m)
+        out.append(row)
+    return out
+
+
+def validate(trace: dict) -> dict:
+    """Simulated against measured makespans of vanilla, oracle and specactor, costs fitted from the same trace."""
+    k, lengths = trace["config"]["num_speculative_tokens"], [r["tokens"] for r in trace["requests"]]
+    cases = {"vanilla": (None, None, False), "oracle": ("oracle", None, True),
+             "specactor": ("specactor", trace["match"]["draft_lm"], True)}
+    out, vanilla = {}, None
+    for name, (drafter, match, drafting) in cases.items():
+        if name not in trace["systems"]:
+            continue
+        measured = statistics.median(r["makespan_s"] for r in trace["systems"][name])
+        simulated = simulate(lengths, match, fit_costs(trace, drafter), k, drafting)["makespan_s"]
+        out[name] = {"measured_s": round(measured, 3), "simulated_s": round(simulated, 3),
+                     "error": round(simulated / measured - 1, 3)}
+        if name == "vanilla":
+            vanilla = out[name]
+        elif vanilla is not None:
+            out[name]["measured_speedup"] = round(vanilla["measured_s"] / measured, 3)
+            out[name]["simulated_speedup"] = round(vanilla["simulated_s"] / simulated, 3)
+    return out
+
+
+def attention_curve(step_cost_file: Path, shape: str, context: int):
+    """(requests, drafts) -> seconds from a `bench.step_cost` result: decode and verify-4 times measured per number
+    of requests at `context` tokens of context, interpolated in requests (log scale) and linearly in drafts."""
+    result = json.loads(step_cost_file.read_text())["shapes"][shape]
+    table = next(c for c in result["with_attention"] if c["context"] == context)["by_requests"]
+    b = np.array(sorted(int(r) for r in table), dtype=float)
+    decode = np.array([table[str(int(r))]["decode_ms"] for r in b]) / 1e3
+    verify = np.array([table[str(int(r))]["verify_k4_ms"] for r in b]) / 1e3
+
+    def seconds(requests: int, drafts: int) -> float:
+        x = np.log(max(requests, 1))
+        plain = float(np.interp(x, np.log(b), decode))
+        full = float(np.interp(x, np.log(b), verify))
+        return plain + (full - plain) * drafts / (4 * max(requests, 1))
+
+    return seconds
+
+
+def project(trace: dict, costs_file: Path, shape: str, context: int, gpu_draft_s_per_pass: float) -> dict:
+    """Projected speed-ups over vanilla on `costs_file`'s device, per system and drafting placement, and the
+    speed-up against mean acceptance length."""
+    k, requests = trace["config"]["num_speculative_tokens"], trace["requests"]
+    lengths = [r["tokens"] for r in requests]
+    engine = attention_curve(costs_file, shape, context)
+    by_tokens = json.loads(costs_file.read_text())["shapes"][shape]["ms_by_tokens"]
+    prefill = monotone_curve({int(t): ms / 1e3 for t, ms in by_tokens.items()})(sum(r["prompt_tokens"] for r in requests))
+    host = fit_costs(trace, "specactor")  # the draft LM's drafting as measured on this CPU
+    placements = {
+        "host_cpu": Costs(engine, prefill, host.draft_fixed, host.draft_per_request, 0.0, host.draft_per_token,
+                          host.bridge_per_request),
+        "gpu": Costs(engine, prefill, draft_per_pass=gpu_draft_s_per_pass)}
+    vanilla = simulate(lengths, None, Costs(engine, prefill), k, drafting=False)
+    systems = {"vanilla": vanilla, "oracle": simulate(lengths, None, Costs(engine, prefill), k, drafting=True)}
+    for where, costs in placements.items():
+        for decoupled in (None, "chain", "every_outcome"):
+            name = f"specactor_{where}" + (f"_decoupled_{decoupled}" if decoupled else "")
+            systems[name] = simulate(lengths, trace["match"]["draft_lm"], costs, k, True, decoupled)
+    out = {"systems": {name: {"makespan_s": round(r["makespan_s"], 4),
+                              "speedup": round(vanilla["makespan_s"] / r["makespan_s"], 3),
+                              "drafting_waited_share": round(r["drafting_waited_s"] / r["makespan_s"], 4)}
+                       for name, r in systems.items()}}
+    oracle_gain = out["systems"]["oracle"]["speedup"] - 1
+    for name, row in out["systems"].items():
+        if name.startswith("specactor") and oracle_gain > 0:
+            row["share_of_oracle_gain"] = round((row["speedup"] - 1) / oracle_gain, 3)
+    out["sensitivity"] = []
+    for rate in (0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95):
+        match = matches_at_rate(lengths, k, rate)
+        row = {"token_acceptance": rate, "mean_acceptance_length": round(1 + sum(rate ** j for j in range(1, k + 1)), 3)}
+        for decoupled in (None, "every_outcome"):
+            r = simulate(lengths, match, placements["gpu"], k, True, decoupled)
+            row["speedup" + ("_decoupled" if decoupled else "")] = round(vanilla["makespan_s"] / r["makespan_s"], 3)
+        out["sensitivity"].append(row)
+    out["batch_curves"] = {name: r["batch_curve"][:: max(1, len(r["batch_curve"]) // 300)]
+                           for name, r in systems.items()}
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--trace", type=Path, required=True, help="a bench.rollout --trace file")
+    parser.add_argument("--validate", action="store_true", help="simulate the trace's own run and compare")
+    parser.add_argument("--costs", type=Path, help="a bench.step_cost result: project onto its device")
+    parser.add_argument("--shape", default="qwen3_8b", help="the step-cost file's shape to project with")
+    parser.add_argument("--context", type=int, default=2048, help="the step-cost file's context to project at")
+    parser.add_argument("--gpu-draft-ms-per-pass", type=float, default=1.5,
+                        help="drafting on the GPU: ms per sequential draft pass (an estimate: an eager draft LM of "
+                             "28 layers is launch-bound at about 12 kernels x 5 us a layer)")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench/simulate.json"))
+    args = parser.parse_args(argv)
+    if not args.validate and args.costs is None:
+        parser.error("say what to do: --validate, --costs FILE, or both")
+    trace = json.loads(args.trace.read_text())
+    result: dict = {"trace": str(args.trace), "preset": trace["config"].get("preset")}
+    if args.validate:
+        result["validation"] = validate(trace)
+        for name, row in result["validation"].items():
+            print(f"{name:10s} measured {row['measured_s']:7.2f} s  simulated {row['simulated_s']:7.2f} s  "
+                  f"error {row['error']:+.1%}" + (f"  speed-up {row['measured_speedup']:.2f}x measured, "
+                                                  f"{row['simulated_speedup']:.2f}x simulated"
+                                                  if "measured_speedup" in row else ""))
+    if args.costs is not None:
+        result["projection"] = {"costs": str(args.costs), "shape": args.shape, "context": args.context,
+                                "gpu_draft_ms_per_pass": args.gpu_draft_ms_per_pass,
+                                **project(trace, args.costs, args.shape, args.context,
+                                          args.gpu_draft_ms_per_pass / 1e3)}
+        for name, row in result["projection"]["systems"].items():
+            print(f"{name:30s} {row['speedup']:5.2f}x  drafting waited {row['drafting_waited_share']:.1%}"
+                  + (f"  {row['share_of_oracle_gain']:.0%} of the oracle's gain" if "share_of_oracle_gain" in row
+                     else ""))
+        for row in result["projection"]["sensitivity"]:
+            print(f"acceptance length {row['mean_acceptance_length']:.2f}: {row['speedup']:.2f}x serial, "
+                  f"{row['speedup_decoupled']:.2f}x decoupled")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

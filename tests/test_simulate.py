@@ -1,0 +1,89 @@
+"""The trace-driven simulator (bench/simulate.py) and its trace (bench/trace.py): exact schedules on hand-made costs,
+the real planner in the loop, match lengths read off a drafter; and, end to end (slow), a measured smoke rollout
+reproduced within 10% from its own trace."""
+
+import json
+
+import pytest
+
+from bench.simulate import Costs, simulate, validate
+from bench.trace import match_lengths
+from drafters.base import Drafter
+
+
+def flat(engine_s: float, prefill_s: float = 1.0, **drafting) -> Costs:
+    return Costs(engine=lambda requests, drafts: engine_s, prefill_s=prefill_s, **drafting)
+
+
+def test_plain_decoding_takes_one_step_per_token_after_the_prefill():
+    run = simulate([5, 3], None, flat(0.1), k=4, drafting=False)
+    assert run["steps"] == 4 and run["makespan_s"] == pytest.approx(1.4)
+    assert [b for _, b in run["batch_curve"]] == [2, 2, 1, 1]  # the short request leaves after its 3 tokens
+
+
+def test_the_oracle_commits_k_plus_one_tokens_a_step_where_verifying_costs_what_decoding_does():
+    run = simulate([101], None, flat(0.1), k=4, drafting=True)
+    # 100 tokens after the prefill, 5 a step, and one plain step the planner takes to measure a smaller step
+    assert run["steps"] == 21 and run["makespan_s"] == pytest.approx(1.0 + 21 * 0.1)
+
+
+def test_drafts_never_accepted_are_dropped_by_the_planner_when_drafting_costs():
+    lengths = [200] * 4
+    never = [[0] * n for n in lengths]
+    plain = simulate(lengths, None, flat(0.01), k=4, drafting=False)["makespan_s"]
+    costly = flat(0.01, draft_per_pass=0.01)
+    run = simulate(lengths, never, costly, k=4, drafting=True)
+    assert run["makespan_s"] < 1.15 * plain  # it stops drafting (a rare exploring step aside)
+    assert run["drafting_waited_s"] < 0.1 * run["makespan_s"]
+
+
+def test_decoupled_drafting_hides_what_the_verify_step_covers():
+    lengths, match = [60] * 8, [[2] * 60 for _ in range(8)]
+    costs = flat(0.01, draft_per_pass=0.002)
+    serial = simulate(lengths, match, costs, k=4, drafting=True)
+    hidden = simulate(lengths, match, costs, k=4, drafting=True, decoupled="every_outcome")
+    chain = simulate(lengths, match, costs, k=4, drafting=True, decoupled="chain")
+    assert serial["drafting_waited_s"] > 0 and hidden["drafting_waited_s"] == 0.0
+    assert hidden["makespan_s"] < chain["makespan_s"] <= serial["makespan_s"]
+
+
+class Knowing(Drafter):
+    """Proposes the committed continuation, wrong from its `right`-th token on."""
+
+    def __init__(self, truth: dict[int, list[int]], right: int):
+        self.truth, self.right = truth, right
+
+    def propose(self, requests, k):
+        out = []
+        for r in requests:
+            seq = self.truth[int(r.request_id[1:])][r.position:r.position + r.budget(k)]
+            out.append([t if j < self.right else t + 1 for j, t in enumerate(seq)])
+        return out
+
+    def commit(self, request_id, committed):
+        pass
+
+    def remove(self, request_id):
+        pass
+
+
+@pytest.mark.parametrize("right,expected", [(9, [[3, 3, 2, 1], [2, 1]]), (1, [[1, 1, 1, 1], [1, 1]])])
+def test_match_lengths_count_the_proposed_tokens_that_are_the_committed_ones(right, expected):
+    sequences = [[5, 6, 7, 8], [9, 10]]
+    drafter = Knowing(dict(enumerate(sequences)), right)
+    assert match_lengths(drafter, [[1], [2]], [0, 1], sequences, k=3, temperature=1.0) == expected
+
+
+@pytest.mark.slow
+def test_a_measured_smoke_rollout_is_reproduced_from_its_trace(tmp_path):
+    from bench.rollout import main
+
+    trace = tmp_path / "trace.json"
+    main(["--preset", "smoke", "--systems", "vanilla", "oracle", "specactor", "--no-sweep", "--out",
+          str(tmp_path / "smoke.json"), "--trace", str(trace)])
+    checked = validate(json.loads(trace.read_text()))
+    assert set(checked) == {"vanilla", "oracle", "specactor"}
+    for name, row in checked.items():
+        assert abs(row["error"]) < 0.10, (name, row)
+        if name != "vanilla":
+            assert abs(row["simulated_speedup"] - row["measured_speedup"]) < 0.05, (name, row)
