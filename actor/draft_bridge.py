@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from actor.draft_ahead import DraftsAhead, ahead
 from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, StepCost, geometric, plan
 from drafters.base import Drafter, DraftRequest
 from drafters.calibration import Calibration
@@ -48,12 +49,19 @@ class DrafterBridge:
         # in propose(), and of that in the drafter's propose(), commit() and remove() (a benchmark's profile)
         self.seconds = self.drafter_seconds = 0.0
         self.failure = ""  # why the drafter was switched off ("": it was not)
+        self.ahead: DraftsAhead | None = None  # speculation.decoupled: the next step's drafts, prepared meanwhile
+        self.waited = 0.0  # this step: seconds the engine waited for the preparation in flight
 
     def load_model(self, *args, **kwargs) -> None:  # vLLM hands over the target model; drafters bring their own
         pass
 
-    def bind(self, runner, drafter: Drafter, max_batch: int, planning: bool) -> None:
+    def bind(self, runner, drafter: Drafter, max_batch: int, planning: bool, decoupled: bool = False) -> None:
         self.runner, self.drafter, self.max_batch, self.planning = runner, drafter, max_batch, planning
+        if decoupled and type(drafter).propose_ahead is not Drafter.propose_ahead:
+            self.ahead = DraftsAhead()
+        elif decoupled:
+            log.warning("speculation.decoupled: drafter %s cannot prepare drafts ahead (no propose_ahead); it drafts "
+                        "on the engine's critical path", type(drafter).__name__)
         self.vocab_size = runner.model_config.get_vocab_size()
         self.max_model_len = runner.model_config.max_model_len
 
@@ -73,6 +81,13 @@ class DrafterBridge:
         batch = self.runner.input_batch
         req_ids = batch.req_ids[: batch.num_reqs]
         self._observe_step(start, req_ids)
+        self.waited = 0.0
+        if self.ahead is not None and not self.failure:  # no drafter call while its thread still runs
+            try:
+                self.waited = self.ahead.settle()
+            except Exception as e:
+                self.switch_off(e)
+            self.drafter_seconds += self.waited
         gone = self._forget(req_ids)
         rows = [row for row, committed in enumerate(sampled_token_ids[: len(req_ids)]) if committed]
         self._hear([(req_ids[row], list(sampled_token_ids[row])) for row in rows], gone)
@@ -223,17 +238,10 @@ class DrafterBridge:
         """Proposals for `requests` into `drafts`: all of each (`verify_all`) or, from a drafter that rates its
         tokens, the prefix whose calibrated gains pay for verifying it."""
         start = time.perf_counter()
-        with guarded(self.drafter):
-            proposals = self.drafter.propose([r for _, r in requests], max(r.max_tokens for _, r in requests))
-            sureness = self.drafter.confidences()
-            sources = self.drafter.sources()
+        proposals, sureness, sources, prepared = self._proposals([r for _, r in requests])
         elapsed = time.perf_counter() - start
         self.drafter_seconds += elapsed
         name = type(self.drafter).__name__
-        if len(proposals) != len(requests) or (sureness is not None and len(sureness) != len(requests)):
-            raise RuntimeError(f"drafter {name} returned {len(proposals)} proposals and "
-                               f"{'no' if sureness is None else len(sureness)} confidence lists for {len(requests)} "
-                               "requests (drafters/base.py: one list per request)")
         sampler = self.runner._sample
         unseen = sum(len(r.token_ids) - self.shown.get(r.request_id, 0) for _, r in requests)
         self.rated = sureness is not None
@@ -241,12 +249,14 @@ class DrafterBridge:
         for j, ((row, request), proposal) in enumerate(zip(requests, proposals)):
             self.shown[request.request_id] = len(request.token_ids)
             counts = sampler.counts_for(request.request_id)
-            counts.draft_seconds += elapsed / len(requests)
+            counts.draft_seconds += (elapsed + self.waited) / len(requests)  # what the engine waited for
+            counts.prepared_steps += j in prepared
             valid = token_ids_within(proposal[: request.max_tokens], self.vocab_size)
             if valid is None:  # a plugin's bad ids must not reach the engine: no draft this step, counted
                 counts.invalid_drafts += 1
                 valid = []
-            rated = confidences_for(sureness[j], len(valid), name) if sureness is not None else None
+            rated = confidences_for(sureness[j], len(valid), name) if sureness is not None and sureness[j] is not None \
+                else None
             made.append((row, request.request_id, valid, rated))
         keep = [len(valid) for _, _, valid, _ in made]
         if self.rated and not verify_all:
@@ -259,8 +269,48 @@ class DrafterBridge:
                 counts.choices[sources[j]] = counts.choices.get(sources[j], 0) + 1
         # what drafting cost this step: the drafter's call and the bridge's work on its proposals (on the 0.8M policy
         # the second is as large as the first: bench.rollout --preset policy)
+        if self.ahead is not None:
+            self._prepare_ahead(requests, drafts)
         passes = max(len(valid) for _, _, valid, _ in made)
-        self.draft_cost.observe(passes, sum(len(valid) for _, _, valid, _ in made), unseen, time.perf_counter() - start)
+        self.draft_cost.observe(passes, sum(len(valid) for _, _, valid, _ in made), unseen,
+                                time.perf_counter() - start + self.waited)
+
+    def _proposals(self, requests: list[DraftRequest]) -> tuple[list, list | None, list[str] | None, set[int]]:
+        """Each request's proposal and confidences: prepared during the last step where its outcome was the one
+        prepared for (decoupled), else asked of the drafter now, in one call; the drafter's sources, and which
+        were prepared."""
+        ready = {j: self.ahead.take(r.request_id, r.token_ids) for j, r in enumerate(requests)} if self.ahead else {}
+        ready = {j: got for j, got in ready.items() if got is not None}
+        asked = [r for j, r in enumerate(requests) if j not in ready]
+        fresh, fresh_sure, sources = [], None, None
+        if asked:
+            with guarded(self.drafter):
+                fresh = self.drafter.propose(asked, max(r.max_tokens for r in asked))
+                fresh_sure = self.drafter.confidences()
+                sources = self.drafter.sources()
+            if len(fresh) != len(asked) or (fresh_sure is not None and len(fresh_sure) != len(asked)):
+                raise RuntimeError(f"drafter {type(self.drafter).__name__} returned {len(fresh)} proposals and "
+                                   f"{'no' if fresh_sure is None else len(fresh_sure)} confidence lists for "
+                                   f"{len(asked)} requests (drafters/base.py: one list per request)")
+        fresh, fresh_sure = iter(fresh), iter(fresh_sure or [])
+        proposals, sureness = [], []
+        for j, r in enumerate(requests):
+            proposal, sure = ready[j] if j in ready else (next(fresh), next(fresh_sure, None))
+            proposals.append(proposal)
+            sureness.append(sure)
+        rated = any(s is not None for s in sureness)
+        return proposals, sureness if rated else None, sources if not ready else None, set(ready)
+
+    def _prepare_ahead(self, requests: list[tuple[int, DraftRequest]], drafts: list[list[int]]) -> None:
+        """Starts the drafter, on its thread, on each drafting request's next proposal from the history its drafts
+        make if all are accepted (its first token: a guess of the target's next one)."""
+        asked, drafter, k = ahead(requests, drafts, self.k + 1), self.drafter, self.k + 1
+
+        def propose():
+            with guarded(drafter):
+                return drafter.propose_ahead(asked, k), drafter.confidences()
+
+        self.ahead.launch(asked, propose)
 
 
 def _flag(module, name: str):

@@ -72,7 +72,8 @@ def make_engine(cfg: DictConfig, model_dir: Path):
     if method == "fastest_of_n":
         options = {"drafters": list(cfg.speculation.drafters), "options": options}
     llm.collective_rpc(install, args=(None if method == "none" else method, options,
-                                      cfg.speculation.max_batch, cfg.speculation.planner))
+                                      cfg.speculation.max_batch, cfg.speculation.planner,
+                                      cfg.speculation.decoupled))
     llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=1, seed=0), use_tqdm=False)
     check_coupled(llm)
     return llm

@@ -235,7 +235,7 @@ class RolloutActor:
                                  self.cfg.rollout.max_tokens, self.cfg.algorithm.length_penalty),
                 completion.finish_reason or "length", time.time() - sample.start, spec.verify_steps,
                 spec.draft_tokens, spec.accepted_tokens, spec.draft_seconds, spec.planned_steps,
-                spec.planned_tokens, spec.cost_error, spec.choices,
+                spec.planned_tokens, spec.prepared_steps, spec.cost_error, spec.choices,
                 spec.member_labels, spec.drafter_failure,
             ))
             if not sent:

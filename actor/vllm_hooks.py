@@ -40,6 +40,7 @@ class SpecCounts:
     draft_seconds: float = 0.0  # its share of the drafter's time (a step's drafting time split among its requests)
     planned_steps: int = 0  # decode steps the draft planner decided for it (drafting or not)
     planned_tokens: int = 0  # draft tokens the planner handed to the engine for it over those steps
+    prepared_steps: int = 0  # drafting steps whose drafts were prepared during the step before (decoupled)
     cost_error: float = 0.0  # sum over those steps of the planner's relative error on the step's engine seconds
     choices: dict[str, int] = field(default_factory=dict)  # draft steps per source, for composite drafters
     # per member of a composite drafter: its proposals' tokens the verifier would have accepted, and rejected
@@ -215,7 +216,7 @@ class CoupledSampling:
 
 
 def install(worker, drafter_path: str | None = None, drafter_options: dict | None = None, max_batch: int = 0,
-            planning: bool = True) -> None:
+            planning: bool = True, decoupled: bool = False) -> None:
     """Runs inside the worker: coupled sampling always; a drafter when the engine speculates. Refuses a runner
     that is not the V1 runner these hooks replace parts of (vLLM's V2 runner has no `_sample`)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -233,7 +234,7 @@ def install(worker, drafter_path: str | None = None, drafter_options: dict | Non
             raise RuntimeError("a drafter needs the engine built with speculative_config method 'custom_class' "
                                "and model 'actor.draft_bridge.DrafterBridge' (see actor/engine.py)")
         drafter = load_drafter(drafter_path, drafter_options or {}, device=str(runner.device))  # a draft LM: there
-        runner.drafter.bind(runner, drafter, max_batch, planning)
+        runner.drafter.bind(runner, drafter, max_batch, planning, decoupled)
 
 
 def quiet_expected(logger: str, *prefixes: str) -> None:

@@ -9,6 +9,7 @@ Systems (fixed before the run; `specactor` is the configured default, never the 
 - `oracle`: coupled speculation with a drafter that replays vanilla's tokens at no cost (same planner): the
   ceiling here;
 - `specactor`: coupled speculation as configured by default (draft LM, the cost-model draft planner);
+- `specactor_decoupled`: the same with `speculation.decoupled` (drafts prepared while the engine verifies);
 - `specactor_ngram`, `specactor_suffix`, `specactor_fastest`: the same with the n-gram drafter, the history
   (suffix) drafter, fastest-of-N over suffix and the draft LM (listed, not chosen).
 The target is a cost-padded copy of the trained policy (bench/padded_target.py): 70.8M parameters of cost in fp32 on
@@ -70,10 +71,11 @@ TARGETS = {"cpu": dict(zero_layers=16, num_heads=32, intermediate_size=8192),  #
            # beside wide MLPs would make it 1.4-2.2x, its activations rather than its weights the memory moved
            "cuda": dict(zero_layers=24, num_heads=64, intermediate_size=6144, hidden_size=2048)}
 ENGINE = {"cpu": [], "cuda": ["cluster.device=cuda", "model.dtype=bfloat16", "rollout.kv_cache_mib=16384"]}  # overrides
-SYSTEMS = ["vllm", "vanilla", "vllm_spec_draft", "vllm_spec_ngram", "oracle", "specactor", "specactor_ngram",
-           "specactor_suffix", "specactor_fastest"]
+SYSTEMS = ["vllm", "vanilla", "vllm_spec_draft", "vllm_spec_ngram", "oracle", "specactor", "specactor_decoupled",
+           "specactor_ngram", "specactor_suffix", "specactor_fastest"]
 COUPLED = {"vanilla": "none", "oracle": "bench.oracle.OracleDrafter", "specactor": "draft_lm",
-           "specactor_ngram": "ngram", "specactor_suffix": "suffix", "specactor_fastest": "fastest_of_n"}
+           "specactor_decoupled": "draft_lm", "specactor_ngram": "ngram", "specactor_suffix": "suffix",
+           "specactor_fastest": "fastest_of_n"}
 FASTEST_OF = "[suffix,draft_lm]"  # specactor_fastest's members
 SPECULATIVE_TOKENS = 4
 TEMPERATURE = 1.0  # GRPO samples at T = 1
@@ -113,6 +115,8 @@ def make_llm(name: str, target: Path, draft: Path, oracle: Path | None, device: 
             overrides.append(f"speculation.options.path={oracle}")
         if name == "specactor_fastest":
             overrides.append(f"speculation.drafters={FASTEST_OF}")
+        if name.endswith("_decoupled"):  # its drafting thread takes the core the engine leaves
+            overrides.append("speculation.decoupled=true")
         return make_engine(load_config("grpo_tiny", overrides), target)
     kwargs = engine_kwargs(load_config("grpo_tiny", overrides), target)
     if name == "vllm_spec_draft":

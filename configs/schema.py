@@ -162,6 +162,10 @@ class SpeculationConfig:
     planner: bool = knob(True, "the cost-model planner (actor/draft_planner.py) chooses 0..num_speculative_tokens "
                          "drafts per request every step from measured step and drafting costs and each request's "
                          "acceptance; false: always the full k")
+    decoupled: bool = knob(False, "drafts for the next engine step are prepared on a thread of their own while this "
+                           "step verifies, for the outcome where every draft is accepted (actor/draft_ahead.py); a "
+                           "request whose outcome it was takes them, the others draft as usual. Drafters with "
+                           "propose_ahead: draft_lm, suffix")
     max_batch: int = knob(0, "never draft while more than this many requests run (0: no bound)",
                           at_least(0, "0: no limit"))
     options: Dict[str, Any] = knob({}, "keyword arguments of the drafter's constructor, checked by the drafter at "

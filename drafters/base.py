@@ -44,6 +44,8 @@ class DraftRequest:
     top_p: float = 1.0
     max_tokens: int | None = None  # at most this many drafts for this request (None: the call's k); the planner
     # sets it per request, and a drafter that honours it saves work (the engine truncates longer proposals anyway)
+    unverified: int = 0  # `propose_ahead` only: the last this many of token_ids are not committed yet (drafts being
+    # verified, and a guess of the target's next token)
 
     def budget(self, k: int) -> int:
         """How many drafts this request may get from a call for `k`: `k`, or `max_tokens` if smaller."""
@@ -62,6 +64,14 @@ class Drafter(ABC):
     @abstractmethod
     def remove(self, request_id: str) -> None:
         """The request finished or was aborted; drop its state."""
+
+    def propose_ahead(self, requests: list[DraftRequest], k: int) -> list[list[int]] | None:
+        """Optional (`speculation.decoupled`): proposals for histories that run `request.unverified` tokens past
+        what is committed (the drafts the engine is verifying meanwhile, then a guess of the target's next token),
+        called on a thread of its own while the engine verifies; never at the same time as another call of this
+        drafter. It must leave the drafter as the committed history left it (count nothing unverified); its
+        `confidences()` afterwards are these proposals'. None (the default): not supported, drafting stays serial."""
+        return None
 
     def swap_weights(self, weights: list[tuple[str, Any]]) -> bool:
         """Optional: a drafter with weights of its own (a draft LM) takes a new version of them, named as its

@@ -208,6 +208,11 @@ class DraftLM(Drafter):
             chunks = [drafts[i][-1:] for i in active]
         return drafts
 
+    def propose_ahead(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
+        """As `propose`: the slot cache rolls back to the committed prefix at the next proposal (only what is
+        committed counts as verified)."""
+        return self.propose(requests, k)
+
     def confidences(self) -> list[list[float]]:
         """`1 - exp(-margin)` per draft token: the target samples the same token unless its log-probabilities differ
         from the draft's by about the margin of the draft's noisy winner over the runner-up (sampling/coupled.py)."""
@@ -227,7 +232,7 @@ class DraftLM(Drafter):
         while keep < limit and state.fed[keep] == int(history[keep]):
             keep += 1
         del state.fed[keep:]
-        state.verified = len(history)
+        state.verified = len(history) - request.unverified
         return [int(t) for t in history[keep:]]
 
     def _forward(self, states: list[_State], chunks: list[list[int]]) -> torch.Tensor:

@@ -78,6 +78,20 @@ class SuffixDrafter(Drafter):
         self.chances = [chances for _, chances in walks]
         return [drafts for drafts, _ in walks]
 
+    def propose_ahead(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
+        """A walk from each request's unverified tail over its prompt's tables, counting nothing (a request not
+        seen yet gets no drafts)."""
+        walks = []
+        for r in requests:
+            sequence = self.sequences.get(r.request_id)
+            if sequence is None or sequence.prompt not in self.prompts:
+                walks.append(([], []))
+                continue
+            tail = _Sequence(r.request_id, sequence.prompt, [int(t) for t in r.token_ids[-self.max_n:]])
+            walks.append(self._walk(tail, r, r.budget(k)))
+        self.chances = [chances for _, chances in walks]
+        return [drafts for drafts, _ in walks]
+
     def confidences(self) -> list[list[float]]:
         """Per draft token, the likelihood that the target samples it (above; one of one sibling: 0.5; eight of eight:
         0.89)."""

@@ -42,10 +42,7 @@ def rollout_metrics(trajectories: list[Trajectory], method: str) -> dict[str, fl
         "spec/draft_tokens": float(drafted),
         "spec/accepted_tokens": float(accepted),
     }
-    planned_steps = sum(t.planned_steps for t in trajectories)
-    if planned_steps:  # the draft planner's choices: tokens allowed per request and step, its step-cost error
-        metrics["spec/planned_tokens"] = sum(t.planned_tokens for t in trajectories) / planned_steps
-        metrics["spec/planner_cost_error"] = sum(t.cost_error for t in trajectories) / planned_steps
+    metrics.update(planner_metrics(trajectories, verify_steps))
     choices = sum((Counter(t.drafter_choices) for t in trajectories), Counter())
     for source, n in choices.items():  # which member of a composite drafter drafted, as shares of draft steps
         metrics[f"spec/choice/{source.rsplit('.', 1)[-1]}"] = n / sum(choices.values())
@@ -78,6 +75,19 @@ def rollout_metrics(trajectories: list[Trajectory], method: str) -> dict[str, fl
                 log.warning("%s: %d of this step's %d trajectories were decoded without drafts (from now on "
                             "spec/drafter_failed in TensorBoard)", failure, n, len(trajectories))
         metrics["spec/alarm"] = float(bool(broken or failed))
+    return metrics
+
+
+def planner_metrics(trajectories: list[Trajectory], verify_steps: int) -> dict[str, float]:
+    """The draft planner's choices (tokens allowed per request and step, its step-cost error) and, decoupled, how
+    often drafts were ready when verification ended and the drafting the engines waited for."""
+    metrics, planned_steps = {}, sum(t.planned_steps for t in trajectories)
+    if planned_steps:
+        metrics["spec/planned_tokens"] = sum(t.planned_tokens for t in trajectories) / planned_steps
+        metrics["spec/planner_cost_error"] = sum(t.cost_error for t in trajectories) / planned_steps
+    if any(t.prepared_steps for t in trajectories):
+        metrics["spec/prepared_hit_rate"] = sum(t.prepared_steps for t in trajectories) / max(verify_steps, 1)
+        metrics["spec/critical_draft_seconds"] = sum(t.draft_seconds for t in trajectories)
     return metrics
 
 

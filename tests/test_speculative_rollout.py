@@ -18,7 +18,10 @@ SETTINGS = [(0.0, 1.0, 0), (0.7, 0.9, 0), (1.0, 1.0, 0), (0.8, 1.0, 20)]  # (tem
 PROMPTS = 12  # per setting
 DRAFTERS = {"ngram": [], "draft_lm": [], "suffix": [], "examples.drafters.bigram.BigramDrafter": [],
             "fastest_of_n": ["speculation.drafters=[suffix,draft_lm]"],
-            "tests.plugin_contracts.misbehaving.MisbehavingDrafter": []}  # drafter -> the overrides it needs
+            "tests.plugin_contracts.misbehaving.MisbehavingDrafter": [],
+            # decoupled: the next step's drafts prepared while this one verifies (actor/draft_ahead.py)
+            "draft_lm+decoupled": ["speculation.decoupled=true"], "suffix+decoupled": ["speculation.decoupled=true"],
+            }  # drafter (+ a mode) -> the overrides it needs
 
 
 def max_tokens(i: int) -> int:
@@ -26,11 +29,12 @@ def max_tokens(i: int) -> int:
     return 160 if i % 3 else 17 + 2 * i
 
 
-def rollouts(method: str) -> tuple[list, dict]:
+def rollouts(drafter: str) -> tuple[list, dict]:
     from vllm import SamplingParams
 
+    method = drafter.split("+")[0]
     cfg = load_config("grpo_tiny", [f"speculation.method={method}", "speculation.num_speculative_tokens=4",
-                                    *DRAFTERS.get(method, [])])
+                                    *DRAFTERS.get(drafter, [])])
     llm = make_engine(cfg, resolve("builtin:dense"))
     try:
         task = ArithmeticTask(seed=3)
@@ -71,6 +75,8 @@ def test_speculative_rollouts_equal_plain_decoding(plain, drafter):
             assert speculative[r][1] == pytest.approx(plain[r][1], rel=1e-5, abs=1e-6), f"{setting}: sequence {r}"
         drafted, accepted = sum(stats[r].draft_tokens for r in rows), sum(stats[r].accepted_tokens for r in rows)
         assert drafted > 0 and accepted > 0, f"{setting}: drafted {drafted}, accepted {accepted}: nothing verified"
+    if drafter.endswith("+decoupled"):  # drafts prepared ahead were taken (and, above, changed no token)
+        assert sum(c.prepared_steps for c in stats) > 0
 
 
 def test_the_actor_decodes_a_finished_completion_as_vllms_detokenizer_does(plain):

@@ -39,6 +39,7 @@ class Trajectory(msgspec.Struct, tag="trajectory", frozen=True):
     draft_seconds: float = 0.0  # its share of the time the drafter spent proposing
     planned_steps: int = 0  # decode steps the draft planner decided for it (drafting or not)
     planned_tokens: int = 0  # draft tokens the planner allowed it over those steps
+    prepared_steps: int = 0  # of its drafting steps, those whose drafts were prepared a step ahead (decoupled)
     cost_error: float = 0.0  # sum over those steps of the planner's relative error on the engine step's seconds
     drafter_choices: dict[str, int] = {}  # draft steps per member of a composite drafter (fastest_of_n)
     # per member of a composite drafter: [tokens of its proposals the verifier would have accepted, rejected]
