@@ -69,3 +69,13 @@ def test_trajectories_decoded_without_a_switched_off_drafter_raise_the_alarm(cap
 def test_without_speculation_there_are_no_spec_scalars_per_drafter():
     metrics = rollout_metrics([trajectory(0, 0, 0)], "none")
     assert "spec/alarm" not in metrics and not [k for k in metrics if k.startswith("spec/member/")]
+
+
+def test_decoupled_drafting_reports_its_hit_rate_and_the_drafting_waited_for():
+    plain = trajectory(40, 100, 60)
+    assert "spec/prepared_hit_rate" not in rollout_metrics([plain], "draft_lm")  # not decoupled: no such scalar
+    ahead = [msgspec.structs.replace(plain, prepared_steps=10, draft_seconds=0.25),
+             msgspec.structs.replace(plain, prepared_steps=30, draft_seconds=0.5)]
+    metrics = rollout_metrics(ahead, "draft_lm")
+    assert metrics["spec/prepared_hit_rate"] == pytest.approx(40 / 80)
+    assert metrics["spec/critical_draft_seconds"] == pytest.approx(0.75)
