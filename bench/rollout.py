@@ -199,6 +199,8 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
         else:
             counts = llm.collective_rpc(take_spec_counts, args=(request_ids,))[0].values() if coupled else []
             verify, accepted = sum(c.verify_steps for c in counts), sum(c.accepted_tokens for c in counts)
+            if any(c.prepared_steps for c in counts):  # decoupled: drafting steps whose drafts were ready
+                run["prepared_hit_rate"] = round(sum(c.prepared_steps for c in counts) / max(verify, 1), 3)
             planned = sum(c.planned_steps for c in counts)
             if planned:  # the draft planner: tokens it allowed per request and step, its error on step seconds
                 run["planner"] = {"planned_tokens": round(sum(c.planned_tokens for c in counts) / planned, 3),
@@ -311,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "makespans_s": [round(m, 3) for m in makespans], **paired(vanilla_s, makespans),
                          "tokens": first["tokens"], "acceptance_length": first["acceptance_length"],
                          "verify_steps": first["verify_steps"], "engine_steps": first["steps"]}
-        for key in ("profile_ms_per_step", "planner", "choice_shares", "member_token_acceptance"):
+        for key in ("profile_ms_per_step", "planner", "choice_shares", "member_token_acceptance", "prepared_hit_rate"):
             if key in first:
                 systems[name][key] = first[key]
         if name in ("vanilla", "oracle", "specactor"):

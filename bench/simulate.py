@@ -254,6 +254,34 @@ def project(trace: dict, costs_file: Path, shape: str, context: int, gpu_draft_s
     return out
 
 
+def plot(projection: dict, path: Path) -> None:
+    """Running requests over simulated time per system, and the speed-up against mean acceptance length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.2))
+    for name, curve in projection["batch_curves"].items():
+        t, b = zip(*curve)
+        left.step(t, b, where="post", label=f"{name} {projection['systems'][name]['speedup']:.2f}x")
+    left.set_xlabel("simulated seconds")
+    left.set_ylabel("running requests")
+    left.legend(fontsize=7)
+    rows = projection["sensitivity"]
+    lengths = [r["mean_acceptance_length"] for r in rows]
+    right.plot(lengths, [r["speedup"] for r in rows], marker="o", label="drafting on the GPU, serial")
+    right.plot(lengths, [r["speedup_decoupled"] for r in rows], marker="o", label="decoupled, every outcome")
+    right.axhline(1.0, color="k", lw=0.8)
+    right.set_xlabel("mean acceptance length (tokens a verify step commits, every draft asked)")
+    right.set_ylabel("projected speed-up over vanilla")
+    right.legend(fontsize=8)
+    fig.suptitle(f"projection: {projection['shape']} on {Path(projection['costs']).stem}, context "
+                 f"{projection['context']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trace", type=Path, required=True, help="a bench.rollout --trace file")
@@ -269,6 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.validate and args.costs is None:
         parser.error("say what to do: --validate, --costs FILE, or both")
     trace = json.loads(args.trace.read_text())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     result: dict = {"trace": str(args.trace), "preset": trace["config"].get("preset")}
     if args.validate:
         result["validation"] = validate(trace)
@@ -286,10 +315,10 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name:30s} {row['speedup']:5.2f}x  drafting waited {row['drafting_waited_share']:.1%}"
                   + (f"  {row['share_of_oracle_gain']:.0%} of the oracle's gain" if "share_of_oracle_gain" in row
                      else ""))
+        plot(result["projection"], args.out.with_suffix(".png"))
         for row in result["projection"]["sensitivity"]:
             print(f"acceptance length {row['mean_acceptance_length']:.2f}: {row['speedup']:.2f}x serial, "
                   f"{row['speedup_decoupled']:.2f}x decoupled")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
     return result
