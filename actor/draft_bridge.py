@@ -51,6 +51,7 @@ class DrafterBridge:
         self.failure = ""  # why the drafter was switched off ("": it was not)
         self.ahead: DraftsAhead | None = None  # speculation.decoupled: the next step's drafts, prepared meanwhile
         self.waited = 0.0  # this step: seconds the engine waited for the preparation in flight
+        self.waited_total = 0.0  # over the engine's life (a benchmark's profile)
 
     def load_model(self, *args, **kwargs) -> None:  # vLLM hands over the target model; drafters bring their own
         pass
@@ -88,6 +89,7 @@ class DrafterBridge:
             except Exception as e:
                 self.switch_off(e)
             self.drafter_seconds += self.waited
+            self.waited_total += self.waited
         gone = self._forget(req_ids)
         rows = [row for row, committed in enumerate(sampled_token_ids[: len(req_ids)]) if committed]
         self._hear([(req_ids[row], list(sampled_token_ids[row])) for row in rows], gone)

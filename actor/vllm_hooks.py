@@ -318,9 +318,11 @@ def profile(worker) -> dict[str, float]:
     runner = worker.model_runner
     bridge = getattr(runner, "drafter", None)
     drafting = isinstance(bridge, DrafterBridge)
+    ahead = bridge.ahead if drafting else None  # decoupled: the drafter's thread, and the engine's wait for it
     return {"sampler_s": getattr(runner._sample, "seconds", 0.0),
             "bridge_s": bridge.seconds - bridge.drafter_seconds if drafting else 0.0,
-            "drafter_s": bridge.drafter_seconds if drafting else 0.0}
+            "drafter_s": bridge.drafter_seconds if drafting else 0.0,
+            **({"ahead_thread_s": ahead.seconds, "ahead_waited_s": bridge.waited_total} if ahead else {})}
 
 
 def coupled_calls(worker) -> int:
