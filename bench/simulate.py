@@ -88,15 +88,15 @@ def decode_steps(run: dict, k: int) -> tuple[list[list[float]], int]:
 
 
 def fit_costs(trace: dict, drafter: str | None) -> Costs:
-    """Costs from the trace: the engine curve pooled over every coupled system's decode steps; drafting from
-    `drafter`'s own steps (None: vanilla, which never drafts)."""
+    """Costs from the trace: the engine curve pooled over every coupled system's decode steps, the prefill from
+    vanilla's; drafting from `drafter`'s own steps (None: vanilla, which never drafts)."""
     k, by_tokens = trace["config"]["num_speculative_tokens"], {}
     for runs in trace["systems"].values():
         for run in runs:
             for wall, tokens, requests, _, bridge, drafter_s in decode_steps(run, k)[0]:
                 by_tokens.setdefault(int(tokens), []).append(wall - bridge - drafter_s)
     curve = monotone_curve({t: statistics.median(v) for t, v in by_tokens.items()})
-    vanilla = trace["systems"]["vanilla"]
+    vanilla = trace["systems"]["vanilla"]  # the prefill: the same prompts in every system
     prefill = statistics.median(sum(s[0] for s in r["steps"][: decode_steps(r, k)[1]]) for r in vanilla)
     costs = Costs(engine=lambda requests, drafts: curve(requests + drafts), prefill_s=prefill)
     if drafter is None:
