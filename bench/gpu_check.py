@@ -155,9 +155,8 @@ def learner(device: str, quick: bool) -> dict:
             "step_s": time.perf_counter() - start, "loss": loss.item()}
 
 
-def _copy_from(handles: mp.Queue, results: mp.Queue, repeats: int) -> None:
-    """The second process: opens the first's tensor (CUDA IPC, or shared memory on a CPU) and copies from it."""
-    source = handles.get()
+def copy_seconds(source: torch.Tensor, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` copies of `source` into a tensor of its own on its device."""
     device = "cuda" if source.is_cuda else "cpu"
     target, seconds = torch.empty_like(source), []
     for _ in range(repeats):
@@ -166,21 +165,19 @@ def _copy_from(handles: mp.Queue, results: mp.Queue, repeats: int) -> None:
         target.copy_(source)
         sync(device)
         seconds.append(time.perf_counter() - start)
-    results.put(seconds)
+    return seconds
+
+
+def _copy_from(handles: mp.Queue, results: mp.Queue, repeats: int) -> None:
+    """The second process: opens the first's tensor (CUDA IPC, or shared memory on a CPU) and copies from it."""
+    results.put(copy_seconds(handles.get(), repeats))
     handles.get()  # the first process keeps its tensor alive until this one is done with it
 
 
 def weight_copy(device: str, quick: bool) -> dict:
     nbytes, repeats = (64 << 20) if quick else (4 << 30), 5
     source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
-    target, seconds = torch.empty_like(source), []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        target.copy_(source)
-        sync(device)
-        seconds.append(time.perf_counter() - start)
-    del target
+    seconds = copy_seconds(source, repeats)
     if device == "cpu":
         source.share_memory_()
     from bench import gpu_check  # by its module's name, however this one was started (`-m`: as __main__)
