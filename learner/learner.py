@@ -76,6 +76,7 @@ class Learner:
         self.groups: list[list[Trajectory]] = []  # rank 0: what `collect` gathered for the next `train`
         self.reference = None  # the frozen reference policy when algorithm.kl_coef > 0
         self.lock = threading.Lock()  # collect() and a replacement actor's reissue()/republish() run concurrently
+        self.listener: socket.socket | None = None  # rank 0: the rendezvous socket, from master_address() to start()
 
     def endpoints(self) -> tuple[str, str]:
         """Rank 0: (trajectory inbox, weight publisher) endpoints the actors dial."""
@@ -92,13 +93,15 @@ class Learner:
         return self.weight_groups.open(actor, incarnation, workers)
 
     def master_address(self) -> str:
-        """Rank 0: where the other ranks meet it (torch.distributed rendezvous)."""
+        """Rank 0: where the other ranks meet it: the torch.distributed store's socket, bound now on this node's
+        address only (not every interface) and held until `start` serves it (no other process can take the port)."""
         import ray
 
-        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-        with socket.socket() as s:  # a free port
-            s.bind(("127.0.0.1", 0))
-            return f"{host}:{s.getsockname()[1]}"
+        if self.listener is None:
+            host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+            self.listener = socket.create_server((host, 0))
+        host, port = self.listener.getsockname()[:2]
+        return f"{host}:{port}"
 
     def start(self, master: str | None = None, resume: str | None = None) -> None:
         """Joins the process group and builds the DeepSpeed engine (every rank at once); loads `resume` if given."""
@@ -111,8 +114,14 @@ class Learner:
                           MASTER_PORT=port)
         # ranks > 0 wait in a broadcast while rank 0 collects a step's groups, which may take long (a first step, a
         # replaced actor's start); a rank that dies is reported to the driver, which then stops the run
-        deepspeed.init_distributed(dist_backend="gloo" if cfg.cluster.device.value == "cpu" else "nccl",
-                                   timeout=datetime.timedelta(hours=24))
+        backend, timeout = "gloo" if cfg.cluster.device.value == "cpu" else "nccl", datetime.timedelta(hours=24)
+        if not torch.distributed.is_initialized():  # (a process that built a learner before keeps its group)
+            store = torch.distributed.TCPStore(host, int(port), world, is_master=self.rank == 0, timeout=timeout,
+                                               wait_for_workers=False, use_libuv=True,
+                                               master_listen_fd=self.listener.detach() if self.rank == 0 else None)
+            torch.distributed.init_process_group(backend, store=store, rank=self.rank, world_size=world,
+                                                 timeout=timeout)
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)  # DeepSpeed takes the group as it is
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_pretrained(self.policy_dir, dtype=torch.float32)
         batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size

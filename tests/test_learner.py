@@ -368,3 +368,21 @@ def test_a_sampled_token_outside_the_learners_top_p_set_is_counted_and_trains_no
     loss.backward()
     assert stats["outside_mask_fraction"] == pytest.approx(1 / 6) and torch.isfinite(loss)
     assert logprobs.grad[0, 1] == 0 and torch.isfinite(logprobs.grad).all()
+
+
+def test_the_rank_rendezvous_listens_on_the_nodes_address_only_and_holds_its_port():
+    """Rank 0's torch.distributed store: bound on the address the other ranks dial (not every interface, as a store
+    torch makes itself is), and held from the moment it is named, so no other process can take the port."""
+    import socket
+
+    from learner.learner import Learner
+    from tests.test_weight_groups import listening_addresses
+
+    learner = object.__new__(Learner)
+    learner.listener = None
+    host, port = learner.master_address().rsplit(":", 1)
+    assert learner.master_address() == f"{host}:{port}"  # named once
+    assert listening_addresses(int(port)) == {"127.0.0.1"} == {host}  # no Ray here: the loopback address
+    with pytest.raises(OSError):
+        socket.create_server(("127.0.0.1", int(port)))
+    learner.listener.close()
