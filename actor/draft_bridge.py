@@ -82,14 +82,7 @@ class DrafterBridge:
         batch = self.runner.input_batch
         req_ids = batch.req_ids[: batch.num_reqs]
         self._observe_step(start, req_ids)
-        self.waited = 0.0
-        if self.ahead is not None and not self.failure:  # no drafter call while its thread still runs
-            try:
-                self.waited = self.ahead.settle()
-            except Exception as e:
-                self.switch_off(e)
-            self.drafter_seconds += self.waited
-            self.waited_total += self.waited
+        self.waited = self.settle()  # no drafter call while its thread still runs (counted in drafter_seconds)
         gone = self._forget(req_ids)
         rows = [row for row, committed in enumerate(sampled_token_ids[: len(req_ids)]) if committed]
         self._hear([(req_ids[row], list(sampled_token_ids[row])) for row in rows], gone)
@@ -106,6 +99,8 @@ class DrafterBridge:
                 self.switch_off(e)
                 drafts = [[] for _ in req_ids]
         self._record(req_ids, rows, drafts)
+        if self.ahead is not None and requests and not self.failure:  # the last drafter call of this step
+            self._prepare_ahead(requests, drafts)
         return drafts
 
     def _forget(self, req_ids: list[str]) -> list[str]:
@@ -205,9 +200,23 @@ class DrafterBridge:
         self.verifying = {}
         log.error("%s; this engine decodes on without drafts", self.failure, exc_info=error)
 
+    def settle(self) -> float:
+        """Waits for the drafts being prepared on the drafter's thread (decoupled), since no other call of the drafter
+        may run meanwhile; returns the seconds waited. An error it raised there switches the drafter off."""
+        waited = 0.0
+        if self.ahead is not None and not self.failure:
+            try:
+                waited = self.ahead.settle()
+            except Exception as e:
+                self.switch_off(e)
+        self.drafter_seconds, self.waited_total = self.drafter_seconds + waited, self.waited_total + waited
+        return waited
+
     def call(self, ask: Callable[[Drafter], Any], off=None):
-        """`ask(drafter)` outside proposing and committing (remember, new_policy, swap_weights, failures): `off` once
-        the drafter is switched off, or when this call raises (which switches it off)."""
+        """`ask(drafter)` outside proposing and committing (remember, new_policy, swap_weights, failures), once its
+        thread has finished preparing drafts: `off` once the drafter is switched off, or when this call raises
+        (which switches it off)."""
+        self.settle()
         if not self.failure:
             try:
                 with guarded(self.drafter):
@@ -271,8 +280,6 @@ class DrafterBridge:
                 counts.choices[sources[j]] = counts.choices.get(sources[j], 0) + 1
         # what drafting cost this step: the drafter's call and the bridge's work on its proposals (on the 0.8M policy
         # the second is as large as the first: bench.rollout --preset policy)
-        if self.ahead is not None:
-            self._prepare_ahead(requests, drafts)
         passes = max(len(valid) for _, _, valid, _ in made)
         self.draft_cost.observe(passes, sum(len(valid) for _, _, valid, _ in made), unseen,
                                 time.perf_counter() - start + self.waited)
@@ -281,8 +288,8 @@ class DrafterBridge:
         """Each request's proposal and confidences: prepared during the last step where its outcome was the one
         prepared for (decoupled), else asked of the drafter now, in one call; the drafter's sources, and which
         were prepared."""
-        ready = {j: self.ahead.take(r.request_id, r.token_ids) for j, r in enumerate(requests)} if self.ahead else {}
-        ready = {j: got for j, got in ready.items() if got is not None}
+        taken = ((j, self.ahead.take(r.request_id, r.token_ids)) for j, r in enumerate(requests)) if self.ahead else ()
+        ready = {j: got for j, got in taken if got is not None}
         asked = [r for j, r in enumerate(requests) if j not in ready]
         fresh, fresh_sure, sources = [], None, None
         if asked:
@@ -295,17 +302,14 @@ class DrafterBridge:
                                    f"{'no' if fresh_sure is None else len(fresh_sure)} confidence lists for "
                                    f"{len(asked)} requests (drafters/base.py: one list per request)")
         fresh, fresh_sure = iter(fresh), iter(fresh_sure or [])
-        proposals, sureness = [], []
-        for j, r in enumerate(requests):
-            proposal, sure = ready[j] if j in ready else (next(fresh), next(fresh_sure, None))
-            proposals.append(proposal)
-            sureness.append(sure)
+        proposals, sureness = zip(*(ready[j] if j in ready else (next(fresh), next(fresh_sure, None))
+                                    for j in range(len(requests))))
+        proposals, sureness = list(proposals), list(sureness)
         rated = any(s is not None for s in sureness)
         return proposals, sureness if rated else None, sources if not ready else None, set(ready)
 
     def _prepare_ahead(self, requests: list[tuple[int, DraftRequest]], drafts: list[list[int]]) -> None:
-        """Starts the drafter, on its thread, on each drafting request's next proposal from the history its drafts
-        make if all are accepted (its first token: a guess of the target's next one)."""
+        """The drafter, on its thread, proposes from the history each request's drafts make if all are accepted."""
         asked, drafter, k = ahead(requests, drafts, self.k + 1), self.drafter, self.k + 1
 
         def propose():

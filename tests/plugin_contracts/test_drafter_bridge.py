@@ -34,7 +34,7 @@ class Recording(Drafter):
         self.removed.append(request_id)
 
 
-def bridge(drafter: Drafter, req_ids: list[str], max_batch: int = 0, planning: bool = True
+def bridge(drafter: Drafter, req_ids: list[str], max_batch: int = 0, planning: bool = True, decoupled: bool = False
            ) -> tuple[DrafterBridge, SimpleNamespace]:
     params = SimpleNamespace(seed=1, temperature=1.0, top_k=0, top_p=1.0, max_tokens=None)
     runner = SimpleNamespace(
@@ -44,7 +44,7 @@ def bridge(drafter: Drafter, req_ids: list[str], max_batch: int = 0, planning: b
         model_config=SimpleNamespace(get_vocab_size=lambda: VOCAB, max_model_len=1024))
     runner._sample = CoupledSampling(runner)  # where the bridge keeps per-request counts
     b = DrafterBridge(SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=4)))
-    b.bind(runner, drafter, max_batch, planning)
+    b.bind(runner, drafter, max_batch, planning, decoupled)
     return b, runner
 
 
@@ -279,3 +279,36 @@ def test_drafts_stop_at_the_requests_last_token():
             seed=1, temperature=1.0, top_k=0, top_p=1.0, max_tokens=max_tokens))
     assert propose(b, [[5], [6], [7], [8]]) == [[1], [], [1, 2, 3, 4], [1, 2]]
     assert drafter.asked == {"a-1": 1, "c-1": 4, "d-1": 2}
+
+
+class Ahead(Recording):
+    """Prepares drafts ahead slowly, and notes any call that overlaps that preparation."""
+
+    def __init__(self, proposals):
+        super().__init__(proposals)
+        self.busy, self.overlaps, self.ahead_calls = False, [], 0
+
+    def propose_ahead(self, requests, k):
+        import time
+
+        self.busy = True
+        time.sleep(0.2)
+        self.busy, self.ahead_calls = False, self.ahead_calls + 1
+        return [[7, 8, 9] for _ in requests]
+
+    def new_policy(self, version):
+        self.overlaps.append(("new_policy", self.busy))
+
+    def commit(self, request_id, committed):
+        self.overlaps.append(("commit", self.busy))
+        super().commit(request_id, committed)
+
+
+def test_decoupled_drafts_are_prepared_on_a_thread_and_no_other_call_overlaps_it():
+    drafter = Ahead([[1, 2], [3]])
+    b, _ = bridge(drafter, ["a-x", "b-y"], planning=False, decoupled=True)
+    assert propose(b, [[5], [6]]) == [[1, 2], [3]]  # the drafts for the next step; the thread prepares the one after
+    new_policy_version(SimpleNamespace(model_runner=SimpleNamespace(drafter=b)), 1)  # between steps: it waits
+    propose(b, [[5], [6]])  # the next step: it waits for the thread before telling the drafter anything
+    b.settle()  # (the step after that would wait for the third preparation too)
+    assert drafter.ahead_calls == 2 and drafter.overlaps and not any(busy for _, busy in drafter.overlaps)
