@@ -16,8 +16,8 @@ The target is a cost-padded copy of the trained policy (bench/padded_target.py):
 CPU presets; for `gpu` (the long-tail workload on one CUDA GPU, bf16, CUDA graphs as vLLM uses them by default)
 ~1.41B with Qwen3-1.7B's matmul shapes, so that decoding is memory-bound as on real rollout GPUs (the preset refuses
 to start without CUDA); `policy` runs the end-to-end benchmark's own rollout, the unpadded 0.8M policy on
-grpo_tiny's prompt mix. Every repeat runs every system (vanilla first, then a rotating order); a system's speed-up
-is the median over repeats of vanilla's makespan over its own in the same repeat, with a 95% t-interval of that
+grpo_tiny's prompt mix. Every repeat runs every system in a rotating order (vanilla first in the first repeat); a
+system's speed-up is the median over repeats of vanilla's makespan over its own in the same repeat, with a 95% t-interval of that
 paired ratio (`vllm` samples other tokens, so compare it with vanilla in tokens/s). The JSON also holds the
 workload's shape (length quantiles, the share of the makespan taken by the last 10% of requests, running batch over
 time), a per-step profile (engine forward + scheduler, coupled sampler, drafter bridge, drafter), the draft
@@ -290,7 +290,10 @@ def main(argv: list[str] | None = None) -> dict:
             json.loads((policy / "config.json").read_text())
         oracle = Path(tmp) / "oracle.json"
         for repeat in range(preset["repeats"]):
-            order = ["vanilla", *others[repeat % max(1, len(others)):], *others[: repeat % max(1, len(others))]]
+            # every system in a rotated order, vanilla too (always first would hide a position bias); the first
+            # repeat starts with vanilla, whose tokens the oracle replays
+            names = ["vanilla", *others]
+            order = names[repeat % len(names):] + names[: repeat % len(names)]
             for name in order:  # one fresh process per engine: vLLM keeps global state between engines
                 run = in_fresh_process(log, run_system, name, target, draft, prompts, seeds, preset["max_tokens"],
                                        oracle, sweep if name in ("vanilla", "specactor") else [], device, earlier,
