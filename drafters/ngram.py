@@ -55,6 +55,17 @@ class NgramDrafter(Drafter):
                 return tokens[end : end + k]
         return []
 
+    def propose_ahead(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
+        """A lookup of each request's unverified tail in its committed history's index, which it leaves as it is."""
+        out = []
+        for r in requests:
+            index, tail = self.indexes.get(r.request_id), [int(t) for t in r.token_ids[-self.max_n:]]
+            ends = [] if index is None else [index.ends.get(tuple(tail[-size:]))
+                                             for size in range(min(self.max_n, len(tail)), self.min_n - 1, -1)]
+            end = next((e for e in ends if e is not None), None)
+            out.append([] if end is None else index.tokens[end : end + r.budget(k)])
+        return out
+
     def commit(self, request_id: str, committed: list[int]) -> None:
         index = self.indexes.get(request_id)
         if index is not None:

@@ -287,3 +287,24 @@ def test_the_draft_lm_makes_every_tensor_on_its_own_device():
     plain = fresh.propose(rows, 4)
     plain = [plain[0]] + fresh.propose([DraftRequest("r0", 0, 4, [*rows[0].token_ids, plain[0][0]], 1.0)], 3)
     assert meta == plain and all(len(d) > 0 for d in meta)
+
+
+@pytest.mark.parametrize("make", [NgramDrafter, SuffixDrafter, DraftLM])
+def test_a_proposal_ahead_leaves_the_drafter_as_the_committed_history_left_it(make):
+    """`propose_ahead` (decoupled speculation) on a history that runs past what is committed: the next proposal on the
+    committed history is a fresh drafter's."""
+    rng = random.Random(6)
+    history = [rng.randrange(3, 60) for _ in range(12)] * 3  # repeats: n-gram and suffix tables find matches
+
+    def ask(drafter, tokens, **kw):
+        return DraftRequest("a", seed=2, position=len(tokens) - 5, token_ids=np.array(tokens), temperature=1.0, **kw)
+
+    used, fresh = make(), make()
+    used.propose([ask(used, history)], 4)
+    used.commit("a", history[:1])
+    committed = history + history[:1]
+    ahead = used.propose_ahead([ask(used, committed + [7, 8], unverified=2, max_tokens=5)], 5)
+    assert len(ahead) == 1 and len(ahead[0]) <= 5
+    fresh.propose([ask(fresh, history)], 4)
+    fresh.commit("a", history[:1])
+    assert used.propose([ask(used, committed)], 4) == fresh.propose([ask(fresh, committed)], 4)
