@@ -14,15 +14,13 @@ histories, never copies. A drafter that raises or breaks its contract is switche
 from __future__ import annotations
 
 import logging
-import operator
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
-import torch
-
 from actor.draft_ahead import DraftsAhead, ahead
+from actor.drafter_checks import confidences_for, guarded, token_ids_within
 from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, StepCost, geometric, plan
 from drafters.base import Drafter, DraftRequest
 from drafters.calibration import Calibration
@@ -134,8 +132,9 @@ class DrafterBridge:
             return [self.k] * len(rows), explore
         unseen = [lengths[row] - self.shown.get(req_ids[row], 0) for row in rows]
         rates = self.acceptance.rates([req_ids[row] for row in rows])
-        budgets, _ = plan(geometric(rates, self.k), len(req_ids), self.step_cost, self.draft_cost,
-                          explore=explore, unseen=unseen)
+        # decoupled: drafts are prepared off the critical path; a request that misses is re-planned at its real cost
+        budgets, _ = plan(geometric(rates, self.k), len(req_ids), self.step_cost,
+                          self.draft_cost if self.ahead is None else None, explore=explore, unseen=unseen)
         return budgets, explore
 
     def _requests(self, req_ids: list[str], rows: list[int], budgets: list[int], lengths: list[int],
@@ -249,7 +248,7 @@ class DrafterBridge:
         """Proposals for `requests` into `drafts`: all of each (`verify_all`) or, from a drafter that rates its
         tokens, the prefix whose calibrated gains pay for verifying it."""
         start = time.perf_counter()
-        proposals, sureness, sources, prepared = self._proposals([r for _, r in requests])
+        proposals, sureness, sources, prepared = self._proposals([r for _, r in requests], base_tokens)
         elapsed = time.perf_counter() - start
         self.drafter_seconds += elapsed
         name = type(self.drafter).__name__
@@ -271,7 +270,8 @@ class DrafterBridge:
             made.append((row, request.request_id, valid, rated))
         keep = [len(valid) for _, _, valid, _ in made]
         if self.rated and not verify_all:
-            keep, _ = plan([self.calibration.gains(rated) for *_, rated in made], base_tokens, self.step_cost, None)
+            keep, _ = plan([self.calibration.gains(rated) if rated is not None else [] for *_, rated in made],
+                           base_tokens, self.step_cost, None)
         for j, ((row, req_id, valid, rated), n) in enumerate(zip(made, keep)):
             drafts[row] = valid[:n]
             self.verifying[req_id] = (n, valid, rated)
@@ -280,33 +280,49 @@ class DrafterBridge:
                 counts.choices[sources[j]] = counts.choices.get(sources[j], 0) + 1
         # what drafting cost this step: the drafter's call and the bridge's work on its proposals (on the 0.8M policy
         # the second is as large as the first: bench.rollout --preset policy)
-        passes = max(len(valid) for _, _, valid, _ in made)
-        self.draft_cost.observe(passes, sum(len(valid) for _, _, valid, _ in made), unseen,
-                                time.perf_counter() - start + self.waited)
+        if self.ahead is None:  # (decoupled: _proposals learns what drafting a miss costs)
+            self.draft_cost.observe(max(len(valid) for _, _, valid, _ in made),
+                                    sum(len(valid) for _, _, valid, _ in made), unseen, time.perf_counter() - start)
 
-    def _proposals(self, requests: list[DraftRequest]) -> tuple[list, list | None, list[str] | None, set[int]]:
+    def _proposals(self, requests: list[DraftRequest], base_tokens: int
+                   ) -> tuple[list, list | None, list[str] | None, set[int]]:
         """Each request's proposal and confidences: prepared during the last step where its outcome was the one
-        prepared for (decoupled), else asked of the drafter now, in one call; the drafter's sources, and which
-        were prepared."""
+        prepared for (decoupled), else asked of the drafter now in one call (decoupled: only where the cost model
+        says drafting it now pays, else no drafts this step); the drafter's sources, and which were prepared."""
         taken = ((j, self.ahead.take(r.request_id, r.token_ids)) for j, r in enumerate(requests)) if self.ahead else ()
-        ready = {j: got for j, got in taken if got is not None}
-        asked = [r for j, r in enumerate(requests) if j not in ready]
-        fresh, fresh_sure, sources = [], None, None
+        found = {j: got for j, got in taken if got is not None}
+        asked = [(j, r) for j, r in enumerate(requests) if j not in found]
+        if self.ahead is not None and asked:
+            asked = self._worth_drafting_now(asked, base_tokens + sum(len(p) for p, _ in found.values()))
+        sources, start = None, time.perf_counter()
         if asked:
             with guarded(self.drafter):
-                fresh = self.drafter.propose(asked, max(r.max_tokens for r in asked))
+                fresh = self.drafter.propose([r for _, r in asked], max(r.max_tokens for _, r in asked))
                 fresh_sure = self.drafter.confidences()
                 sources = self.drafter.sources()
             if len(fresh) != len(asked) or (fresh_sure is not None and len(fresh_sure) != len(asked)):
                 raise RuntimeError(f"drafter {type(self.drafter).__name__} returned {len(fresh)} proposals and "
                                    f"{'no' if fresh_sure is None else len(fresh_sure)} confidence lists for "
                                    f"{len(asked)} requests (drafters/base.py: one list per request)")
-        fresh, fresh_sure = iter(fresh), iter(fresh_sure or [])
-        proposals, sureness = zip(*(ready[j] if j in ready else (next(fresh), next(fresh_sure, None))
-                                    for j in range(len(requests))))
-        proposals, sureness = list(proposals), list(sureness)
-        rated = any(s is not None for s in sureness)
-        return proposals, sureness if rated else None, sources if not ready else None, set(ready)
+            if self.ahead is not None:  # what drafting the misses on the critical path costs
+                self.draft_cost.observe(max(map(len, fresh)), sum(map(len, fresh)), sum(
+                    len(r.token_ids) - self.shown.get(r.request_id, 0) for _, r in asked), time.perf_counter() - start)
+            found.update((j, (p, sure)) for (j, _), p, sure in zip(asked, fresh, fresh_sure or [None] * len(asked)))
+        proposals, sureness = [found.get(j, ([], None))[0] for j in range(len(requests))], \
+            [found.get(j, ([], None))[1] for j in range(len(requests))]
+        rated = any(sure is not None for sure in sureness)
+        prepared = {j for j in found if j not in dict(asked)}
+        return proposals, sureness if rated else None, sources if not prepared else None, prepared
+
+    def _worth_drafting_now(self, asked: list[tuple[int, DraftRequest]], base_tokens: int
+                            ) -> list[tuple[int, DraftRequest]]:
+        """Decoupled: the requests whose drafts were not prepared, with the budgets the cost model gives drafting them
+        now, on the critical path (0: they decode plainly this step, and get drafts prepared for the next)."""
+        rates = self.acceptance.rates([r.request_id for _, r in asked])
+        gains = [list(g[: r.max_tokens]) for g, (_, r) in zip(geometric(rates, self.k), asked)]
+        unseen = [len(r.token_ids) - self.shown.get(r.request_id, 0) for _, r in asked]
+        budgets, _ = plan(gains, base_tokens, self.step_cost, self.draft_cost, unseen=unseen)
+        return [(j, replace(r, max_tokens=b)) for (j, r), b in zip(asked, budgets) if b > 0]
 
     def _prepare_ahead(self, requests: list[tuple[int, DraftRequest]], drafts: list[list[int]]) -> None:
         """The drafter, on its thread, proposes from the history each request's drafts make if all are accepted."""
@@ -317,65 +333,6 @@ class DrafterBridge:
                 return drafter.propose_ahead(asked, k), drafter.confidences()
 
         self.ahead.launch(asked, propose)
-
-
-def _flag(module, name: str):
-    return (lambda: getattr(module, name)), (lambda value: setattr(module, name, value))
-
-
-# The process-wide torch settings a drafter shares with the target it runs beside, each able to change the target's
-# logits or kernels: (what it is, how to read it, how to set it back).
-SHARED_STATE = [
-    ("torch.get_num_threads()", torch.get_num_threads, torch.set_num_threads),
-    ("torch.get_default_dtype()", torch.get_default_dtype, torch.set_default_dtype),
-    ("torch.are_deterministic_algorithms_enabled()", torch.are_deterministic_algorithms_enabled,
-     torch.use_deterministic_algorithms),
-    ("torch.get_float32_matmul_precision()", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
-    ("torch.is_grad_enabled()", torch.is_grad_enabled, torch.set_grad_enabled),
-    ("torch.backends.cuda.matmul.allow_tf32", *_flag(torch.backends.cuda.matmul, "allow_tf32")),
-    ("torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
-     *_flag(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction")),
-    ("torch.backends.cudnn.allow_tf32", *_flag(torch.backends.cudnn, "allow_tf32")),
-]
-
-
-@contextmanager
-def guarded(drafter: Drafter):
-    """Runs a drafter's call and checks that it left torch's process-wide settings (SHARED_STATE) as it found them:
-    one it changed is set back at once, and the call raises (the bridge then switches the drafter off)."""
-    before = [get() for _, get, _ in SHARED_STATE]
-    try:
-        yield
-    finally:
-        changed = []
-        for (name, get, put), value in zip(SHARED_STATE, before):
-            if get() != value:
-                put(value)
-                changed.append(name)
-    if changed:
-        raise RuntimeError(f"drafter {type(drafter).__name__} changed {', '.join(changed)}, which the target shares "
-                           "(set back; drafters/base.py: a drafter leaves process-wide state as it found it)")
-
-
-def confidences_for(values, tokens: int, drafter: str) -> list[float]:
-    """A plugin's confidences for a proposal of `tokens` tokens as floats in [0, 1] (NaN counts as 0)."""
-    try:
-        floats = list(map(float, values[:tokens]))
-    except (TypeError, ValueError) as e:
-        raise RuntimeError(f"drafter {drafter}: confidences must be numbers, got {values!r}") from e
-    if len(floats) < tokens:
-        raise RuntimeError(f"drafter {drafter}: {len(floats)} confidences for a proposal of {tokens} tokens "
-                           "(drafters/base.py: one per draft token)")
-    return [v if 0.0 <= v <= 1.0 else (1.0 if v > 1.0 else 0.0) for v in floats]  # NaN fails every comparison: 0
-
-
-def token_ids_within(proposal, vocab_size: int) -> list[int] | None:
-    """`proposal` as plain ints when every one is an integer id in [0, vocab_size); None otherwise."""
-    try:
-        ids = list(map(operator.index, proposal))
-    except TypeError:
-        return None
-    return ids if not ids or (min(ids) >= 0 and max(ids) < vocab_size) else None
 
 
 def remember_outputs(worker, outputs: list[tuple[list[int], list[int], int]]) -> None:

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 import pytest
 
-from actor.draft_bridge import (DrafterBridge, confidences_for, new_policy_version, remember_outputs,
-                                 swap_draft_weights)
+from actor.draft_bridge import DrafterBridge, new_policy_version, remember_outputs, swap_draft_weights
+from actor.drafter_checks import confidences_for
 from actor.vllm_hooks import CoupledSampling, SpecCounts, caller_id
 from drafters.base import Drafter
 from drafters.calibration import EDGES
