@@ -4,11 +4,12 @@ When the bridge hands the engine a request's drafts, it also asks the drafter, o
 from the history those drafts make if all are accepted: the proposal's first token is its guess of the target's next
 token (under the coupled sampler's noise, the target's likeliest token there), the rest the drafts that would follow
 it. When the verify step ends, a request whose committed tokens are exactly the drafts and that guess takes the rest
-as its drafts; the others are drafted as without decoupling. Only the waiting for the thread and the drafting of the requests that missed are on
-the engine's critical path. Drafts only: every token is still the target's coupled sample.
+as its drafts. One that missed is drafted at once only where the cost model says it pays (else it decodes plainly
+this step): only the waiting for the thread and that drafting are on the engine's critical path. Drafts only:
+every token is still the target's coupled sample.
 
 On a CPU the thread needs a core of its own beside the engine's one-thread forward (torch releases the GIL in its
-kernels); on a GPU engine the draft LM's kernels run on the engine's GPU (a second stream is future work), or a
+kernels); on a GPU engine the draft LM's kernels run on the engine's GPU (no second CUDA stream is built), or a
 drafter is given a GPU of its own through its `device` option."""
 
 from __future__ import annotations

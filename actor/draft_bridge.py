@@ -14,6 +14,7 @@ histories, never copies. A drafter that raises or breaks its contract is switche
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -27,6 +28,9 @@ from drafters.calibration import Calibration
 from transport.messages import add_labels
 
 log = logging.getLogger(__name__)
+# decoupled: how long the drafter's thread may hold the GIL while the engine's waits for it (Python's default 5 ms is
+# most of a small verify step)
+SWITCH_S = 0.0005
 
 
 class DrafterBridge:
@@ -58,6 +62,7 @@ class DrafterBridge:
         self.runner, self.drafter, self.max_batch, self.planning = runner, drafter, max_batch, planning
         if decoupled and type(drafter).propose_ahead is not Drafter.propose_ahead:
             self.ahead = DraftsAhead()
+            sys.setswitchinterval(SWITCH_S)  # the engine's thread takes the GIL back from the drafter's sooner
         elif decoupled:
             log.warning("speculation.decoupled: drafter %s cannot prepare drafts ahead (no propose_ahead); it drafts "
                         "on the engine's critical path", type(drafter).__name__)
@@ -132,9 +137,9 @@ class DrafterBridge:
             return [self.k] * len(rows), explore
         unseen = [lengths[row] - self.shown.get(req_ids[row], 0) for row in rows]
         rates = self.acceptance.rates([req_ids[row] for row in rows])
-        # decoupled: drafts are prepared off the critical path; a request that misses is re-planned at its real cost
-        budgets, _ = plan(geometric(rates, self.k), len(req_ids), self.step_cost,
-                          self.draft_cost if self.ahead is None else None, explore=explore, unseen=unseen)
+        # (decoupled: draft_cost is what drafting a miss on the critical path costs, and a miss is re-planned)
+        budgets, _ = plan(geometric(rates, self.k), len(req_ids), self.step_cost, self.draft_cost,
+                          explore=explore, unseen=unseen)
         return budgets, explore
 
     def _requests(self, req_ids: list[str], rows: list[int], budgets: list[int], lengths: list[int],

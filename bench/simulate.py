@@ -117,7 +117,8 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
              decoupled: str | None = None) -> dict:
     """Makespan and batch curve of one rollout: `lengths` tokens per request, drafts accepted by `match` (None: the
     oracle, every draft), drafting decided by the real planner when `drafting`. `decoupled`: None (drafting on the
-    critical path), "chain" (a request finds its drafts prepared only when all its last ones were accepted) or
+    critical path), "chain" (as built: a request finds drafts prepared when its drafts were all accepted and the
+    drafter's next token was the target's; one that missed is drafted now only where the cost model says it pays) or
     "every_outcome" (drafts prepared for every outcome of the verify step: always ready)."""
     n = len(lengths)
     position = [1] * n  # the prefill samples every request's first token
@@ -132,30 +133,34 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
         ids = [str(i) for i in running]
         drafts = [0] * len(running)
         if drafting:
-            budgets, _ = plan(geometric(acceptance.rates(ids), k), len(running), step_cost, draft_cost,
-                              explore=undrafted >= EXPLORE_EVERY)
+            rates = acceptance.rates(ids)
+            budgets, _ = plan(geometric(rates, k), len(running), step_cost, None if decoupled == "every_outcome"
+                              else draft_cost, explore=undrafted >= EXPLORE_EVERY)
             drafts = [min(b, lengths[i] - position[i] - 1) for b, i in zip(budgets, running)]
+        missed = [m for m, i in enumerate(running) if drafts[m] and not ready[i]] if decoupled == "chain" else []
+        if missed:  # as the bridge: drafted now only where it pays at the serial cost, else plainly this step
+            gains = [list(geometric(rates[m:m + 1], k)[0][: drafts[m]]) for m in missed]
+            now, _ = plan(gains, len(running) + sum(drafts) - sum(drafts[m] for m in missed), step_cost, draft_cost)
+            for m, b in zip(missed, now):
+                drafts[m] = b
         total, passes = sum(drafts), max(drafts, default=0)
         engine = costs.engine(len(running), total)
-        draft = costs.drafting(len(running), total, passes)
-        if decoupled and total:  # only the requests whose drafts were not prepared wait for drafting
-            missed = [d for d, i in zip(drafts, running) if d and not (ready[i] or decoupled == "every_outcome")]
-            waited_here = costs.drafting(len(missed), sum(missed), max(missed, default=0)) if missed else 0.0
-            prepared = draft - waited_here
-            waited_here += max(0.0, prepared - engine)  # what the prepared drafting could not hide
-        else:
-            waited_here = draft
+        now = [drafts[m] for m in missed if drafts[m]] if decoupled == "chain" else [] if decoupled else drafts
+        waited_here = costs.drafting(len(now), sum(now), max(now, default=0)) if sum(now) else 0.0
+        if decoupled:  # the prepared drafting runs beside the verify step: only what outlasts it is waited for
+            waited_here += max(0.0, costs.drafting(len(running), total, passes) - waited_here - engine)
         clock += engine + waited_here
         waited += waited_here
         for d, i, rid in zip(drafts, running, ids):
-            accepted = d if match is None else min(d, match[i][position[i]])
-            ready[i] = bool(d) and accepted == d
+            reach = k + 1 if match is None else match[i][position[i]]
+            accepted = min(d, reach)
+            ready[i] = reach > d  # every draft accepted, and the drafter's next token the target's
             position[i] = min(lengths[i], position[i] + accepted + 1)
             if d:
                 acceptance.observe(rid, d, accepted)
         step_cost.observe(len(running) + total, engine)
-        if total:
-            draft_cost.observe(passes, total, 0, draft)
+        if sum(now):  # the drafting cost the planner learns: what the engine waits for when it drafts now
+            draft_cost.observe(max(now), sum(now), 0, costs.drafting(len(now), sum(now), max(now)))
         undrafted = 0 if total else undrafted + 1
         curve.append((round(clock, 4), len(running)))
     return {"makespan_s": clock, "steps": len(curve), "drafting_waited_s": waited, "batch_curve": curve}

@@ -164,8 +164,8 @@ class SpeculationConfig:
                          "acceptance; false: always the full k")
     decoupled: bool = knob(False, "drafts for the next engine step are prepared on a thread of their own while this "
                            "step verifies, for the outcome where every draft is accepted (actor/draft_ahead.py); a "
-                           "request whose outcome it was takes them, the others draft as usual. Drafters with "
-                           "propose_ahead: draft_lm, suffix, ngram")
+                           "request whose outcome it was takes them, one that missed drafts now only where the cost "
+                           "model says it pays. Drafters with propose_ahead: draft_lm, suffix, ngram")
     max_batch: int = knob(0, "never draft while more than this many requests run (0: no bound)",
                           at_least(0, "0: no limit"))
     options: Dict[str, Any] = knob({}, "keyword arguments of the drafter's constructor, checked by the drafter at "
