@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, StepCost, geometric, plan
+from drafters.calibration import Calibration
 
 
 @dataclass
@@ -114,16 +115,18 @@ def fit_costs(trace: dict, drafter: str | None) -> Costs:
 
 
 def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k: int, drafting: bool,
-             decoupled: str | None = None) -> dict:
+             decoupled: str | None = None, confidence: list[list[list[float]]] | None = None) -> dict:
     """Makespan and batch curve of one rollout: `lengths` tokens per request, drafts accepted by `match` (None: the
     oracle, every draft), drafting decided by the real planner when `drafting`. `decoupled`: None (drafting on the
     critical path), "chain" (as built: a request finds drafts prepared when its drafts were all accepted and the
     drafter's next token was the target's; one that missed is drafted now only where the cost model says it pays) or
-    "every_outcome" (drafts prepared for every outcome of the verify step: always ready)."""
+    "every_outcome" (drafts prepared for every outcome of the verify step: always ready). `confidence`: the drafter's
+    per token, where it gives them: as the bridge, each proposal is then verified only as far as its calibrated
+    gains pay (drafters/calibration.py, learned from the simulated outcomes)."""
     n = len(lengths)
     position = [1] * n  # the prefill samples every request's first token
     clock, curve, waited = costs.prefill_s, [], 0.0
-    step_cost, draft_cost, acceptance = StepCost(), DraftCost(), Acceptance()
+    step_cost, draft_cost, acceptance, calibration = StepCost(), DraftCost(), Acceptance(), Calibration()
     ready = [False] * n  # decoupled: this request's next drafts were prepared during the last step
     undrafted = 0
     while True:
@@ -143,17 +146,26 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
             now, _ = plan(gains, len(running) + sum(drafts) - sum(drafts[m] for m in missed), step_cost, draft_cost)
             for m, b in zip(missed, now):
                 drafts[m] = b
-        total, passes = sum(drafts), max(drafts, default=0)
+        asked = list(drafts)  # what the drafter proposes (and is paid for); `drafts`: what the engine verifies
+        if confidence is not None and any(drafts):
+            rated = [confidence[i][position[i]][:d] for d, i in zip(drafts, running)]
+            keep, _ = plan([calibration.gains(c) for c in rated], len(running), step_cost, None)
+            drafts = [min(d, kept) for d, kept in zip(drafts, keep)]
+        total, passes = sum(drafts), max(asked, default=0)
         engine = costs.engine(len(running), total)
-        now = [drafts[m] for m in missed if drafts[m]] if decoupled == "chain" else [] if decoupled else drafts
+        now = [asked[m] for m in missed if asked[m]] if decoupled == "chain" else [] if decoupled else asked
         waited_here = costs.drafting(len(now), sum(now), max(now, default=0)) if sum(now) else 0.0
         if decoupled:  # the prepared drafting runs beside the verify step: only what outlasts it is waited for
-            waited_here += max(0.0, costs.drafting(len(running), total, passes) - waited_here - engine)
+            waited_here += max(0.0, costs.drafting(len(running), sum(asked), passes) - waited_here - engine)
         clock += engine + waited_here
         waited += waited_here
-        for d, i, rid in zip(drafts, running, ids):
+        for d, proposed, i, rid in zip(drafts, asked, running, ids):
             reach = k + 1 if match is None else match[i][position[i]]
             accepted = min(d, reach)
+            if confidence is not None and proposed:  # labels as the verifier gives them: up to the first miss
+                labels = min(accepted + 1, proposed)
+                calibration.observe(confidence[i][position[i]][:labels], [0] * labels,
+                                    [0 if j < reach else 1 for j in range(labels)])
             ready[i] = reach > d  # every draft accepted, and the drafter's next token the target's
             position[i] = min(lengths[i], position[i] + accepted + 1)
             if d:
@@ -185,12 +197,14 @@ def validate(trace: dict) -> dict:
     k, lengths = trace["config"]["num_speculative_tokens"], [r["tokens"] for r in trace["requests"]]
     cases = {"vanilla": (None, None, False), "oracle": ("oracle", None, True),
              "specactor": ("specactor", trace["match"]["draft_lm"], True)}
+    rated = trace.get("confidence", {}).get("draft_lm")  # (a trace recorded without them: acceptance rates only)
     out, vanilla = {}, None
     for name, (drafter, match, drafting) in cases.items():
         if name not in trace["systems"]:
             continue
         measured = statistics.median(r["makespan_s"] for r in trace["systems"][name])
-        simulated = simulate(lengths, match, fit_costs(trace, drafter), k, drafting)["makespan_s"]
+        simulated = simulate(lengths, match, fit_costs(trace, drafter), k, drafting,
+                             confidence=rated if name == "specactor" else None)["makespan_s"]
         out[name] = {"measured_s": round(measured, 3), "simulated_s": round(simulated, 3),
                      "error": round(simulated / measured - 1, 3)}
         if name == "vanilla":
@@ -237,7 +251,8 @@ def project(trace: dict, costs_file: Path, shape: str, context: int, gpu_draft_s
     for where, costs in placements.items():
         for decoupled in (None, "chain", "every_outcome"):
             name = f"specactor_{where}" + (f"_decoupled_{decoupled}" if decoupled else "")
-            systems[name] = simulate(lengths, trace["match"]["draft_lm"], costs, k, True, decoupled)
+            systems[name] = simulate(lengths, trace["match"]["draft_lm"], costs, k, True, decoupled,
+                                     trace.get("confidence", {}).get("draft_lm"))
     out = {"systems": {name: {"makespan_s": round(r["makespan_s"], 4),
                               "speedup": round(vanilla["makespan_s"] / r["makespan_s"], 3),
                               "drafting_waited_share": round(r["drafting_waited_s"] / r["makespan_s"], 4)}

@@ -8,6 +8,7 @@ the request's seed and position, the coupled noise). The trace holds:
 - `match`: per drafter, per request and output position `p`, how many of the `k` tokens it proposes from the history
   up to `p` equal the tokens committed at `p`, `p + 1`, ... (0..k), computed here by replaying the drafter along
   the committed sequences (`draft_lm`: the built-in draft LM, as `specactor` drafts; the oracle matches everywhere);
+  `confidence`: the drafter's confidence in each of those proposed tokens (the bridge cuts a proposal at them);
 - `systems`: per coupled system and repeat, the measured makespan and every engine step: its wall seconds, the
   tokens it computed (requests plus drafts, or a prefill's prompt tokens), the requests in it, and the seconds the
   coupled sampler, the drafter bridge and the drafter itself took in it (`step_record`).
@@ -43,26 +44,33 @@ def steps_of(records: list[list[float]]) -> list[list[float]]:
 
 
 def match_lengths(drafter, prompt_ids: list[list[int]], seeds: list[int], sequences: list[list[int]], k: int,
-                  temperature: float) -> list[list[int]]:
-    """Per request and output position, how many of the drafter's `k` tokens proposed there are the committed ones:
-    every request drafted at every position, batched across requests position by position (as an engine step asks)."""
+                  temperature: float) -> tuple[list[list[int]], list[list[list[float]]] | None]:
+    """Per request and output position, how many of the drafter's `k` tokens proposed there are the committed ones,
+    and the drafter's confidence in each of those tokens (None: it gives none): every request drafted at every
+    position, batched across requests position by position (as an engine step asks)."""
     from drafters.base import DraftRequest
 
     matches: list[list[int]] = [[] for _ in sequences]
+    sure: list[list[list[float]]] = [[] for _ in sequences]
+    rated = True
     for p in range(max(len(s) for s in sequences)):
         live = [i for i, s in enumerate(sequences) if p < len(s)]
         requests = [DraftRequest(f"r{i}", seed=seeds[i], position=p, token_ids=prompt_ids[i] + sequences[i][:p],
                                  temperature=temperature, max_tokens=min(k, len(sequences[i]) - p))
                     for i in live]
-        for i, proposal in zip(live, drafter.propose(requests, k)):
+        proposals = drafter.propose(requests, k)
+        confidences = drafter.confidences()
+        rated = rated and confidences is not None
+        for j, (i, proposal) in enumerate(zip(live, proposals)):
             truth, n = sequences[i][p:], 0
             while n < len(proposal) and n < len(truth) and proposal[n] == truth[n]:
                 n += 1
             matches[i].append(n)
+            sure[i].append([round(float(c), 4) for c in confidences[j]] if rated else [])
         for i, s in enumerate(sequences):
             if len(s) == p + 1:
                 drafter.remove(f"r{i}")
-    return matches
+    return matches, sure if rated else None
 
 
 def write(path: Path, config: dict, prompt_ids: list[list[int]], seeds: list[int], runs: dict[str, list[dict]],
@@ -74,9 +82,11 @@ def write(path: Path, config: dict, prompt_ids: list[list[int]], seeds: list[int
     trace = {
         "config": {**config, "num_speculative_tokens": k, "temperature": temperature, "step_fields": STEP_FIELDS},
         "requests": [{"prompt_tokens": len(p), "tokens": len(s)} for p, s in zip(prompt_ids, sequences)],
-        "match": {"draft_lm": match_lengths(DraftLM(str(draft)), prompt_ids, seeds, sequences, k, temperature)},
+        "match": {}, "confidence": {},
         "systems": {name: [{"makespan_s": round(r["makespan_s"], 4), "steps": steps_of(r["step_records"])}
                            for r in repeats] for name, repeats in runs.items() if "step_records" in repeats[0]},
     }
+    trace["match"]["draft_lm"], trace["confidence"]["draft_lm"] = match_lengths(
+        DraftLM(str(draft)), prompt_ids, seeds, sequences, k, temperature)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(trace, separators=(",", ":")))

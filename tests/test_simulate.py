@@ -71,7 +71,7 @@ class Knowing(Drafter):
 def test_match_lengths_count_the_proposed_tokens_that_are_the_committed_ones(right, expected):
     sequences = [[5, 6, 7, 8], [9, 10]]
     drafter = Knowing(dict(enumerate(sequences)), right)
-    assert match_lengths(drafter, [[1], [2]], [0, 1], sequences, k=3, temperature=1.0) == expected
+    assert match_lengths(drafter, [[1], [2]], [0, 1], sequences, k=3, temperature=1.0) == (expected, None)
 
 
 @pytest.mark.slow
@@ -87,3 +87,15 @@ def test_a_measured_smoke_rollout_is_reproduced_from_its_trace(tmp_path):
         assert abs(row["error"]) < 0.10, (name, row)
         if name != "vanilla":
             assert abs(row["simulated_speedup"] - row["measured_speedup"]) < 0.05, (name, row)
+
+
+def test_drafts_the_calibration_says_are_rejected_are_not_verified():
+    """As the bridge does with a drafter's confidences: a proposal is verified only as far as its calibrated gains
+    pay. Every proposal's first two tokens are right (confidence 0.99) and the last two wrong (0.05): verifying only
+    the first two commits as many tokens a step (41 steps either way) in cheaper steps."""
+    lengths = [120] * 8
+    two, rated = [[2] * n for n in lengths], [[[0.99, 0.99, 0.05, 0.05]] * n for n in lengths]
+    costs = Costs(engine=lambda requests, drafts: 0.01 + 0.0003 * drafts, prefill_s=0.0)
+    blind = simulate(lengths, two, costs, k=4, drafting=True)
+    cut = simulate(lengths, two, costs, k=4, drafting=True, confidence=rated)
+    assert cut["steps"] == blind["steps"] and cut["makespan_s"] < 0.95 * blind["makespan_s"]
