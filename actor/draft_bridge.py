@@ -258,7 +258,7 @@ class DrafterBridge:
         self.drafter_seconds += elapsed
         name = type(self.drafter).__name__
         sampler = self.runner._sample
-        unseen = sum(len(r.token_ids) - self.shown.get(r.request_id, 0) for _, r in requests)
+        unseen = sum(self._unseen(r) for _, r in requests)
         self.rated = sureness is not None
         made = []
         for j, ((row, request), proposal) in enumerate(zip(requests, proposals)):
@@ -296,6 +296,7 @@ class DrafterBridge:
         says drafting it now pays, else no drafts this step); the drafter's sources, and which were prepared."""
         taken = ((j, self.ahead.take(r.request_id, r.token_ids)) for j, r in enumerate(requests)) if self.ahead else ()
         found = {j: got for j, got in taken if got is not None}
+        prepared = set(found)
         asked = [(j, r) for j, r in enumerate(requests) if j not in found]
         if self.ahead is not None and asked:
             asked = self._worth_drafting_now(asked, base_tokens + sum(len(p) for p, _ in found.values()))
@@ -310,13 +311,12 @@ class DrafterBridge:
                                    f"{'no' if fresh_sure is None else len(fresh_sure)} confidence lists for "
                                    f"{len(asked)} requests (drafters/base.py: one list per request)")
             if self.ahead is not None:  # what drafting the misses on the critical path costs
-                self.draft_cost.observe(max(map(len, fresh)), sum(map(len, fresh)), sum(
-                    len(r.token_ids) - self.shown.get(r.request_id, 0) for _, r in asked), time.perf_counter() - start)
+                self.draft_cost.observe(max(map(len, fresh)), sum(map(len, fresh)),
+                                        sum(self._unseen(r) for _, r in asked), time.perf_counter() - start)
             found.update((j, (p, sure)) for (j, _), p, sure in zip(asked, fresh, fresh_sure or [None] * len(asked)))
-        proposals, sureness = [found.get(j, ([], None))[0] for j in range(len(requests))], \
-            [found.get(j, ([], None))[1] for j in range(len(requests))]
+        pairs = [found.get(j, ([], None)) for j in range(len(requests))]  # skipped misses: no drafts
+        proposals, sureness = [p for p, _ in pairs], [sure for _, sure in pairs]
         rated = any(sure is not None for sure in sureness)
-        prepared = {j for j in found if j not in dict(asked)}
         return proposals, sureness if rated else None, sources if not prepared else None, prepared
 
     def _worth_drafting_now(self, asked: list[tuple[int, DraftRequest]], base_tokens: int
@@ -325,9 +325,13 @@ class DrafterBridge:
         now, on the critical path (0: they decode plainly this step, and get drafts prepared for the next)."""
         rates = self.acceptance.rates([r.request_id for _, r in asked])
         gains = [list(g[: r.max_tokens]) for g, (_, r) in zip(geometric(rates, self.k), asked)]
-        unseen = [len(r.token_ids) - self.shown.get(r.request_id, 0) for _, r in asked]
-        budgets, _ = plan(gains, base_tokens, self.step_cost, self.draft_cost, unseen=unseen)
+        budgets, _ = plan(gains, base_tokens, self.step_cost, self.draft_cost,
+                          unseen=[self._unseen(r) for _, r in asked])
         return [(j, replace(r, max_tokens=b)) for (j, r), b in zip(asked, budgets) if b > 0]
+
+    def _unseen(self, request: DraftRequest) -> int:
+        """History tokens the drafter would see for the first time (its catch-up) if `request` drafted now."""
+        return len(request.token_ids) - self.shown.get(request.request_id, 0)
 
     def _prepare_ahead(self, requests: list[tuple[int, DraftRequest]], drafts: list[list[int]]) -> None:
         """The drafter, on its thread, proposes from the history each request's drafts make if all are accepted."""

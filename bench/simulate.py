@@ -136,15 +136,15 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
         ids = [str(i) for i in running]
         drafts = [0] * len(running)
         if drafting:
-            rates = acceptance.rates(ids)
-            budgets, _ = plan(geometric(rates, k), len(running), step_cost, None if decoupled == "every_outcome"
-                              else draft_cost, explore=undrafted >= EXPLORE_EVERY)
+            gains = geometric(acceptance.rates(ids), k)
+            budgets, _ = plan(gains, len(running), step_cost, None if decoupled == "every_outcome" else draft_cost,
+                              explore=undrafted >= EXPLORE_EVERY)
             drafts = [min(b, lengths[i] - position[i] - 1) for b, i in zip(budgets, running)]
         missed = [m for m, i in enumerate(running) if drafts[m] and not ready[i]] if decoupled == "chain" else []
         if missed:  # as the bridge: drafted now only where it pays at the serial cost, else plainly this step
-            gains = [list(geometric(rates[m:m + 1], k)[0][: drafts[m]]) for m in missed]
-            now, _ = plan(gains, len(running) + sum(drafts) - sum(drafts[m] for m in missed), step_cost, draft_cost)
-            for m, b in zip(missed, now):
+            budgets, _ = plan([list(gains[m][: drafts[m]]) for m in missed],
+                              len(running) + sum(drafts) - sum(drafts[m] for m in missed), step_cost, draft_cost)
+            for m, b in zip(missed, budgets):
                 drafts[m] = b
         asked = list(drafts)  # what the drafter proposes (and is paid for); `drafts`: what the engine verifies
         if confidence is not None and any(drafts):
@@ -153,8 +153,12 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
             drafts = [min(d, kept) for d, kept in zip(drafts, keep)]
         total, passes = sum(drafts), max(asked, default=0)
         engine = costs.engine(len(running), total)
-        now = [asked[m] for m in missed if asked[m]] if decoupled == "chain" else [] if decoupled else asked
-        waited_here = costs.drafting(len(now), sum(now), max(now, default=0)) if sum(now) else 0.0
+        if decoupled == "chain":  # drafted on the critical path: the misses the planner drafts now
+            now = [asked[m] for m in missed if asked[m]]
+        else:
+            now = [] if decoupled else asked
+        drafting_now = costs.drafting(len(now), sum(now), max(now)) if sum(now) else 0.0
+        waited_here = drafting_now
         if decoupled:  # the prepared drafting runs beside the verify step: only what outlasts it is waited for
             waited_here += max(0.0, costs.drafting(len(running), sum(asked), passes) - waited_here - engine)
         clock += engine + waited_here
@@ -172,7 +176,7 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
                 acceptance.observe(rid, d, accepted)
         step_cost.observe(len(running) + total, engine)
         if sum(now):  # the drafting cost the planner learns: what the engine waits for when it drafts now
-            draft_cost.observe(max(now), sum(now), 0, costs.drafting(len(now), sum(now), max(now)))
+            draft_cost.observe(max(now), sum(now), 0, drafting_now)
         undrafted = 0 if total else undrafted + 1
         curve.append((round(clock, 4), len(running)))
     return {"makespan_s": clock, "steps": len(curve), "drafting_waited_s": waited, "batch_curve": curve}

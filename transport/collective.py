@@ -46,10 +46,6 @@ class GroupTicket:
     backend: str  # "nccl" or "gloo"
 
 
-def backend_for(device: str) -> str:
-    return "nccl" if device == "cuda" else "gloo"
-
-
 def form_group(store: dist.Store, host: str, rank: int, ticket: GroupTicket):
     """This process's member of the group (blocks until every member has joined, within `TIMEOUT`)."""
     if ticket.backend == "nccl":
@@ -78,11 +74,11 @@ def bucket_bytes(bucket: list[tuple[str, torch.Tensor]]) -> int:
 
 def unflatten(specs: list[TensorSpec], flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors `specs` describe, as views of `flat` (checked against it as a ZeroMQ bucket's frames are)."""
-    if sum(checked_size(spec)[1] for spec in specs) != flat.numel():
+    sizes = [checked_size(spec) for spec in specs]
+    if sum(nbytes for _, nbytes in sizes) != flat.numel():
         raise ValueError(f"a bucket of {flat.numel()} bytes does not hold the tensors its header names")
     offset = 0
-    for spec in specs:
-        dtype, nbytes = checked_size(spec)
+    for spec, (dtype, nbytes) in zip(specs, sizes):
         part = flat[offset:offset + nbytes]
         if offset % dtype.itemsize:  # after a tensor of a narrower dtype: a view would be misaligned
             part = part.clone()
@@ -131,7 +127,7 @@ class WeightGroups:
         self.store = dist.TCPStore(self.host, self.port, is_master=True, wait_for_workers=False, timeout=TIMEOUT,
                                    master_listen_fd=listener.detach(), use_libuv=True)
         self.secret = secrets.token_hex(16)
-        self.device, self.backend = device, backend_for(device)
+        self.device, self.backend = device, "nccl" if device == "cuda" else "gloo"
         self.newest: tuple[int, list[list[tuple[str, torch.Tensor]]]] = (-1, [])
         self.senders: dict[int, Sender] = {}
         self.lock = threading.Lock()
