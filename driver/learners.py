@@ -6,6 +6,7 @@ from __future__ import annotations
 import ray
 from omegaconf import DictConfig
 
+from configs.load import ConfigError
 from driver.placement import reserve, slot
 from learner.learner import Learner
 from tasks.schedule import CursorPlan
@@ -29,6 +30,17 @@ class LearnerGroup:
         self.trajectory_endpoint, self.weight_endpoint = ray.get(self.rank0.endpoints.remote())
         master = ray.get(self.rank0.master_address.remote())
         ray.get([r.start.remote(master, resume) for r in self.ranks])  # torch.distributed + DeepSpeed, together
+        self.check_shared_dir(cfg.logging.dir)
+
+    def check_shared_dir(self, run_dir: str) -> None:
+        """Every rank writes into the run's directory, rank 0 seals the checkpoints: it must see what the others
+        wrote (ranks on several nodes need a shared file system)."""
+        marks = f"{run_dir}/.learner_ranks"
+        seen_by_rank = ray.get(self.all("mark_directory", marks))
+        try:
+            ray.get(self.rank0.check_shared.remote(marks, seen_by_rank))
+        except ray.exceptions.RayTaskError as e:
+            raise ConfigError(f"key 'logging.dir' = {run_dir!r}: {e.cause}") from None
 
     def all(self, method: str, *args) -> list[ray.ObjectRef]:
         """Calls `method` on every rank; rank 0's result comes first."""

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 from configs.load import ConfigError, check_model, find_config, load_config
 from drafters.base import DrafterLoadError, drafter_class
-from learner.base import checkpoint_state
+from learner.checkpoint import checkpoint_state
 
 
 def load_run_config(name_or_path: str, overrides: list[str] = ()) -> DictConfig:

@@ -79,7 +79,7 @@ class Run:
     def _take_run_dir(self) -> tuple[Path | None, dict]:
         """The checkpoint to start from (None: the run's first step) and its state; the run's id written to the
         directory (an earlier run's checkpoints and logs there deleted first when `logging.overwrite` asks)."""
-        from learner.base import RUN_FILE, checkpoint_state, is_branch, run_of
+        from learner.checkpoint import RUN_FILE, checkpoint_state, is_branch, run_of
         from learner.rollout_log import FILE as ROLLOUTS
 
         cfg, checkpoint, state = self.cfg, None, {"version": 0, "data_cursor": 0}
@@ -174,7 +174,7 @@ class Run:
         """After a learner rank's process died: every process of the run stops and starts again from the run's newest
         checkpoint (its start, if it wrote none), while `trainer.max_learner_restarts` allows; else `error` stands.
         What the dead processes had not checkpointed is generated and trained again."""
-        from learner.base import checkpoint_state
+        from learner.checkpoint import checkpoint_state
 
         limit = self.cfg.trainer.max_learner_restarts
         if self.learner_restarts >= limit:
@@ -256,8 +256,8 @@ class Run:
         if (every and (step + 1) % every == 0) or step + 1 == self.cfg.trainer.steps:
             root = str(self.dir / "checkpoints")
             with self.learners_alive():
-                self.ray.get(self.learners.all("save_checkpoint", root))
-                self.ray.get(self.learners.rank0.seal_checkpoint.remote(root, self.run_id))
+                seen_by_rank = self.ray.get(self.learners.all("save_checkpoint", root))
+                self.ray.get(self.learners.rank0.seal_checkpoint.remote(root, self.run_id, seen_by_rank))
 
     def save_final(self) -> None:
         self.ray.get(self.learners.all("save_pretrained", str(self.dir / "final")))
@@ -302,7 +302,7 @@ class Run:
             print(f"interrupted at step {learner['version'] if learner else '?'}; every process is shut down",
                   file=sys.stderr)
         elif learner is None or ending is not None:  # the error follows; say where the run can go on from
-            from learner.base import checkpoint_state
+            from learner.checkpoint import checkpoint_state
 
             reason = (f"learner rank 0 is gone ({summary['learner_error']})" if learner is None else
                       f"{type(ending).__name__}: {(str(ending).splitlines() or [''])[0]}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 import socket
 import threading
 import time
@@ -17,7 +18,8 @@ import torch
 from omegaconf import DictConfig
 
 from configs.schema import Dtype, LossAggregation, StepOrder
-from learner.base import checkpoint_state, partial, seal_checkpoint, staleness
+from learner.base import staleness
+from learner.checkpoint import check_shared, checkpoint_state, files_under, partial, seal_checkpoint
 from learner.distill import RemoteDistiller
 from learner.exchange import broadcast_groups, gather_full_state
 from learner.grpo import Packed, StepRows, micro_batch_loss, plan_step, response_logprobs
@@ -331,25 +333,39 @@ class Learner:
             self.engine.module.save_pretrained(path, state_dict=state)
             copy_tokenizer(self.policy_dir, path)
 
-    def save_checkpoint(self, root: str) -> str:
+    def save_checkpoint(self, root: str) -> list[str]:
         """Every rank: `root/step_<version>.partial/` with the DeepSpeed state (weights, optimizer) and the weights
-        as a Hugging Face checkpoint (what resumed actors load); `seal_checkpoint` then makes it visible."""
+        as a Hugging Face checkpoint (what resumed actors load); returns the files this rank sees there then, for
+        `seal_checkpoint`."""
         path = partial(Path(root) / f"step_{self.version}")  # files a crash mid-save left are overwritten
         self.engine.save_checkpoint(str(path / "deepspeed"), tag="state")
         self.save_pretrained(str(path / "hf"))
         if self.distiller is not None:  # the distilled draft LM the actors run
             self.distiller.save(path / "draft")
-        return str(path)
+        return files_under(path)
 
-    def seal_checkpoint(self, root: str, run_id: str) -> str:
-        """Rank 0, once every rank has saved: state.json (version, data cursor, counters, run id) and the manifest
-        written, everything fsynced, `step_<version>.partial` renamed to `step_<version>` (learner/base.py)."""
+    def seal_checkpoint(self, root: str, run_id: str, seen_by_rank: list[list[str]]) -> str:
+        """Rank 0, once every rank has saved (`seen_by_rank`: what each saw): when rank 0 sees every rank's files,
+        state.json (version, data cursor, counters, run id) and the manifest written, everything fsynced,
+        `step_<version>.partial` renamed to `step_<version>` (learner/checkpoint.py)."""
         final = Path(root) / f"step_{self.version}"
+        check_shared(partial(final), seen_by_rank)
         with self.lock:
             state = {"version": self.version, "run_id": run_id, "skipped_steps": self.skipped_steps,
                      **self.intake.state()}
         seal_checkpoint(final, state)
         return str(final)
+
+    def mark_directory(self, directory: str) -> list[str]:
+        """Every rank: a file of its own in `directory`, then the files it sees there (rank 0 `check_shared`s them)."""
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        (Path(directory) / f"rank_{self.rank}").write_text(socket.gethostname())
+        return files_under(Path(directory))
+
+    def check_shared(self, directory: str, seen_by_rank: list[list[str]]) -> None:
+        """Rank 0: raises UnsharedDirectory unless it sees each rank's `mark_directory` files; then removes them."""
+        check_shared(Path(directory), seen_by_rank)
+        shutil.rmtree(directory, ignore_errors=True)
 
     def load_checkpoint(self, path: str) -> None:
         path, state = checkpoint_state(path)

@@ -1,4 +1,4 @@
-"""Crash-safe checkpoints (learner/base.py): a checkpoint becomes visible whole or not at all, resuming takes the
+"""Crash-safe checkpoints (learner/checkpoint.py): a checkpoint becomes visible whole or not at all, resuming takes the
 newest complete checkpoint of the run that last wrote the directory, and never one an earlier run left there."""
 
 import hashlib
@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from learner.base import RUN_FILE, find_checkpoint, partial, seal_checkpoint
+from learner.checkpoint import (RUN_FILE, UnsharedDirectory, check_shared, files_under, find_checkpoint, partial,
+                               seal_checkpoint)
 
 
 def write(root, step: int, run_id: str, payload: bytes = b"weights") -> None:
@@ -53,7 +54,7 @@ def test_a_checkpoint_damaged_in_place_at_the_same_size_falls_back_to_the_previo
 def test_resuming_from_an_older_checkpoint_of_a_run_is_a_branch(tmp_path):
     """A resume from the newest checkpoint continues its run (same id); from an older one it branches (the driver
     gives it an id of its own), so its restarts never find the abandoned timeline's newer checkpoints."""
-    from learner.base import is_branch
+    from learner.checkpoint import is_branch
 
     (tmp_path / RUN_FILE).write_text(json.dumps({"run_id": "a"}))
     write(tmp_path, 2, "a")
@@ -101,3 +102,18 @@ def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints_unless
         load_run_config("grpo_tiny", [*fresh, "logging.overwrite=false", f"trainer.resume_from={other}"])
     assert load_run_config("grpo_tiny", ["trainer.steps=20", f"logging.dir={tmp_path / 'empty'}",
                                      "logging.overwrite=false"])
+
+
+def test_rank_zero_seals_only_when_it_sees_every_ranks_files(tmp_path):
+    """Two learner nodes, each writing its rank's shard on its own disk: rank 0 must refuse, naming the file."""
+    def save(node, rank: int):
+        shard = partial(node / "checkpoints" / "step_2") / "deepspeed"
+        shard.mkdir(parents=True, exist_ok=True)
+        (shard / f"zero_pp_rank_{rank}_optim_states.pt").write_bytes(b"shard")
+        return files_under(partial(node / "checkpoints" / "step_2"))
+
+    on_own_disks = [save(tmp_path / "node0", 0), save(tmp_path / "node1", 1)]
+    with pytest.raises(UnsharedDirectory, match="learner rank 1 wrote deepspeed/zero_pp_rank_1_optim_states.pt"):
+        check_shared(partial(tmp_path / "node0" / "checkpoints" / "step_2"), on_own_disks)
+    shared = [save(tmp_path / "shared", 0), save(tmp_path / "shared", 1)]
+    check_shared(partial(tmp_path / "shared" / "checkpoints" / "step_2"), shared)  # both there: sealed as usual

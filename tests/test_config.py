@@ -182,7 +182,7 @@ def test_a_data_prompt_the_model_cannot_hold_fails_before_anything_starts(tmp_pa
 
 
 def test_resume_from_must_name_a_checkpoint_that_is_behind_trainer_steps(tmp_path):
-    from learner.base import partial, seal_checkpoint
+    from learner.checkpoint import partial, seal_checkpoint
 
     with pytest.raises(ConfigError, match="trainer.resume_from.*complete checkpoint"):
         load_run_config("grpo_tiny", [f"trainer.resume_from={tmp_path}"])

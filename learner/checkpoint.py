@@ -1,0 +1,149 @@
+"""Checkpoints of a run, and which one a resume or a restart takes.
+
+A checkpoint is a directory `checkpoints/step_N/` of a run: `deepspeed/` (weights and optimizer), `hf/` (the
+weights as a Hugging Face checkpoint, what resumed actors load), with online distillation `draft/` (the running
+draft LM and its version, which a resumed run publishes first), `state.json` (`version` = step counter,
+`data_cursor` = one past the newest prompt trained on, counters) and `manifest.json` (the run's id and every file
+with its size and sha256). It is written as `step_N.partial/`, fsynced, and renamed into place only when whole, so a crash
+leaves either the previous checkpoint or the new one; resuming from a run directory takes the newest *complete*
+checkpoint *of the run that last wrote the directory* (`run.json`), never a checkpoint an earlier run left there.
+A resumed run continues at that step and that cursor (and that run id); prompts in flight but untrained at
+checkpoint time are skipped, not repeated.
+
+With learner ranks on several nodes every rank writes its shard into the same directory, so `logging.dir` must be
+one that every learner node shares (a network file system): rank 0 checks it sees every rank's files when the ranks
+start (`check_shared`) and again before it seals each checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+RUN_FILE = "run.json"  # in a run directory: {"run_id": ...} of the run that writes its checkpoints
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _intact(path: Path, entry: dict | int) -> bool:
+    if isinstance(entry, int):  # a manifest written before they carried hashes: its sizes are all it can check
+        return path.stat().st_size == entry
+    return path.stat().st_size == entry["size"] and _sha256(path) == entry["sha256"]
+
+
+def manifest(checkpoint: Path) -> dict | None:
+    """A checkpoint's manifest when every file it lists is there with its size and sha256 (a file damaged in place,
+    same size or not, fails); None for a partial or damaged checkpoint. Reading every byte is the price: a resume or a
+    restart reads them anyway."""
+    try:
+        listed = json.loads((checkpoint / MANIFEST).read_text())
+        whole = all(_intact(checkpoint / name, entry) for name, entry in listed["files"].items())
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        return None
+    return listed if whole else None
+
+
+def run_of(directory: Path) -> str | None:
+    """The id of the run that last wrote run directory `directory` (None: none did, or its run.json is unreadable)."""
+    try:
+        return json.loads((directory / RUN_FILE).read_text())["run_id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def find_checkpoint(path: str) -> Path:
+    """`path` is a checkpoint or a run directory (then its newest complete checkpoints/step_N of the run that last
+    wrote it)."""
+    root = Path(path).expanduser()
+    if (root / "state.json").is_file():
+        if manifest(root) is None:
+            raise FileNotFoundError(f"{root}: an incomplete or damaged checkpoint (its {MANIFEST} is missing or "
+                                    "lists files that are not there whole, by size and sha256)")
+        return root
+    run_id = run_of(root)
+    steps = sorted((p for p in root.glob("checkpoints/step_*") if p.name.split("_")[1].isdigit()),
+                   key=lambda p: int(p.name.split("_")[1]), reverse=True)
+    for step in steps:
+        listed = manifest(step)
+        if listed is not None and (run_id is None or listed.get("run_id") == run_id):
+            return step
+    raise FileNotFoundError(f"{root}: neither a checkpoint nor a run directory with a complete checkpoint "
+                            f"(checkpoints/step_N/{MANIFEST}) of its run")
+
+
+def is_branch(checkpoint: Path) -> bool:
+    """Whether resuming from `checkpoint` leaves a newer whole checkpoint of its run behind (its run directory's)."""
+    try:
+        return find_checkpoint(str(checkpoint.parent.parent)) != checkpoint
+    except FileNotFoundError:
+        return False
+
+
+def checkpoint_state(path: str) -> tuple[Path, dict]:
+    """The checkpoint `path` names (see `find_checkpoint`) and its state.json: version, data_cursor, counts, run_id."""
+    checkpoint = find_checkpoint(path)
+    return checkpoint, json.loads((checkpoint / "state.json").read_text())
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def partial(final: Path) -> Path:
+    """Where every rank writes checkpoint `final` until `seal_checkpoint` makes it visible."""
+    return final.with_name(final.name + ".partial")
+
+
+def seal_checkpoint(final: Path, state: dict) -> None:
+    """Writes state.json and the manifest into the fully written `partial(final)` directory, fsyncs every file and
+    directory, and renames it to `final` (replacing an older checkpoint of that name) in one step."""
+    partial_dir = partial(final)
+    (partial_dir / "state.json").write_text(json.dumps(state, indent=2))
+    files = {str(p.relative_to(partial_dir)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(partial_dir.rglob("*")) if p.is_file()}
+    (partial_dir / MANIFEST).write_text(json.dumps({"run_id": state["run_id"], "files": files}, indent=1))
+    for p in [*partial_dir.rglob("*"), partial_dir]:
+        _fsync(p)
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    partial_dir.rename(final)
+    _fsync(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+class UnsharedDirectory(RuntimeError):
+    """Rank 0 does not see files another learner rank wrote into the run's directory."""
+
+
+def files_under(directory: Path) -> list[str]:
+    """Every file under `directory`, relative to it: what one rank sees there."""
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+
+
+def check_shared(directory: Path, seen_by_rank: list[list[str]]) -> None:
+    """Rank 0, after every rank wrote into `directory` and listed it (`files_under`, rank order): raises
+    UnsharedDirectory unless rank 0 sees every file any rank saw there."""
+    here = set(files_under(directory))
+    for rank, names in enumerate(seen_by_rank):
+        missing = sorted(set(names) - here)
+        if missing:
+            raise UnsharedDirectory(
+                f"{directory}: learner rank {rank} wrote {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
+                "there but rank 0 does not see it: learner ranks on several nodes need a logging.dir that every "
+                "learner node shares (a network file system mounted at the same path)")
