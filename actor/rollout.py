@@ -68,7 +68,7 @@ class RolloutActor:
             self.llm.collective_rpc(join_weight_group, args=(weight_group,))
         self.tokenizer = self.llm.get_tokenizer()
         self.dataset = open_dataset(cfg.data, cfg.seed)
-        self.outbox = Outbox(trajectory_endpoint, f"actor-{actor_id}", hwm=cfg.transport.trajectory_queue, keys=keys)
+        self.outbox = Outbox(trajectory_endpoint, hwm=cfg.transport.trajectory_queue, keys=keys)
         self.weights = WeightSubscriber(weight_endpoint, keys=keys)  # keys: CURVE, as the driver admitted them
         self.version = version  # of the weights in model_dir
         self.speculating = cfg.speculation.method != "none"

@@ -26,7 +26,7 @@ class Rule:
 
 
 def _number(x: float) -> str:
-    return f"{x:g}"
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 def at_least(low: float, why: str = "") -> Rule:

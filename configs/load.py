@@ -14,10 +14,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from configs.knobs import ranges
-from configs.schema import Config
+from configs.schema import INBOX_MIB, Config
 from models.zoo import BUILTIN_MODELS, BUILTIN_NAMES, BUILTIN_PREFIX
 from tasks.dataset import eval_set, jsonl_sources
 from tasks.jsonl import DataFormatError, load_jsonl
+from transport.messages import trajectory_bytes
 
 CONFIG_DIR = Path(__file__).resolve().parent
 
@@ -143,6 +144,10 @@ def _across_sections(cfg: DictConfig) -> list[tuple[str, bool, str]]:
          "must be zmq with cluster.share_gpu: two processes on one GPU cannot form an NCCL group"),
         ("speculation.distill.num_gpus", not share or cfg.speculation.distill.num_gpus < 0.5,
          "must be < 0.5 with cluster.share_gpu: it is a share of the learner's half of the GPU"),
+        ("transport.trajectory_queue", cfg.transport.trajectory_queue * trajectory_bytes(cfg.model.max_model_len)
+         <= INBOX_MIB << 20, f"times one trajectory's bytes at model.max_model_len {cfg.model.max_model_len} "
+         f"({trajectory_bytes(cfg.model.max_model_len) >> 10} KiB) must be <= {INBOX_MIB} MiB: what one peer can make "
+         "the learner's inbox queue"),
         ("learner.micro_batch_size", batch % (cfg.learner.micro_batch_size * cfg.learner.num_ranks) == 0,
          f"times learner.num_ranks must divide the step's {batch} trajectories "
          "(rollout.prompts_per_step x rollout.group_size)"),

@@ -12,17 +12,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
-from configs.knobs import Rule, at_least, between, knob, more_than, one_of, zero_or_at_least
+from configs.knobs import at_least, between, knob, more_than, one_of, zero_or_at_least
 from sampling.coupled import MAX_RUN_SEED
 from tasks.arithmetic import ArithmeticTask
+from transport.messages import MAX_TOKENS
 
 STALL_FLOOR_S = 10.0  # the least rollout.stall_timeout_s: five of an actor's heartbeats (actor/rollout.HEARTBEAT_S)
-INBOX_MIB = 16384  # the most transport.trajectory_queue x transport.max_message_mib: the inbox's two-frame messages
-# (a multipart message of more frames is buffered whole by libzmq before it is read and dropped: not bounded here)
+INBOX_MIB = 16384  # the most transport.trajectory_queue x one trajectory's bytes: what one connection queues in the inbox
 
 
 class Dtype(Enum):
@@ -70,8 +70,8 @@ class ModelConfig:
     path: str = knob(MISSING, "a Hugging Face checkpoint directory (with its config.json), or a built-in model: "
                               "builtin:dense, builtin:moe")
     dtype: Dtype = knob(Dtype.float32, "the rollout engines' weights and activations")
-    max_model_len: int = knob(1024, "the longest prompt plus answer the rollout engines hold, in tokens",
-                              at_least(16))
+    max_model_len: int = knob(1024, "the longest prompt plus answer the rollout engines hold, in tokens; it bounds "
+                              "the bytes of a trajectory message the learner accepts", between(16, MAX_TOKENS))
 
 
 @dataclass
@@ -260,21 +260,14 @@ class TransportConfig:
                                "messages. none: plain TCP, allowed only on loopback without cluster.address: for a "
                                "host whose every local user is trusted (any of them could speak for an actor)")
     trajectory_queue: int = knob(64, "ZeroMQ high-water mark, in messages: back-pressure on rollout actors; times "
-                                 f"max_message_mib at most {INBOX_MIB} MiB", at_least(1))
-    max_message_mib: int = knob(64, "the largest message the learner's inbox accepts",
-                                between(1, 1024, why="a trajectory is a few MiB at most"))
+                                 "the largest trajectory's bytes (from model.max_model_len) at most "
+                                 f"{INBOX_MIB} MiB", at_least(1))
     weight_bucket_mib: int = knob(32, "the size of the buckets a weight version is sent in", between(1, 4096))
     weights: WeightTransport = knob(
         WeightTransport.zmq, "how policy versions reach the engines. zmq: their buckets over the ZeroMQ weight "
         "channel. nccl: over a process group of learner rank 0 and each engine's workers (NCCL on cuda, gloo on cpu; "
         "rendezvous on transport.host under a per-run secret), pulled by each engine straight into its parameters; "
         "names, shapes and dtypes still go over ZeroMQ, and the draft LM's versions stay there")
-
-    def check(self) -> Iterator[tuple[str, str]]:
-        """(key, why) for each rule between two keys of this section that fails (configs/knobs.ranges)."""
-        if self.trajectory_queue * self.max_message_mib > INBOX_MIB:
-            yield "trajectory_queue", (f"times transport.max_message_mib ({self.max_message_mib}) must be <= "
-                                       f"{INBOX_MIB} MiB: what peers can make the learner's inbox hold")
 
 
 @dataclass

@@ -12,7 +12,7 @@ checkpoint time are skipped, not repeated.
 
 With learner ranks on several nodes every rank writes its shard into the same directory, so `logging.dir` must be
 one that every learner node shares (a network file system): rank 0 checks it sees every rank's files when the ranks
-start (`check_shared`) and again before it seals each checkpoint.
+start (`RankCheckpoints.check_shared`) and again before it seals each checkpoint.
 """
 
 from __future__ import annotations
@@ -21,7 +21,11 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 from pathlib import Path
+
+from learner.exchange import gather_full_state
+from models.zoo import copy_tokenizer
 
 MANIFEST = "manifest.json"
 RUN_FILE = "run.json"  # in a run directory: {"run_id": ...} of the run that writes its checkpoints
@@ -104,11 +108,11 @@ def _fsync(path: Path) -> None:
 
 
 def partial(final: Path) -> Path:
-    """Where every rank writes checkpoint `final` until `seal_checkpoint` makes it visible."""
+    """Where every rank writes checkpoint `final` until `seal` makes it visible."""
     return final.with_name(final.name + ".partial")
 
 
-def seal_checkpoint(final: Path, state: dict) -> None:
+def seal(final: Path, state: dict) -> None:
     """Writes state.json and the manifest into the fully written `partial(final)` directory, fsyncs every file and
     directory, and renames it to `final` (replacing an older checkpoint of that name) in one step."""
     partial_dir = partial(final)
@@ -136,7 +140,7 @@ def files_under(directory: Path) -> list[str]:
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
 
 
-def check_shared(directory: Path, seen_by_rank: list[list[str]]) -> None:
+def check_sees_all(directory: Path, seen_by_rank: list[list[str]]) -> None:
     """Rank 0, after every rank wrote into `directory` and listed it (`files_under`, rank order): raises
     UnsharedDirectory unless rank 0 sees every file any rank saw there."""
     here = set(files_under(directory))
@@ -147,3 +151,61 @@ def check_shared(directory: Path, seen_by_rank: list[list[str]]) -> None:
                 f"{directory}: learner rank {rank} wrote {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
                 "there but rank 0 does not see it: learner ranks on several nodes need a logging.dir that every "
                 "learner node shares (a network file system mounted at the same path)")
+
+
+class RankCheckpoints:
+    """A learner rank's checkpoint calls, a part of `learner.learner.Learner` (they use its engine, version, rank,
+    and on rank 0 its intake and distiller)."""
+
+    def save_pretrained(self, path: str) -> None:
+        """Every rank: the weights as a Hugging Face checkpoint that vLLM can serve (written by rank 0)."""
+        state = gather_full_state(self.engine, self.rank, self.cfg.learner.zero_stage, self.bucket_bytes)
+        if state is not None:
+            self.engine.module.save_pretrained(path, state_dict=state)
+            copy_tokenizer(self.policy_dir, path)
+
+    def save_checkpoint(self, root: str) -> list[str]:
+        """Every rank: `root/step_<version>.partial/` with the DeepSpeed state (weights, optimizer) and the weights
+        as a Hugging Face checkpoint (what resumed actors load); returns the files this rank sees there then, for
+        `seal_checkpoint`."""
+        path = partial(Path(root) / f"step_{self.version}")  # files a crash mid-save left are overwritten
+        self.engine.save_checkpoint(str(path / "deepspeed"), tag="state")
+        self.save_pretrained(str(path / "hf"))
+        if self.distiller is not None:  # the distilled draft LM the actors run
+            self.distiller.save(path / "draft")
+        return files_under(path)
+
+    def seal_checkpoint(self, root: str, run_id: str, seen_by_rank: list[list[str]]) -> str:
+        """Rank 0, once every rank has saved (`seen_by_rank`: what each saw): when rank 0 sees every rank's files,
+        state.json (version, data cursor, counters, run id) and the manifest written, everything fsynced,
+        `step_<version>.partial` renamed to `step_<version>` (learner/checkpoint.py)."""
+        final = Path(root) / f"step_{self.version}"
+        check_sees_all(partial(final), seen_by_rank)
+        with self.lock:
+            state = {"version": self.version, "run_id": run_id, "skipped_steps": self.skipped_steps,
+                     **self.intake.state()}
+        seal(final, state)
+        return str(final)
+
+    def mark_directory(self, directory: str) -> list[str]:
+        """Every rank: a file of its own in `directory`, then the files it sees there (rank 0 `check_shared`s them)."""
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        (Path(directory) / f"rank_{self.rank}").write_text(socket.gethostname())
+        return files_under(Path(directory))
+
+    def check_shared(self, directory: str, seen_by_rank: list[list[str]]) -> None:
+        """Rank 0: raises UnsharedDirectory unless it sees each rank's `mark_directory` files; then removes them."""
+        check_sees_all(Path(directory), seen_by_rank)
+        shutil.rmtree(directory, ignore_errors=True)
+
+    def load_checkpoint(self, path: str) -> None:
+        path, state = checkpoint_state(path)
+        # the schedule follows this config (a changed learner.lr applies), fast-forwarded to the checkpoint's step
+        self.engine.load_checkpoint(str(path / "deepspeed"), tag="state", load_lr_scheduler_states=False)
+        self.version, self.skipped_steps = state["version"], state.get("skipped_steps", 0)
+        self.engine.lr_scheduler.last_epoch = self.version - 1
+        self.engine.lr_scheduler.step()
+        if self.rank == 0:
+            self.intake.restore(state)
+        if self.distiller is not None and (path / "draft").is_dir():
+            self.distiller.load(path / "draft")

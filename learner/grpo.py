@@ -138,6 +138,9 @@ def response_logprobs(model, packed: Packed, rollout: DictConfig) -> torch.Tenso
     return processed_logprobs(rows, rollout.temperature, rollout.top_k, rollout.top_p)
 
 
+SUMMED = ("clip_fraction", "entropy", "kl", "outside_mask_fraction")  # its stats a step sums over micro-batches
+
+
 def micro_batch_loss(policy, reference, packed: Packed, advantages: torch.Tensor,
                      cfg: DictConfig) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
     """One micro-batch's loss under `cfg` (`reference`: the frozen policy of the KL term, or None), its statistics,

@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import shutil
 import socket
 import threading
 import time
@@ -17,22 +16,21 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from configs.schema import Dtype, LossAggregation, StepOrder
-from learner.base import staleness
-from learner.checkpoint import check_shared, checkpoint_state, files_under, partial, seal_checkpoint
+from configs.schema import LossAggregation, StepOrder
+from learner.checkpoint import RankCheckpoints
 from learner.distill import RemoteDistiller
 from learner.exchange import broadcast_groups, gather_full_state
-from learner.grpo import Packed, StepRows, micro_batch_loss, plan_step, response_logprobs
+from learner.grpo import SUMMED, Packed, StepRows, micro_batch_loss, plan_step, response_logprobs
 from learner.intake import Intake
-from learner.metrics import intake_metrics, rollout_metrics
-from learner.optim import FiniteAdamW
+from learner.metrics import intake_metrics, step_metrics
+from learner.optim import build_engines
+from learner.publishing import WeightOutlet
 from learner.rollout_log import RolloutLog
-from models.zoo import copy_tokenizer, tensor_count
 from tasks.schedule import CursorPlan
 from transport.auth import Gate, KeyPair
-from transport.collective import GroupTicket, WeightGroups
-from transport.messages import Heartbeat, Trajectory, WeightAck
-from transport.zmq import Inbox, WeightPublisher, pack_buckets
+from transport.collective import GroupTicket
+from transport.messages import Heartbeat, Trajectory, WeightAck, trajectory_bytes
+from transport.zmq import Inbox
 
 # how long a step with its groups in hand waits at least for a straggler among their cursors (twice what gathering
 # them took, if longer; algorithm.step_order cursor): one that does not come in time (a dead actor's, until its
@@ -40,10 +38,7 @@ from transport.zmq import Inbox, WeightPublisher, pack_buckets
 STRAGGLER_WAIT_S = 10.0
 
 
-SUMMED = ("clip_fraction", "entropy", "kl", "outside_mask_fraction")  # micro-batch stats summed over a step
-
-
-class Learner:
+class Learner(RankCheckpoints):
     """Built in two phases, since every rank must know where rank 0 meets them before any joins the process group:
     `__init__` on every rank, then `start(master)` on every rank with rank 0's `master_address()`."""
 
@@ -57,23 +52,17 @@ class Learner:
         self.distiller: RemoteDistiller | None = None  # rank 0, when the draft LM is distilled
         if rank == 0:
             self.gate = None if keys is None else Gate(keys)
-            self.inbox = Inbox(cfg.transport.host, cfg.transport.max_message_mib << 20, cfg.transport.trajectory_queue,
+            self.inbox = Inbox(cfg.transport.host, trajectory_bytes(cfg.model.max_model_len),
+                               cfg.transport.trajectory_queue,
                                accepts=Trajectory | WeightAck | Heartbeat, gate=self.gate)  # a weight bucket: dropped
             # the draft LM distilled beside the policy, published on the same channel (learner/distill.py)
             self.distiller = RemoteDistiller(cfg) if cfg.speculation.distill.every_versions > 0 else None
             draft_tensors = self.distiller.tensors + 1 if self.distiller else 0
-            # a subscriber that stops reading holds up two versions here at most (>= 1 tensor a bucket, a History)
-            self.publisher = WeightPublisher(cfg.transport.host, gate=self.gate,
-                                             queued_buckets=2 * (tensor_count(policy_dir) + 2 + draft_tensors))
-            # transport.weights nccl: the bytes of policy versions go over a process group per engine instead
-            self.weight_groups = WeightGroups(cfg.transport.host, cfg.cluster.device.value) \
-                if cfg.transport.weights.value == "nccl" else None
+            self.outlet = WeightOutlet(cfg, policy_dir, self.gate, draft_tensors, self.bucket_bytes)
             vocab = json.loads((Path(policy_dir) / "config.json").read_text())["vocab_size"]
             self.intake = Intake(cfg.rollout.group_size, cfg.algorithm.max_staleness, plan, vocab,
                                  cfg.model.max_model_len, whole_steps=cfg.trainer.deterministic)
-            self.rollouts = RolloutLog(cfg.logging.dir, cfg.seed) if cfg.logging.rollouts else None
-        self.published, self.lead = None, 0  # rank 0: the newest weight buckets sent, their cursor lead (schedule.py)
-        self.draft_published, self.draft_version = None, 0  # rank 0: the same for the draft LM, when distilled
+            self.rollout_log = RolloutLog(cfg.logging.dir, cfg.seed) if cfg.logging.rollouts else None
         self.version, self.skipped_steps = 0, 0  # skipped: optimizer steps not taken, their gradient not finite
         self.groups: list[list[Trajectory]] = []  # rank 0: what `collect` gathered for the next `train`
         self.reference = None  # the frozen reference policy when algorithm.kl_coef > 0
@@ -82,7 +71,7 @@ class Learner:
 
     def endpoints(self) -> tuple[str, str]:
         """Rank 0: (trajectory inbox, weight publisher) endpoints the actors dial."""
-        return self.inbox.endpoint, self.publisher.endpoint
+        return self.inbox.endpoint, self.outlet.endpoint
 
     def admit(self, name: str, public: bytes) -> None:
         """Rank 0: the CURVE key `name` (actor-<i>) connects with from now on; its earlier key is revoked."""
@@ -92,7 +81,7 @@ class Learner:
         """Rank 0 (`transport.weights: nccl`): the weight-sync group of `actor`'s engine, formed anew for each of
         its incarnations (an earlier one's is closed)."""
         workers = self.cfg.rollout.tensor_parallel_size if self.cfg.cluster.device.value == "cuda" else 1
-        return self.weight_groups.open(actor, incarnation, workers)
+        return self.outlet.open_group(actor, incarnation, workers)
 
     def master_address(self) -> str:
         """Rank 0: where the other ranks meet it: the torch.distributed store's socket, bound now on this node's
@@ -108,7 +97,6 @@ class Learner:
     def start(self, master: str | None = None, resume: str | None = None) -> None:
         """Joins the process group and builds the DeepSpeed engine (every rank at once); loads `resume` if given."""
         import deepspeed
-        from transformers import AutoModelForCausalLM
 
         cfg, world = self.cfg, self.world
         host, port = (master or self.master_address()).rsplit(":", 1)
@@ -125,30 +113,7 @@ class Learner:
                                                  timeout=timeout)
         deepspeed.init_distributed(dist_backend=backend, timeout=timeout)  # DeepSpeed takes the group as it is
         torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_pretrained(self.policy_dir, dtype=torch.float32)
-        batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-        ds_config = {
-            "train_batch_size": batch,
-            "train_micro_batch_size_per_gpu": self.micro,
-            "gradient_accumulation_steps": batch // (self.micro * world),
-            "gradient_clipping": cfg.learner.grad_clip,
-            "zero_optimization": {"stage": cfg.learner.zero_stage},
-            "bf16": {"enabled": cfg.learner.dtype == Dtype.bfloat16},
-            "steps_per_print": 1 << 30,
-        }
-        # DeepSpeed's ZeRO and bf16 optimizers wrap this one and skip a non-finite gradient themselves
-        plain = cfg.learner.zero_stage == 0 and cfg.learner.dtype != Dtype.bfloat16
-        optimizer = (FiniteAdamW if plain else torch.optim.AdamW)(model.parameters(), lr=cfg.learner.lr,
-                                                                  weight_decay=cfg.learner.weight_decay)
-        warmup = cfg.learner.warmup_steps
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
-                                               config=ds_config)
-        if cfg.algorithm.kl_coef > 0:
-            reference = AutoModelForCausalLM.from_pretrained(self.reference_dir, dtype=torch.float32).eval()
-            reference.requires_grad_(False)
-            # an engine without optimizer: DeepSpeed shards it under ZeRO-3 and casts it like the policy
-            self.reference, *_ = deepspeed.initialize(model=reference, config=ds_config)
+        self.engine, self.reference = build_engines(cfg, self.policy_dir, self.reference_dir)
         if resume is not None:
             self.load_checkpoint(resume)
 
@@ -176,8 +141,8 @@ class Learner:
             groups = self.intake.keep_back(groups, self.version)
             held = len(self.intake.held)
         self.groups = sorted(groups, key=lambda g: g[0].group_id)  # in cursor order, however they arrived
-        if self.rollouts is not None:
-            self.rollouts.write(self.version, self.groups)
+        if self.rollout_log is not None:
+            self.rollout_log.write(self.version, self.groups)
         return {"rl/wait_seconds": time.time() - start, "rollout/held_groups": float(held)}
 
     def train(self) -> dict[str, float]:
@@ -195,7 +160,12 @@ class Learner:
         self._forward_taught(rows, learning, zero3)
         sums, extremes = self._descend(rows, learning)
         self.version += 1
-        return self._step_metrics(rows, sums, extremes, lr, time.time() - start) if self.rank == 0 else {}
+        if self.rank != 0:
+            return {}
+        with self.lock:
+            summary = self.intake.summary()
+        return {**step_metrics(rows, sums, extremes, self.cfg, self.version, self.skipped_steps),
+                "rl/lr": lr, "rl/train_seconds": time.time() - start, **intake_metrics(summary, self.inbox.dropped)}
 
     def _forward_taught(self, rows: StepRows, learning: bool, zero3: bool) -> None:
         """The rows without a gradient that the distiller learns from: deferred until the new weights are out
@@ -255,29 +225,6 @@ class Learner:
             sums, extremes = sums.cpu(), extremes.cpu()
         return sums, extremes
 
-    def _step_metrics(self, rows: StepRows, sums: torch.Tensor, extremes: torch.Tensor, lr: float,
-                      seconds: float) -> dict[str, float]:
-        """Rank 0: the step's scalars (rl/*, the rollouts', the intake's)."""
-        loss, *means, batches, grad_norm = sums.tolist()
-        metrics = {
-            "rl/reward_mean": rows.rewards.mean().item(),
-            "rl/zero_advantage_fraction": (rows.advantages == 0).float().mean().item(),  # rows that teach nothing
-            "rl/loss": loss,  # the step's objective
-            "rl/grad_norm": grad_norm,
-            "rl/skipped_steps": float(self.skipped_steps),  # steps whose gradient was not finite, so not taken
-            "rl/lr": lr,
-            "rl/staleness_max": max(staleness(t.policy_versions, self.version - 1) for t in rows.trajectories),
-            "rl/train_seconds": seconds,
-            **rollout_metrics(rows.trajectories, self.cfg.speculation.method),
-        }
-        if batches:  # over the rows trained on (none when every group is uniform)
-            metrics.update({f"rl/{name}": value / batches for name, value in zip(SUMMED, means)
-                            if name != "kl" or self.cfg.algorithm.kl_coef > 0})
-            metrics.update({"rl/ratio_max": extremes[0].item(), "rl/ratio_min": -extremes[1].item()})
-        with self.lock:
-            summary = self.intake.summary()
-        return {**metrics, **intake_metrics(summary, self.inbox.dropped)}
-
     def publish(self) -> dict[str, float]:
         """Every rank: sends the new weights (rank 0), each bucket once to all actors; rank 0's sync metrics."""
         from transformers.core_model_loading import revert_weight_conversion
@@ -289,26 +236,20 @@ class Learner:
         # named and shaped as the checkpoint has them: transformers fuses MoE experts in memory, vLLM reloads
         # per-expert checkpoint tensors
         named = revert_weight_conversion(self.engine.module, state).items()
-        self.published = pack_buckets(iter(named), self.bucket_bytes)
         with self.lock:
-            self.lead = self.intake.lead(self.version)  # between steps: exact (tasks/schedule.py)
-        if self.weight_groups is not None:  # before its headers: an engine that has them pulls this version
-            self.weight_groups.offer(self.version, self.published)
-        sent = self.publisher.publish(self.version, self.published, lead=self.lead,
-                                      inline=self.weight_groups is None)
+            lead = self.intake.lead(self.version)  # between steps: exact (tasks/schedule.py)
+        sent = self.outlet.send_policy(self.version, iter(named), lead)
         if self.cfg.speculation.method != "none":  # the step's outputs, for every actor's history drafter
-            self.publisher.publish_history(self.version, [t for g in self.groups for t in g])
+            self.outlet.send_history(self.version, [t for g in self.groups for t in g])
         draft = self.distiller.take_outgoing() if self.distiller is not None else None
         if draft is not None:
-            self.draft_version, self.draft_published = draft[0], pack_buckets(
-                iter(draft[1]), self.bucket_bytes)
-            sent += self.publisher.publish(self.draft_version, self.draft_published, model="draft")
+            sent += self.outlet.send_draft(draft[0], iter(draft[1]))
         with self.lock:  # the actors' acknowledgements of earlier versions
             applied, swapped = self.intake.take_apply_seconds(), self.intake.take_apply_seconds("draft")
-        pulled = self.weight_groups.take_seconds() if self.weight_groups is not None else []
+        pulled = self.outlet.pull_seconds()
         metrics = {"sync/weight_seconds": time.time() - start, "sync/weight_bytes": float(sent),
                    **({"sync/broadcast_seconds_max": max(pulled)} if pulled else {}),
-                   "rollout/cursor_lead": float(self.lead),
+                   "rollout/cursor_lead": float(lead),
                    **({"sync/apply_seconds_max": max(applied)} if applied else {}),
                    **({"draft/swap_seconds": max(swapped)} if swapped else {})}
         if self.distiller is not None:  # the step to the distiller, its deferred rows forwarded with these weights
@@ -317,67 +258,9 @@ class Learner:
         return metrics
 
     def republish(self) -> int:
-        """Rank 0: sends the newest weights again (a replacement actor joined); returns their version. Before the
-        first step there is nothing to send: the actors' starting weights are that version."""
-        with self.lock:
-            if self.published is not None:
-                self.publisher.publish(self.version, self.published, lead=self.lead, inline=self.weight_groups is None)
-            if self.draft_published is not None:
-                self.publisher.publish(self.draft_version, self.draft_published, model="draft")
-            return self.version
-
-    def save_pretrained(self, path: str) -> None:
-        """Every rank: the weights as a Hugging Face checkpoint that vLLM can serve (written by rank 0)."""
-        state = gather_full_state(self.engine, self.rank, self.cfg.learner.zero_stage, self.bucket_bytes)
-        if state is not None:
-            self.engine.module.save_pretrained(path, state_dict=state)
-            copy_tokenizer(self.policy_dir, path)
-
-    def save_checkpoint(self, root: str) -> list[str]:
-        """Every rank: `root/step_<version>.partial/` with the DeepSpeed state (weights, optimizer) and the weights
-        as a Hugging Face checkpoint (what resumed actors load); returns the files this rank sees there then, for
-        `seal_checkpoint`."""
-        path = partial(Path(root) / f"step_{self.version}")  # files a crash mid-save left are overwritten
-        self.engine.save_checkpoint(str(path / "deepspeed"), tag="state")
-        self.save_pretrained(str(path / "hf"))
-        if self.distiller is not None:  # the distilled draft LM the actors run
-            self.distiller.save(path / "draft")
-        return files_under(path)
-
-    def seal_checkpoint(self, root: str, run_id: str, seen_by_rank: list[list[str]]) -> str:
-        """Rank 0, once every rank has saved (`seen_by_rank`: what each saw): when rank 0 sees every rank's files,
-        state.json (version, data cursor, counters, run id) and the manifest written, everything fsynced,
-        `step_<version>.partial` renamed to `step_<version>` (learner/checkpoint.py)."""
-        final = Path(root) / f"step_{self.version}"
-        check_shared(partial(final), seen_by_rank)
-        with self.lock:
-            state = {"version": self.version, "run_id": run_id, "skipped_steps": self.skipped_steps,
-                     **self.intake.state()}
-        seal_checkpoint(final, state)
-        return str(final)
-
-    def mark_directory(self, directory: str) -> list[str]:
-        """Every rank: a file of its own in `directory`, then the files it sees there (rank 0 `check_shared`s them)."""
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        (Path(directory) / f"rank_{self.rank}").write_text(socket.gethostname())
-        return files_under(Path(directory))
-
-    def check_shared(self, directory: str, seen_by_rank: list[list[str]]) -> None:
-        """Rank 0: raises UnsharedDirectory unless it sees each rank's `mark_directory` files; then removes them."""
-        check_shared(Path(directory), seen_by_rank)
-        shutil.rmtree(directory, ignore_errors=True)
-
-    def load_checkpoint(self, path: str) -> None:
-        path, state = checkpoint_state(path)
-        # the schedule follows this config (a changed learner.lr applies), fast-forwarded to the checkpoint's step
-        self.engine.load_checkpoint(str(path / "deepspeed"), tag="state", load_lr_scheduler_states=False)
-        self.version, self.skipped_steps = state["version"], state.get("skipped_steps", 0)
-        self.engine.lr_scheduler.last_epoch = self.version - 1
-        self.engine.lr_scheduler.step()
-        if self.rank == 0:
-            self.intake.restore(state)
-        if self.distiller is not None and (path / "draft").is_dir():
-            self.distiller.load(path / "draft")
+        """Rank 0: sends the newest weights again (a replacement actor joined); returns the policy's version."""
+        self.outlet.resend()
+        return self.version
 
     def reissue(self, actor: int, incarnation: int) -> int:
         """Rank 0: a rollout actor died; the k its replacement (`incarnation`) starts from (`Intake.replaced`)."""
@@ -404,5 +287,6 @@ class Learner:
             summary = {**self.intake.summary(), "version": self.version, "skipped_steps": self.skipped_steps,
                        "dropped_messages": dict(self.inbox.dropped)}
         if self.distiller is not None:  # the draft version the actors were last sent, and the distiller's fate
-            summary["draft"] = {"version": self.draft_version, **self.distiller.fate()}
+            sent = self.outlet.draft[0] if self.outlet.draft else 0
+            summary["draft"] = {"version": sent, **self.distiller.fate()}
         return summary

@@ -1,6 +1,7 @@
-"""The scalars a step's trajectories carry about the rollout that made them: lengths, truncation, generation time,
-and speculation (acceptance, the draft planner's choices, a composite drafter's member shares and each member's
-token acceptance, the broken-drafter alarm, drafters switched off for raising), for TensorBoard."""
+"""A step's scalars for TensorBoard: the GRPO step's (rl/*), those its trajectories carry about the rollout that made
+them (lengths, truncation, generation time, and speculation: acceptance, the draft planner's choices, a composite
+drafter's member shares and each member's token acceptance, the broken-drafter alarm, drafters switched off for
+raising), and what the intake and the inbox refused."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from collections import Counter
 
 import torch
 
+from omegaconf import DictConfig
+
+from learner.base import staleness
+from learner.grpo import SUMMED, StepRows
 from transport.messages import Trajectory, add_labels
 
 log = logging.getLogger(__name__)
@@ -17,6 +22,27 @@ log = logging.getLogger(__name__)
 # LM's zeroed weights give; a working drafter, drafting only where the planner expects it to pay, stays far above
 ALARM_DRAFTED, ALARM_RATE = 100, 0.05
 WARNED: set[str] = set()  # drafter failures this process has warned about (Trajectory.drafter_failure)
+
+
+def step_metrics(rows: StepRows, sums: torch.Tensor, extremes: torch.Tensor, cfg: DictConfig, version: int,
+                 skipped_steps: int) -> dict[str, float]:
+    """The GRPO step to `version` (rl/*: `sums` and `extremes` as `Learner._descend` all-reduced them) and the
+    rollout scalars of its trajectories."""
+    loss, *means, batches, grad_norm = sums.tolist()
+    metrics = {
+        "rl/reward_mean": rows.rewards.mean().item(),
+        "rl/zero_advantage_fraction": (rows.advantages == 0).float().mean().item(),  # rows that teach nothing
+        "rl/loss": loss,  # the step's objective
+        "rl/grad_norm": grad_norm,
+        "rl/skipped_steps": float(skipped_steps),  # steps whose gradient was not finite, so not taken
+        "rl/staleness_max": max(staleness(t.policy_versions, version - 1) for t in rows.trajectories),
+        **rollout_metrics(rows.trajectories, cfg.speculation.method),
+    }
+    if batches:  # over the rows trained on (none when every group is uniform)
+        metrics.update({f"rl/{name}": value / batches for name, value in zip(SUMMED, means)
+                        if name != "kl" or cfg.algorithm.kl_coef > 0})
+        metrics.update({"rl/ratio_max": extremes[0].item(), "rl/ratio_min": -extremes[1].item()})
+    return metrics
 
 
 def rollout_metrics(trajectories: list[Trajectory], method: str) -> dict[str, float]:

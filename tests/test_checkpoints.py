@@ -6,15 +6,15 @@ import json
 
 import pytest
 
-from learner.checkpoint import (RUN_FILE, UnsharedDirectory, check_shared, files_under, find_checkpoint, partial,
-                               seal_checkpoint)
+from learner.checkpoint import (RUN_FILE, UnsharedDirectory, check_sees_all, files_under, find_checkpoint, partial,
+                               seal)
 
 
 def write(root, step: int, run_id: str, payload: bytes = b"weights") -> None:
     final = root / "checkpoints" / f"step_{step}"
     (partial(final) / "hf").mkdir(parents=True)
     (partial(final) / "hf" / "model.safetensors").write_bytes(payload)
-    seal_checkpoint(final, {"version": step, "run_id": run_id})
+    seal(final, {"version": step, "run_id": run_id})
 
 
 def test_sealed_checkpoints_are_found_newest_first_and_partial_ones_never(tmp_path):
@@ -114,6 +114,6 @@ def test_rank_zero_seals_only_when_it_sees_every_ranks_files(tmp_path):
 
     on_own_disks = [save(tmp_path / "node0", 0), save(tmp_path / "node1", 1)]
     with pytest.raises(UnsharedDirectory, match="learner rank 1 wrote deepspeed/zero_pp_rank_1_optim_states.pt"):
-        check_shared(partial(tmp_path / "node0" / "checkpoints" / "step_2"), on_own_disks)
+        check_sees_all(partial(tmp_path / "node0" / "checkpoints" / "step_2"), on_own_disks)
     shared = [save(tmp_path / "shared", 0), save(tmp_path / "shared", 1)]
-    check_shared(partial(tmp_path / "shared" / "checkpoints" / "step_2"), shared)  # both there: sealed as usual
+    check_sees_all(partial(tmp_path / "shared" / "checkpoints" / "step_2"), shared)  # both there: sealed as usual

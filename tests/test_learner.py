@@ -265,8 +265,8 @@ def test_the_learners_inbox_takes_trajectories_acks_and_heartbeats_only():
     raw = zmq.Context.instance().socket(zmq.PUSH)
     raw.connect(learner.endpoints()[0])
     bucket = WeightBucket(SCHEMA_VERSION, 1, 0, 1, [TensorSpec("w", "float32", [1])])
-    raw.send_multipart([b"actor-0", msgspec.msgpack.encode(bucket)])
-    raw.send_multipart([b"actor-0", msgspec.msgpack.encode(Heartbeat(SCHEMA_VERSION, 0, 5))])
+    raw.send(msgspec.msgpack.encode(bucket))
+    raw.send(msgspec.msgpack.encode(Heartbeat(SCHEMA_VERSION, 0, 5)))
     assert learner.inbox.recv(5000) == Heartbeat(SCHEMA_VERSION, 0, 5)
     assert learner.inbox.dropped == {"malformed": 1}
     raw.close(0)
@@ -330,7 +330,7 @@ def test_ranks_share_a_step_and_take_the_same_step_as_one_rank(tmp_path, ranks, 
         ray.init(num_cpus=world, include_dashboard=False, runtime_env={"env_vars": env})
         try:
             learner = LearnerGroup(cfg, model_dir, model_dir, CursorPlan(0, 1, 3), resume=None, num_gpus=0)
-            outbox = Outbox(learner.trajectory_endpoint, "test", hwm=64)
+            outbox = Outbox(learner.trajectory_endpoint, hwm=64)
             for t in trajectories:
                 outbox.send(t)
             ray.get(learner.rank0.collect.remote())

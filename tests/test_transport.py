@@ -26,17 +26,17 @@ def inbox():
 
 
 def test_bad_messages_are_counted_and_dropped_while_good_ones_flow(inbox, caplog):
-    good = Outbox(inbox.endpoint, "actor-0", hwm=16)
+    good = Outbox(inbox.endpoint, hwm=16)
     raw = zmq.Context.instance().socket(zmq.PUSH)
     raw.connect(inbox.endpoint)
     valid = msgspec.msgpack.encode(trajectory(99))
     bad = [
-        [b"evil", os.urandom(64)],  # random bytes
-        [b"evil", valid[: len(valid) // 2]],  # truncated
-        [b"evil", msgspec.msgpack.encode(trajectory(5, schema=SCHEMA_VERSION + 1))],  # wrong version
-        [b"evil", msgspec.msgpack.encode(trajectory(6, n=2000))],  # oversized
-        [b"just one frame"],
-        [b"evil", msgspec.msgpack.encode({"type": "trajectory", "schema": 1})],  # missing fields
+        [os.urandom(64)],  # random bytes
+        [valid[: len(valid) // 2]],  # truncated
+        [msgspec.msgpack.encode(trajectory(5, schema=SCHEMA_VERSION + 1))],  # wrong version
+        [msgspec.msgpack.encode(trajectory(6, n=2000))],  # oversized
+        [b"two", valid],  # a message is one frame
+        [msgspec.msgpack.encode({"type": "trajectory", "schema": 1})],  # missing fields
     ]
     for i, frames in enumerate(bad):
         good.send(trajectory(i))
@@ -49,14 +49,14 @@ def test_bad_messages_are_counted_and_dropped_while_good_ones_flow(inbox, caplog
     assert inbox.recv(200) is None
     assert inbox.dropped == {"malformed": 6, "schema_version": 2, "oversized": 2, "frames": 2}
     warnings = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
-    assert len(warnings) == 4 and all("evil" in w or "unknown" in w for w in warnings)
+    assert len(warnings) == 4 and all("from a peer" in w for w in warnings)  # once per reason
     raw.close(0)
     good.close()
 
 
 def test_outbox_applies_back_pressure():
     inbox = Inbox("127.0.0.1", max_bytes=1 << 20, hwm=2)
-    out = Outbox(inbox.endpoint, "actor-0", hwm=2)
+    out = Outbox(inbox.endpoint, hwm=2)
     sent = 0
     while sent < 2000 and out.send(trajectory(sent, n=8000), timeout_ms=300):  # ~70 kB each
         sent += 1
@@ -163,7 +163,7 @@ def test_a_subscriber_that_never_reads_costs_the_publisher_a_bounded_queue():
 def test_a_wildcard_bind_advertises_an_address_peers_can_dial():
     box = Inbox("0.0.0.0", max_bytes=4096)  # what a multi-node config sets (transport.host)
     assert "0.0.0.0" not in box.endpoint
-    out = Outbox(box.endpoint, "actor-0", hwm=4)
+    out = Outbox(box.endpoint, hwm=4)
     out.send(trajectory(1))
     got = box.recv(5000)
     assert got is not None and got.seq == 1
@@ -171,14 +171,14 @@ def test_a_wildcard_bind_advertises_an_address_peers_can_dial():
     box.close()
 
 
-def test_what_an_inbox_logs_about_dropped_messages_is_bounded_however_many_names_peers_invent(inbox, caplog):
+def test_an_inbox_logs_a_kind_of_dropped_message_once_however_many_arrive(inbox, caplog):
     raw = zmq.Context.instance().socket(zmq.PUSH)
     raw.connect(inbox.endpoint)
     for i in range(1000):
-        raw.send_multipart([f"invented-{i}".encode(), b"not msgpack"])
-    raw.send_multipart([b"actor-0", msgspec.msgpack.encode(trajectory(1))])
+        raw.send(f"not msgpack {i}".encode())
+    raw.send(msgspec.msgpack.encode(trajectory(1)))
     assert inbox.recv(5000).seq == 1 and inbox.dropped == {"malformed": 1000}
-    assert len(inbox._logged) == 256 and sum("dropped" in r.getMessage() for r in caplog.records) == 256
+    assert sum("dropped" in r.getMessage() for r in caplog.records) == 1
     raw.close(0)
 
 
@@ -189,8 +189,8 @@ def test_an_inbox_takes_only_the_messages_meant_for_it():
     raw = zmq.Context.instance().socket(zmq.PUSH)
     raw.connect(inbox.endpoint)
     bucket = WeightBucket(SCHEMA_VERSION, 1, 0, 1, [TensorSpec("w", "float32", [1])])
-    raw.send_multipart([b"evil", msgspec.msgpack.encode(bucket)])  # well-typed, but not for this socket
-    raw.send_multipart([b"actor-0", msgspec.msgpack.encode(trajectory(1))])
+    raw.send(msgspec.msgpack.encode(bucket))  # well-typed, but not for this socket
+    raw.send(msgspec.msgpack.encode(trajectory(1)))
     assert inbox.recv(2000).seq == 1 and inbox.dropped == {"malformed": 1}
     raw.close(0)
     inbox.close()
@@ -230,7 +230,7 @@ def test_an_actor_blocked_on_a_learner_that_stopped_reading_still_stops():
     from actor.rollout import RolloutActor
 
     inbox = Inbox("127.0.0.1", max_bytes=1 << 20, hwm=1)  # never read: its queue fills
-    actor = SimpleNamespace(outbox=Outbox(inbox.endpoint, "actor-0", hwm=1), stopping=threading.Event())
+    actor = SimpleNamespace(outbox=Outbox(inbox.endpoint, hwm=1), stopping=threading.Event())
     results = []
 
     def send_until_refused():  # as the actor's group loop does: it gives up on the first refusal
@@ -251,7 +251,9 @@ def test_an_actor_blocked_on_a_learner_that_stopped_reading_still_stops():
 def test_with_curve_only_admitted_keys_get_in_and_a_key_speaks_only_for_itself():
     """Through a gated inbox and publisher, clients without a key, with an unknown key, with a key replaced since
     (a dead actor's) or with the key of another actor get nothing in and nothing out; the admitted client does."""
-    from transport.auth import ClientKeys, Gate, keypair
+    from msgspec.structs import replace
+
+    from transport.auth import ClientKeys, Gate, dial, keypair
 
     ctx = zmq.Context()  # a gate is the ZAP handler of its context
     gate = Gate(keypair(), ctx)
@@ -263,13 +265,13 @@ def test_with_curve_only_admitted_keys_get_in_and_a_key_speaks_only_for_itself()
     gate.admit("actor-1", actor1.public)
     raw = ctx.socket(zmq.PUSH)  # no CURVE at all
     raw.connect(inbox.endpoint)
-    clients = {name: Outbox(inbox.endpoint, "actor-0", hwm=16, context=ctx, keys=ClientKeys(pair, gate.keys.public))
+    clients = {name: Outbox(inbox.endpoint, hwm=16, context=ctx, keys=ClientKeys(pair, gate.keys.public))
                for name, pair in [("old", old), ("stranger", stranger), ("actor1", actor1), ("actor0", actor0)]}
-    forged_server = Outbox(inbox.endpoint, "actor-0", hwm=16, context=ctx,
+    forged_server = Outbox(inbox.endpoint, hwm=16, context=ctx,
                            keys=ClientKeys(actor0, keypair().public))  # dials a server key that is not the run's
     for seq in range(20):
         try:  # its handshake never completes, so it has no peer to queue for
-            raw.send_multipart([b"actor-0", msgspec.msgpack.encode(trajectory(1000 + seq))], zmq.NOBLOCK)
+            raw.send(msgspec.msgpack.encode(trajectory(1000 + seq)), zmq.NOBLOCK)
         except zmq.Again:
             pass
         for name, out in clients.items():  # every one claims actor 0 (trajectory()'s actor_id)
@@ -299,6 +301,16 @@ def test_with_curve_only_admitted_keys_get_in_and_a_key_speaks_only_for_itself()
     gate.admit("actor-0", keypair().public)  # actor 0 replaced while its connection stays open: it speaks no more
     clients["actor0"].send(trajectory(20), timeout_ms=100)
     assert inbox.recv(1500) is None and inbox.dropped == {"sender": 20, "revoked": 1}
+    # a key that sends a message of more than one frame (libzmq held all of it before the inbox saw the first) is
+    # revoked there and then: what it sends next is dropped on arrival
+    rogue = ctx.socket(zmq.PUSH)
+    dial(rogue, ClientKeys(actor1, gate.keys.public))
+    rogue.connect(inbox.endpoint)
+    rogue.send_multipart([msgspec.msgpack.encode(replace(trajectory(21), actor_id=1))] * 3)
+    rogue.send(msgspec.msgpack.encode(replace(trajectory(22), actor_id=1)))
+    assert inbox.recv(1500) is None and inbox.dropped == {"sender": 20, "revoked": 2, "frames": 1}
+    assert gate.name_of(actor1.public) is None
+    rogue.close(0)
     for out in [raw, *(c.socket for c in clients.values()), forged_server.socket]:
         out.close(0)  # unsent messages of the refused ones: nothing to wait for (a queued one held ctx.term() forever)
     for socket in [*subscribers.values(), inbox, publisher]:
@@ -328,3 +340,19 @@ def test_a_gated_inbox_drops_a_connection_that_never_completes_its_handshake():
         inbox.close()
         gate.close()
         ctx.term()
+
+
+def test_a_token_list_longer_than_any_trajectory_is_refused_before_it_is_built():
+    """msgspec checks a list's declared length first: a message announcing 2^21 token ids costs its bytes, not the
+    ~40x they would take as Python objects."""
+    import tracemalloc
+
+    from transport.messages import MAX_TOKENS
+
+    encoded = msgspec.msgpack.encode({**msgspec.to_builtins(trajectory(1)), "prompt_ids": [7] * (2 * MAX_TOKENS)})
+    tracemalloc.start()
+    with pytest.raises(msgspec.ValidationError, match=r"length <= 1048576 - at `\$.prompt_ids`"):
+        msgspec.msgpack.Decoder(Trajectory).decode(encoded)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < len(encoded) // 4

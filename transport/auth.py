@@ -83,6 +83,11 @@ class Gate:
         with self._lock:
             self._names = {k: n for k, n in self._names.items() if n != name} | {public: name}
 
+    def revoke(self, name: str) -> None:
+        """`name`'s key may no longer connect, and what its open connection sends is dropped as `revoked`."""
+        with self._lock:
+            self._names = {k: n for k, n in self._names.items() if n != name}
+
     def name_of(self, public: bytes) -> str | None:
         with self._lock:
             return self._names.get(public)

@@ -11,10 +11,26 @@ speculation counts of `Trajectory`) keeps it, since msgspec decoders skip unknow
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Annotated
 
 import msgspec
 
 SCHEMA_VERSION = 1
+
+# Length limits a decoder checks before it builds anything (a longer list is refused as it starts): what one message
+# can make its receiver allocate beyond its own bytes (`trajectory_bytes`) stays bounded
+MAX_TOKENS = 1 << 20  # the most tokens a trajectory carries: model.max_model_len's ceiling
+MAX_DRAFTERS = 64  # the most drafters a composite drafter combines
+Tokens = Annotated[list[int], msgspec.Meta(max_length=MAX_TOKENS)]
+Floats = Annotated[list[float], msgspec.Meta(max_length=MAX_TOKENS)]
+Name = Annotated[str, msgspec.Meta(max_length=64)]
+
+
+def trajectory_bytes(max_model_len: int) -> int:
+    """The most bytes an honest `Trajectory` of a run with `max_model_len` takes as msgpack, what the learner's inbox
+    accepts: at most 9 bytes (msgpack's widest int or float) for each token's id, and each answer token's logprob and
+    version, plus 64 KiB for the other fields. (Decoded, a message takes about 8 to 12 times its bytes.)"""
+    return (64 << 10) + 32 * max_model_len
 
 
 class Trajectory(msgspec.Struct, tag="trajectory", frozen=True):
@@ -26,12 +42,12 @@ class Trajectory(msgspec.Struct, tag="trajectory", frozen=True):
     group_id: int  # the data cursor of the prompt: a group is every trajectory with this id
     group_size: int
     sample_index: int
-    prompt_ids: list[int]
-    response_ids: list[int]
-    behaviour_logprobs: list[float]  # per response token, under the distribution actually sampled
-    policy_versions: list[int]  # per response token: weights version it was sampled under
+    prompt_ids: Tokens
+    response_ids: Tokens
+    behaviour_logprobs: Floats  # per response token, under the distribution actually sampled
+    policy_versions: Tokens  # per response token: weights version it was sampled under
     reward: float
-    finish_reason: str  # "stop" or "length"
+    finish_reason: Name  # "stop" or "length"
     generate_seconds: float
     verify_steps: int = 0  # speculation: verify steps that carried drafts for this sequence
     draft_tokens: int = 0  # draft tokens proposed for it
@@ -41,11 +57,12 @@ class Trajectory(msgspec.Struct, tag="trajectory", frozen=True):
     planned_tokens: int = 0  # draft tokens the planner allowed it over those steps
     prepared_steps: int = 0  # of its drafting steps, those whose drafts were prepared a step ahead (decoupled)
     cost_error: float = 0.0  # sum over those steps of the planner's relative error on the engine step's seconds
-    drafter_choices: dict[str, int] = {}  # draft steps per member of a composite drafter (fastest_of_n)
+    drafter_choices: Annotated[dict[Name, int], msgspec.Meta(max_length=MAX_DRAFTERS)] = {}  # draft steps per member of a composite drafter (fastest_of_n)
     # per member of a composite drafter: [tokens of its proposals the verifier would have accepted, rejected]
     # (every proposal it made, chosen or not, labelled on the committed tokens: Drafter.member_labels)
-    drafter_labels: dict[str, list[int]] = {}
-    drafter_failure: str = ""  # why the engine's drafter was switched off while this ran ("": it was not)
+    drafter_labels: Annotated[dict[Name, Annotated[list[int], msgspec.Meta(max_length=2)]],
+                              msgspec.Meta(max_length=MAX_DRAFTERS)] = {}
+    drafter_failure: Annotated[str, msgspec.Meta(max_length=4096)] = ""  # why the engine's drafter was switched off while this ran ("": it was not)
 
 
 def add_labels(total: dict[str, list[int]], labels: Mapping[str, Sequence[int]]) -> None:

@@ -1,9 +1,9 @@
 """ZeroMQ channels for the message types in `transport/messages.py`.
 
 - `Inbox`: a PULL socket the receiver binds on a random port (its endpoint is advertised through Ray);
-  senders `Outbox.send` to it. Frames are `[sender, msgpack]`. A message that is not two frames, not
-  decodable as a `Message`, of another schema version or over `max_bytes` is counted under its reason,
-  logged once per (sender, reason), and dropped; the socket keeps serving good messages.
+  senders `Outbox.send` to it, one frame per message (msgpack). A message that is not one frame, not decodable
+  as a `Message`, of another schema version or over `max_bytes` is counted under its reason, logged once per
+  (sender, reason), and dropped; the socket keeps serving good messages.
 - `Outbox`: a PUSH socket with a bounded send queue (`hwm`): when the receiver falls behind, `send` blocks,
   which is the back-pressure on rollout actors.
 - `WeightPublisher` / `WeightSubscriber`: PUB/SUB for weight updates, the policy's and the distilled draft LM's
@@ -11,7 +11,14 @@
   frame per tensor.
 
 Servers (`Inbox`, `WeightPublisher`) given a `transport.auth.Gate` and clients given `ClientKeys` speak CURVE:
-authenticated and encrypted, and a gated inbox takes a message's sender from its key, not from its first frame.
+authenticated and encrypted, and a gated inbox takes a message's sender from its key.
+
+What a peer can make an inbox hold: libzmq reads every connection eagerly and hands a message over only once all
+its frames are in, so the bound is per frame (MAXMSGSIZE, `max_bytes` + MAXMSGSIZE_SLACK; a larger frame closes the
+peer's connection as it arrives), times the frames of one message, times the receive queue of each connection
+(`hwm` messages). libzmq has no bound on the frames of one message: a gated inbox revokes the key of a peer whose
+message has more than one frame, so from then on everything that key sends is dropped as it is read, and its actor,
+silent, is replaced with a key of its own (driver/rollouts.py).
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ log = logging.getLogger(__name__)
 _encoder = msgspec.msgpack.Encoder()
 
 
-MAXMSGSIZE_SLACK = 1 << 20  # a frame this far over `max_bytes` closes its peer's connection before it is buffered
+MAXMSGSIZE_SLACK = 64 << 10  # a frame this far over `max_bytes` closes its peer's connection before it is buffered
 
 
 class Inbox:
@@ -73,44 +80,43 @@ class Inbox:
         """The next good message, or None once `timeout_ms` passes without one (bad ones are dropped meanwhile)."""
         deadline = time.monotonic() + timeout_ms / 1000
         while self.socket.poll(timeout_ms):
-            frames, count = self._frames()
-            if frames:
-                # a gated socket knows the sender from its key, named anew per message (None: revoked since it
-                # connected); otherwise it is what the first frame says
-                sender = (self.gate.name_of(frames[0].get("User-Id").encode()) if self.gate is not None else
-                          frames[0].bytes.decode(errors="replace")[:64] if count == 2 else "unknown")
-                message = (self._drop("a revoked key", "revoked", "its key was replaced after it connected")
-                           if sender is None else self._decode(sender, [f.bytes for f in frames], count))
+            frame, count = self._frames()
+            if frame is not None:
+                message = self._decode(frame, count)
                 if message is not None:
                     return message
             timeout_ms = max(0, round((deadline - time.monotonic()) * 1000))
         return None
 
-    def _frames(self) -> tuple[list[zmq.Frame], int]:
-        """One message: its first two frames and how many it had (the rest are read and let go; libzmq has
-        buffered them all by then, so what one message can cost is bounded per frame by MAXMSGSIZE, not in frame
-        count). ([], 0) when the message announced never comes: ZeroMQ signals a message as it starts arriving, and
-        drops it with its peer's connection if a frame exceeds MAXMSGSIZE."""
-        frames: list[zmq.Frame] = []
-        count = 0
+    def _frames(self) -> tuple[zmq.Frame | None, int]:
+        """One message: its first frame and how many it had (the rest are read and let go). (None, 0) when the
+        message announced never comes (ZeroMQ drops it with its peer's connection if a frame exceeds MAXMSGSIZE)."""
+        first, count = None, 0
         try:
             while True:
                 frame = self.socket.recv(zmq.NOBLOCK, copy=False)  # the rest of a message is there with its start
                 count += 1
-                if count <= 2:
-                    frames.append(frame)
+                if first is None:
+                    first = frame
                 if not frame.more:
-                    return frames, count
+                    return first, count
         except zmq.Again:
-            return [], 0
+            return None, 0
 
-    def _decode(self, sender: str, frames: list[bytes], count: int) -> Message | None:
-        if count != 2:
-            return self._drop(sender, "frames", f"{count} frames, expected 2")
-        if len(frames[1]) > self.max_bytes:
-            return self._drop(sender, "oversized", f"{len(frames[1])} bytes > limit {self.max_bytes}")
+    def _decode(self, frame: zmq.Frame, count: int) -> Message | None:
+        # a gated socket names the sender from its key, per message (None: revoked since it connected)
+        sender = self.gate.name_of(frame.get("User-Id").encode()) if self.gate is not None else "a peer"
+        if sender is None:
+            return self._drop("a revoked key", "revoked", "its key was revoked after it connected")
+        if count != 1:  # libzmq held every frame before this one: a key that does it once does it no more
+            if self.gate is not None:
+                self.gate.revoke(sender)
+            return self._drop(sender, "frames", f"{count} frames, expected 1" +
+                              ("; its key is revoked" if self.gate is not None else ""))
+        if len(frame) > self.max_bytes:
+            return self._drop(sender, "oversized", f"{len(frame)} bytes > limit {self.max_bytes}")
         try:
-            message = self._decoder.decode(frames[1])
+            message = self._decoder.decode(frame.buffer)
         except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:  # (a string not UTF-8)
             return self._drop(sender, "malformed", str(e))
         if message.schema != SCHEMA_VERSION:
@@ -122,7 +128,7 @@ class Inbox:
 
     def _drop(self, sender: str, reason: str, detail: str) -> None:
         self.dropped[reason] += 1
-        if (sender, reason) not in self._logged and len(self._logged) < 256:  # bounded: peers can invent names
+        if (sender, reason) not in self._logged:  # (senders: the gate's names, or "a peer")
             self._logged.add((sender, reason))
             log.warning("dropped a %s message from %s: %s (further ones are only counted)", reason, sender, detail)
         return None
@@ -132,21 +138,19 @@ class Inbox:
 
 
 class Outbox:
-    def __init__(self, endpoint: str, sender: str, hwm: int, context: zmq.Context | None = None,
-                 keys: ClientKeys | None = None):
+    def __init__(self, endpoint: str, hwm: int, context: zmq.Context | None = None, keys: ClientKeys | None = None):
         self.socket = (context or zmq.Context.instance()).socket(zmq.PUSH)
         self.socket.setsockopt(zmq.SNDHWM, hwm)
         self.socket.setsockopt(zmq.LINGER, 5000)
         if keys is not None:
             dial(self.socket, keys)
         self.socket.connect(endpoint)
-        self.sender = sender.encode()
 
     def send(self, message: Message, timeout_ms: int | None = None) -> bool:
         """Blocks while the receiver's queue is full; False if `timeout_ms` passed first."""
         if timeout_ms is not None and not self.socket.poll(timeout_ms, zmq.POLLOUT):
             return False
-        self.socket.send_multipart([self.sender, _encoder.encode(message)])
+        self.socket.send(_encoder.encode(message))
         return True
 
     def close(self) -> None:
