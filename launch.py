@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from driver.logs import progress_line
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from driver.plan import described
@@ -42,7 +44,6 @@ def main(argv: list[str] | None = None) -> int:
         from driver.plan import plan
 
         return plan(cfg, args.cluster, args.gpu_gib)
-    from driver.logs import progress_line
     from driver.run import LearnerLost, Run
 
     try:

@@ -67,10 +67,10 @@ class DraftsAhead:
         def work() -> dict[str, Prepared]:
             start = time.perf_counter()
             try:
-                proposals, sureness = propose()
+                proposals, confidences = propose()
                 return {r.request_id: Prepared(len(r.token_ids), tuple(int(t) for t in r.token_ids[
                     len(r.token_ids) - r.unverified:]), [int(t) for t in p], s)
-                        for r, p, s in zip(requests, proposals, sureness or [None] * len(requests))}
+                        for r, p, s in zip(requests, proposals, confidences or [None] * len(requests))}
             finally:
                 self.seconds += time.perf_counter() - start
 

@@ -23,7 +23,7 @@ from typing import Any
 from actor.draft_ahead import DraftsAhead, ahead
 from actor.drafter_checks import confidences_for, guarded, token_ids_within
 from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, StepCost, geometric, plan
-from drafters.base import Drafter, DraftRequest
+from drafters.base import CompositeDrafter, Drafter, DraftRequest
 from drafters.calibration import Calibration
 from transport.messages import add_labels
 
@@ -79,7 +79,7 @@ class DrafterBridge:
 
     def _propose(self, start, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         """One engine step's drafts: forget the requests that left -> hear what was committed -> plan each request's
-        budget -> draft -> record the plan in the requests' counts."""
+        budget -> draft -> record the plan in the requests' stats."""
         if self.drafter is None:
             raise RuntimeError("DrafterBridge.propose before install(): no drafter bound")
         batch = self.runner.input_batch
@@ -166,39 +166,40 @@ class DrafterBridge:
         return requests
 
     def _record(self, req_ids: list[str], rows: list[int], drafts: list[list[int]]) -> None:
-        """The step's plan in its requests' counts (and a switched-off drafter or member on every request from now
+        """The step's plan in its requests' stats (and a switched-off drafter or member on every request from now
         on), and the step the planner expects."""
         sampler = self.runner._sample
-        members_off = "; ".join(self.call(lambda d: d.failures(), off=[]) or [])  # a composite's members switched off
+        members_off = "; ".join(self.call(lambda d: d.failures(), off=[]) or []) \
+            if isinstance(self.drafter, CompositeDrafter) else ""  # a composite's members switched off
         if self.failure or members_off:  # every request from now on says it was decoded without them
             reason = self.failure or f"drafter {type(self.drafter).__name__}: {members_off}"
             for req_id in req_ids:
-                sampler.counts_for(req_id).drafter_failure = reason
+                sampler.stats_for(req_id).drafter_failure = reason
         for row in rows:
-            counts = sampler.counts_for(req_ids[row])
-            counts.planned_steps += 1
-            counts.planned_tokens += len(drafts[row])
+            stats = sampler.stats_for(req_ids[row])
+            stats.planned_steps += 1
+            stats.planned_tokens += len(drafts[row])
         self.undrafted_steps = 0 if any(drafts) else self.undrafted_steps + 1
         self.predicted = float(self.step_cost.predict(len(req_ids) + sum(len(d) for d in drafts)))
 
     def _tell(self, gone: list[str], commits: list[tuple[str, list[int]]]) -> None:
         """The drafter hears which requests left and what was committed (drafting or not), and a composite's
-        members' labels go to their requests' counts; its own time, not the bridge's."""
+        members' labels go to their requests' stats; its own time, not the bridge's."""
         start, sampler = time.perf_counter(), self.runner._sample
         with guarded(self.drafter):
             for req_id in gone:
                 self.drafter.remove(req_id)
             for req_id, committed in commits:
                 self.drafter.commit(req_id, committed)
-            labels = self.drafter.member_labels() or {}
+            labels = self.drafter.member_labels() if isinstance(self.drafter, CompositeDrafter) else {}
         for req_id, members in labels.items():
-            add_labels(sampler.counts_for(req_id).member_labels, members)
+            add_labels(sampler.stats_for(req_id).drafter_labels, members)
         self.drafter_seconds += time.perf_counter() - start
 
     def switch_off(self, error: Exception) -> None:
         """The drafter raised or broke its contract: no more calls to it in this engine, whose steps go on without
         drafts (the same tokens, at plain decoding's speed). Said once in the log, with the traceback, and on every
-        request's counts from then on (`Trajectory.drafter_failure`: TensorBoard's spec/drafter_failed and
+        request's stats from then on (`SpecStats.drafter_failure`: TensorBoard's spec/drafter_failed and
         spec/alarm)."""
         self.failure = f"drafter {type(self.drafter).__name__} switched off: {type(error).__name__}: {error}"
         self.verifying = {}
@@ -246,32 +247,32 @@ class DrafterBridge:
         error = abs(self.predicted - measured) / measured if self.step_cost.seen.any() and measured > 0 else 0.0
         self.step_cost.observe(self.runner._sample.step_tokens, measured)
         for req_id in continuing:
-            self.runner._sample.counts_for(req_id).cost_error += error
+            self.runner._sample.stats_for(req_id).cost_error += error
 
     def _draft(self, requests: list[tuple[int, DraftRequest]], drafts: list[list[int]], base_tokens: int,
                verify_all: bool) -> None:
         """Proposals for `requests` into `drafts`: all of each (`verify_all`) or, from a drafter that rates its
         tokens, the prefix whose calibrated gains pay for verifying it."""
         start = time.perf_counter()
-        proposals, sureness, sources, prepared = self._proposals([r for _, r in requests], base_tokens)
+        proposals, confidences, sources, prepared = self._proposals([r for _, r in requests], base_tokens)
         elapsed = time.perf_counter() - start
         self.drafter_seconds += elapsed
         name = type(self.drafter).__name__
         sampler = self.runner._sample
         unseen = sum(self._unseen(r) for _, r in requests)
-        self.rated = sureness is not None
+        self.rated = confidences is not None
         made = []
         for j, ((row, request), proposal) in enumerate(zip(requests, proposals)):
             self.shown[request.request_id] = len(request.token_ids)
-            counts = sampler.counts_for(request.request_id)
-            counts.draft_seconds += (elapsed + self.waited) / len(requests)  # what the engine waited for
-            counts.prepared_steps += j in prepared
+            stats = sampler.stats_for(request.request_id)
+            stats.draft_seconds += (elapsed + self.waited) / len(requests)  # what the engine waited for
+            stats.prepared_steps += j in prepared
             valid = token_ids_within(proposal[: request.max_tokens], self.vocab_size)
             if valid is None:  # a plugin's bad ids must not reach the engine: no draft this step, counted
-                counts.invalid_drafts += 1
+                stats.invalid_drafts += 1
                 valid = []
-            rated = confidences_for(sureness[j], len(valid), name) if sureness is not None and sureness[j] is not None \
-                else None
+            own = confidences[j] if confidences is not None else None
+            rated = confidences_for(own, len(valid), name) if own is not None else None
             made.append((row, request.request_id, valid, rated))
         keep = [len(valid) for _, _, valid, _ in made]
         if self.rated and not verify_all:
@@ -281,8 +282,8 @@ class DrafterBridge:
             drafts[row] = valid[:n]
             self.verifying[req_id] = (n, valid, rated)
             if n and sources:
-                counts = sampler.counts_for(req_id)
-                counts.choices[sources[j]] = counts.choices.get(sources[j], 0) + 1
+                choices = sampler.stats_for(req_id).drafter_choices
+                choices[sources[j]] = choices.get(sources[j], 0) + 1
         # what drafting cost this step: the drafter's call and the bridge's work on its proposals (on the 0.8M policy
         # the second is as large as the first: bench.rollout --preset policy)
         if self.ahead is None:  # (decoupled: _proposals learns what drafting a miss costs)
@@ -304,20 +305,20 @@ class DrafterBridge:
         if asked:
             with guarded(self.drafter):
                 fresh = self.drafter.propose([r for _, r in asked], max(r.max_tokens for _, r in asked))
-                fresh_sure = self.drafter.confidences()
-                sources = self.drafter.sources()
-            if len(fresh) != len(asked) or (fresh_sure is not None and len(fresh_sure) != len(asked)):
+                rated = self.drafter.confidences()
+                sources = self.drafter.sources() if isinstance(self.drafter, CompositeDrafter) else None
+            if len(fresh) != len(asked) or (rated is not None and len(rated) != len(asked)):
                 raise RuntimeError(f"drafter {type(self.drafter).__name__} returned {len(fresh)} proposals and "
-                                   f"{'no' if fresh_sure is None else len(fresh_sure)} confidence lists for "
+                                   f"{'no' if rated is None else len(rated)} confidence lists for "
                                    f"{len(asked)} requests (drafters/base.py: one list per request)")
             if self.ahead is not None:  # what drafting the misses on the critical path costs
                 self.draft_cost.observe(max(map(len, fresh)), sum(map(len, fresh)),
                                         sum(self._unseen(r) for _, r in asked), time.perf_counter() - start)
-            found.update((j, (p, sure)) for (j, _), p, sure in zip(asked, fresh, fresh_sure or [None] * len(asked)))
+            found.update((j, (p, c)) for (j, _), p, c in zip(asked, fresh, rated or [None] * len(asked)))
         pairs = [found.get(j, ([], None)) for j in range(len(requests))]  # skipped misses: no drafts
-        proposals, sureness = [p for p, _ in pairs], [sure for _, sure in pairs]
-        rated = any(sure is not None for sure in sureness)
-        return proposals, sureness if rated else None, sources if not prepared else None, prepared
+        proposals, confidences = [p for p, _ in pairs], [c for _, c in pairs]
+        any_rated = any(c is not None for c in confidences)
+        return proposals, confidences if any_rated else None, sources if not prepared else None, prepared
 
     def _worth_drafting_now(self, asked: list[tuple[int, DraftRequest]], base_tokens: int
                             ) -> list[tuple[int, DraftRequest]]:

@@ -100,7 +100,7 @@ def check_coupled(llm) -> None:
 def sampling_params(cfg: DictConfig, seed: int, n: int = 1):
     """Sampling for one prompt's group; vLLM gives the i-th child request `seed + i`. Neither text nor logprobs from
     vLLM: the actor decodes a finished completion once (`completion_text`), and takes its tokens' logprobs from the
-    coupled sampler (`SpecCounts.logprobs`), instead of vLLM decoding and wrapping every request's every token on
+    coupled sampler (`RequestRecord.logprobs`), instead of vLLM decoding and wrapping every request's every token on
     every engine step (each ~10% of a rollout of the 0.8M policy at 128 requests, paired)."""
     from vllm import SamplingParams
 

@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 from actor.engine import completion_text, make_engine, sampling_params
 from actor.evaluation import EVAL_SEED_BASE, Evaluation
 from actor.draft_bridge import new_policy_version, remember_outputs, swap_draft_weights
-from actor.vllm_hooks import SpecCounts, apply_weights, join_weight_group, pull_weights, take_spec_counts
+from actor.vllm_hooks import RequestRecord, apply_weights, join_weight_group, pull_weights, take_records
 from sampling.coupled import group_seed
 from tasks.dataset import eval_set, open_dataset
 from tasks.reward import length_penalized, score
@@ -58,7 +58,7 @@ HEARTBEAT_S = 2.0  # an actor says how far it got this often (rank 0 also learns
 
 class RolloutActor:
     def __init__(self, cfg: DictConfig, actor_id: int, model_dir: str, trajectory_endpoint: str,
-                 weight_endpoint: str, version: int, plan: CursorPlan, first_k: int = 0, incarnation: int = 0,
+                 weight_endpoint: str, version: int, plan: CursorPlan, first_ordinal: int = 0, incarnation: int = 0,
                  keys: ClientKeys | None = None, weight_group: GroupTicket | None = None):
         """`weight_group`: with `transport.weights: nccl`, the learner's weight-sync group for this engine."""
         self.cfg, self.actor_id, self.plan = cfg, actor_id, plan
@@ -77,7 +77,7 @@ class RolloutActor:
         self.waiting: tuple[tuple[int, list], float] | None = None  # a newer version and when it arrived, unapplied
         # the learner's cursor lead (tasks/schedule.py), sent with every version; until then a resumed run's offset
         self.lead = plan.lead_at(version, delivered=0)
-        self.first_k = first_k  # this actor's first group (a replacement resumes where the dead actor stopped)
+        self.first_ordinal = first_ordinal  # its first group (a replacement resumes where the dead actor stopped)
         self.seq, self.incarnation = incarnation << INCARNATION_SHIFT, incarnation
         self.stopping = threading.Event()
         self.evaluations: queue.Queue[Evaluation] = queue.Queue()  # asked by evaluate(), run by run()
@@ -101,10 +101,10 @@ class RolloutActor:
         samples: dict[str, Sample] = {}  # training request id -> its sample, while in the engine
         finished: dict[int, list] = {}  # cursor -> its group's finished samples, until the group is whole
         evaluating: dict[str, Evaluation] = {}  # request id -> its evaluation
-        k, beat = self.first_k, time.time()
+        ordinal, beat = self.first_ordinal, time.time()
         while not self.stopping.is_set():
             self.poll_weights(0, in_flight=bool(samples))
-            k = self._admit(k, samples, finished, evaluating, tokens_input)
+            ordinal = self._admit(ordinal, samples, finished, evaluating, tokens_input)
             if time.time() - beat > HEARTBEAT_S:  # how far it got (a lost last trajectory shows), and that it lives
                 beat = time.time()
                 self._send(Heartbeat(SCHEMA_VERSION, self.actor_id, self.seq))
@@ -123,35 +123,35 @@ class RolloutActor:
         return {**self.stats, "abandoned_requests": len(samples), "version": self.version,
                 "dropped_weight_buckets": self.weights.dropped}
 
-    def _admit(self, k: int, samples: dict, finished: dict, evaluating: dict, tokens_input) -> int:
+    def _admit(self, ordinal: int, samples: dict, finished: dict, evaluating: dict, tokens_input) -> int:
         """Rewinds asked for, evaluations asked for, then every group the staleness bound admits, as requests;
-        returns the k of this actor's next group."""
-        while not self.rewinds.empty():  # trajectories of this actor were lost: regenerate from the learner's k
-            k = self.rewinds.get()
+        returns the ordinal of this actor's next group."""
+        while not self.rewinds.empty():  # trajectories of this actor were lost: again from the group the learner lacks
+            ordinal = self.rewinds.get()
             self.abandon(samples, finished)
         # deterministic runs: a step's groups have the engine (and an empty prefix cache) to themselves, so a
         # regenerated step (a dead or rewound actor, a resumed run) runs exactly the batches it ran the first time
-        apart = self.cfg.trainer.deterministic
-        while not self.evaluations.empty() and not (apart and samples):
+        deterministic = self.cfg.trainer.deterministic
+        while not self.evaluations.empty() and not (deterministic and samples):
             evaluating.update(self.start_evaluation(self.evaluations.get(), tokens_input))
         n = self.cfg.rollout.group_size
-        cursor = self.plan.cursor(self.actor_id, k)
-        fresh = self.plan.admits(cursor, self.version, self.cfg.algorithm.max_staleness, self.lead)  # bounded
-        if apart and fresh and (samples or evaluating):
-            fresh = False  # the engine is not empty yet
-        elif apart and fresh and not self.llm.reset_prefix_cache():
+        cursor = self.plan.cursor(self.actor_id, ordinal)
+        admitted = self.plan.admits(cursor, self.version, self.cfg.algorithm.max_staleness, self.lead)  # bounded
+        if deterministic and admitted and (samples or evaluating):
+            admitted = False  # the engine is not empty yet
+        elif deterministic and admitted and not self.llm.reset_prefix_cache():
             raise RuntimeError(f"actor {self.actor_id}: vLLM could not reset its prefix cache with nothing running")
-        while fresh:
+        while admitted:
             prompt_ids = self.tokenizer(self.dataset[cursor].prompt, add_special_tokens=False).input_ids
             for i in range(n):
                 params = sampling_params(self.cfg, seed=group_seed(self.cfg.seed, cursor, n) + i)
                 self.engine.add_request(request_id(cursor, i), tokens_input(prompt_ids), params)
                 samples[request_id(cursor, i)] = Sample(cursor, i, prompt_ids, time.time())
             finished[cursor] = []
-            k += 1
-            cursor = self.plan.cursor(self.actor_id, k)
-            fresh = self.plan.admits(cursor, self.version, self.cfg.algorithm.max_staleness, self.lead)
-        return k
+            ordinal += 1
+            cursor = self.plan.cursor(self.actor_id, ordinal)
+            admitted = self.plan.admits(cursor, self.version, self.cfg.algorithm.max_staleness, self.lead)
+        return ordinal
 
     def _route(self, outputs: list, samples: dict, finished: dict, evaluating: dict) -> None:
         """An engine step's outputs: evaluations recorded, each token's policy version noted, and a group sent to
@@ -162,9 +162,9 @@ class RolloutActor:
                     completion, evaluation = out.outputs[0], evaluating.pop(out.request_id)
                     evaluation.record(out.request_id, completion_text(self.tokenizer, completion.token_ids),
                                       len(completion.token_ids), self.version)
-                    if evaluation.done.is_set():  # its speculation counts are not a trajectory's: drop them
+                    if evaluation.done.is_set():  # its records are not a trajectory's: drop them
                         ids = [rid for rid, _, _ in evaluation.request_ids()]
-                        self.llm.collective_rpc(take_spec_counts, args=(ids,))
+                        self.llm.collective_rpc(take_records, args=(ids,))
                 continue
             sample, completion = samples[out.request_id], out.outputs[0]
             sample.versions += [self.version] * (len(completion.token_ids) - len(sample.versions))
@@ -174,17 +174,17 @@ class RolloutActor:
                 if len(finished[sample.cursor]) == self.cfg.rollout.group_size:
                     self.send_group(finished.pop(sample.cursor))
 
-    def rewind(self, first_k: int) -> None:
+    def rewind(self, first_ordinal: int) -> None:
         """Trajectories of this actor were lost (the learner saw a gap in its sequence numbers): it abandons the
-        groups in flight and generates again from its `first_k`-th group, the first the learner lacks."""
-        self.rewinds.put(first_k)
+        groups in flight and generates again from its group `first_ordinal`, the first the learner lacks."""
+        self.rewinds.put(first_ordinal)
 
     def abandon(self, samples: dict[str, Sample], finished: dict[int, list]) -> None:
-        """Drops every training request in flight and every unsent finished sample, with their speculation counts
+        """Drops every training request in flight and every unsent finished sample, with their sampler records
         (their request ids come back when the groups are generated again)."""
         ids = list(samples) + [request_id(s.cursor, s.index) for group in finished.values() for s, _ in group]
         self.engine.abort_request(list(samples))
-        self.llm.collective_rpc(take_spec_counts, args=(ids,))
+        self.llm.collective_rpc(take_records, args=(ids,))
         self.stats["rewinds"] += 1
         samples.clear()
         finished.clear()
@@ -219,30 +219,26 @@ class RolloutActor:
         problem = self.dataset[group[0][0].cursor]
         group = sorted(group, key=lambda sc: sc[0].index)
         ids = [request_id(s.cursor, s.index) for s, _ in group]
-        counts: dict[str, SpecCounts] = self.llm.collective_rpc(take_spec_counts, args=(ids,))[0]
+        records: dict[str, RequestRecord] = self.llm.collective_rpc(take_records, args=(ids,))[0]
         for sample, completion in group:
             rid = request_id(sample.cursor, sample.index)
-            spec = counts[rid]
-            ids = list(completion.token_ids)
-            logprobs = spec.logprobs[: len(ids)]
-            if len(logprobs) != len(ids):
+            record, ids = records[rid], list(completion.token_ids)
+            if len(record.logprobs) < len(ids):
                 raise RuntimeError(f"actor {self.actor_id}: request {rid} has {len(ids)} tokens but the coupled "
-                                   f"sampler recorded {len(spec.logprobs)} logprobs")
+                                   f"sampler recorded {len(record.logprobs)} logprobs")
+            reward = length_penalized(score(completion_text(self.tokenizer, ids), problem.answer).reward, len(ids),
+                                      self.cfg.rollout.max_tokens, self.cfg.algorithm.length_penalty)
             sent = self._send(Trajectory(
-                SCHEMA_VERSION, self.actor_id, self.seq, sample.cursor, len(group), sample.index,
-                sample.prompt_ids, ids, logprobs, sample.versions,
-                length_penalized(score(completion_text(self.tokenizer, ids), problem.answer).reward, len(ids),
-                                 self.cfg.rollout.max_tokens, self.cfg.algorithm.length_penalty),
-                completion.finish_reason or "length", time.time() - sample.start, spec.verify_steps,
-                spec.draft_tokens, spec.accepted_tokens, spec.draft_seconds, spec.planned_steps,
-                spec.planned_tokens, spec.prepared_steps, spec.cost_error, spec.choices,
-                spec.member_labels, spec.drafter_failure,
-            ))
+                schema=SCHEMA_VERSION, actor_id=self.actor_id, seq=self.seq, group_id=sample.cursor,
+                group_size=len(group), sample_index=sample.index, prompt_ids=sample.prompt_ids, response_ids=ids,
+                behaviour_logprobs=record.logprobs[: len(ids)], policy_versions=sample.versions, reward=reward,
+                finish_reason=completion.finish_reason or "length", generate_seconds=time.time() - sample.start,
+                spec=record.stats))
             if not sent:
                 return
             for key in ("verify_steps", "draft_tokens", "accepted_tokens", "invalid_drafts"):
-                self.stats[key] += getattr(spec, key)
-            self.stats["drafter_failure"] = spec.drafter_failure or self.stats["drafter_failure"]
+                self.stats[key] += getattr(record.stats, key)
+            self.stats["drafter_failure"] = record.stats.drafter_failure or self.stats["drafter_failure"]
             self.seq += 1
             self.stats["trajectories"] += 1
             self.stats["tokens"] += len(ids)

@@ -8,7 +8,8 @@ Everything here runs inside the vLLM worker (through `collective_rpc`). `install
 - binds a `Drafter` plugin to the `custom_class` proposer `actor/draft_bridge.DrafterBridge`, which vLLM calls
   once per engine step.
 `apply_weights` updates weights in place with the CPU re-packing fixes;
-`take_spec_counts` returns per-request speculation counts; `fix_cpu_rejection_sampler` repairs vLLM's sampler.
+`take_records` returns each finished request's logprobs and speculation stats; `fix_cpu_rejection_sampler`
+repairs vLLM's sampler.
 """
 
 from __future__ import annotations
@@ -23,30 +24,20 @@ from typing import Iterable
 import torch
 
 from actor.draft_bridge import DrafterBridge
+from drafters.base import load_drafter
 from sampling.coupled import PLACEHOLDER, coupled_sample, verify
+from transport.collective import WeightReceiver
+from transport.messages import SpecStats
 
 
 @dataclass
-class SpecCounts:
-    """What the coupled sampler recorded for one request: the logprob of every token it committed (in order; vLLM
+class RequestRecord:
+    """What the coupled sampler records for one request: the logprob of every token it committed (in order; vLLM
     may cut the last step's short at a stop or `max_tokens`, so a completion's are the first `len(token_ids)`), and
-    its speculation: verify steps that carried drafts, tokens drafted and accepted, proposals dropped as invalid
-    (token ids outside the vocabulary), and why the drafter was switched off while it ran, if it was."""
+    what speculation did for it (`stats`: counted here and by the drafter bridge)."""
 
-    verify_steps: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    invalid_drafts: int = 0
-    draft_seconds: float = 0.0  # its share of the drafter's time (a step's drafting time split among its requests)
-    planned_steps: int = 0  # decode steps the draft planner decided for it (drafting or not)
-    planned_tokens: int = 0  # draft tokens the planner handed to the engine for it over those steps
-    prepared_steps: int = 0  # drafting steps whose drafts were prepared during the step before (decoupled)
-    cost_error: float = 0.0  # sum over those steps of the planner's relative error on the step's engine seconds
-    choices: dict[str, int] = field(default_factory=dict)  # draft steps per source, for composite drafters
-    # per member of a composite drafter: its proposals' tokens the verifier would have accepted, and rejected
-    member_labels: dict[str, list[int]] = field(default_factory=dict)
     logprobs: list[float] = field(default_factory=list)  # each committed token's, under the distribution it came from
-    drafter_failure: str = ""  # DrafterBridge.switch_off's message
+    stats: SpecStats = field(default_factory=SpecStats)
 
 
 def caller_id(req_id: str) -> str:
@@ -56,7 +47,7 @@ def caller_id(req_id: str) -> str:
 
 # The sampling parameters the coupled sampler honours; every other one must keep vLLM's default (an allow-list: a
 # parameter vLLM adds later is refused until someone decides what it means here). Logprobs are not served through
-# vLLM: the sampler records each committed token's own (`SpecCounts.logprobs`), which is what the actor sends.
+# vLLM: the sampler records each committed token's own (`RequestRecord.logprobs`), which is what the actor sends.
 HONOURED = frozenset({"n", "temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "stop_token_ids",
                       "ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
                       "include_stop_str_in_output", "output_kind", "stream_interval", "skip_clone",
@@ -94,12 +85,12 @@ def noise_seed(vllm_request_id: str) -> int:
 class CoupledSampling:
     """Drop-in for `GPUModelRunner._sample(logits, spec_decode_metadata) -> SamplerOutput`. It keeps records only for
     requests vLLM holds (dropped on the first step after one leaves) and, under the caller's request id, each
-    request's counts until the actor takes them (`take_counts`)."""
+    request's record until the actor takes it (`take_records`)."""
 
     def __init__(self, runner):
         self.runner = runner
-        self.held: dict[str, SpecCounts] = {}  # by vLLM's request id: the requests vLLM holds, parameters checked
-        self.counts: dict[str, SpecCounts] = {}  # the same objects by the caller's request id, until taken
+        self.held: dict[str, RequestRecord] = {}  # by vLLM's request id: the requests vLLM holds, parameters checked
+        self.records: dict[str, RequestRecord] = {}  # the same objects by the caller's request id, until taken
         self.calls = 0  # sampling steps served: proof that this sampler, not vLLM's, ran
         self.seconds = 0.0  # time spent in it (a benchmark's per-step profile)
         self.step_tokens = 0  # tokens the engine computed in the step it last sampled for (the planner's cost model)
@@ -176,7 +167,7 @@ class CoupledSampling:
                 if bad is not None:
                     raise ValueError(f"request {caller_id(req_id)}: sampling parameter {bad} is not supported by "
                                      f"the coupled sampler (supported: {', '.join(sorted(HONOURED))})")
-                self.counts_for(req_id)
+                self.record_of(req_id)
 
     def _record(self, req_ids: list[str], rows: list[int], positions: list[int], logprobs: list[float],
                 emitted: list[int]) -> None:
@@ -198,21 +189,26 @@ class CoupledSampling:
     def _count(self, req_ids: list[str], drafted: list[int], accepted: list[int]) -> None:
         for req_id, d, a in zip(req_ids, drafted, accepted):
             if d > 0:
-                c = self.held[req_id]
-                c.verify_steps, c.draft_tokens, c.accepted_tokens = c.verify_steps + 1, c.draft_tokens + d, \
-                    c.accepted_tokens + a
+                stats = self.held[req_id].stats
+                stats.verify_steps += 1
+                stats.draft_tokens += d
+                stats.accepted_tokens += a
 
-    def counts_for(self, req_id: str) -> SpecCounts:
-        """The running counts of vLLM request `req_id` (the drafter bridge's entry: it runs after this step's
+    def record_of(self, req_id: str) -> RequestRecord:
+        """The running record of vLLM request `req_id`."""
+        record = self.held.get(req_id)
+        if record is None:
+            record = self.held[req_id] = self.records.setdefault(caller_id(req_id), RequestRecord())
+        return record
+
+    def stats_for(self, req_id: str) -> SpecStats:
+        """The speculation stats of vLLM request `req_id` (the drafter bridge's entry: it runs after this step's
         sampling, which admitted the request)."""
-        counts = self.held.get(req_id)
-        if counts is None:
-            counts = self.held[req_id] = self.counts.setdefault(caller_id(req_id), SpecCounts())
-        return counts
+        return self.record_of(req_id).stats
 
-    def take_counts(self, req_ids: list[str]) -> dict[str, SpecCounts]:
-        """Speculation counts per finished request, by the caller's request id."""
-        return {r: self.counts.pop(r, SpecCounts()) for r in req_ids}
+    def take_records(self, req_ids: list[str]) -> dict[str, RequestRecord]:
+        """The records of finished requests, by the caller's request id."""
+        return {r: self.records.pop(r, RequestRecord()) for r in req_ids}
 
 
 def install(worker, drafter_path: str | None = None, drafter_options: dict | None = None, max_batch: int = 0,
@@ -220,8 +216,6 @@ def install(worker, drafter_path: str | None = None, drafter_options: dict | Non
     """Runs inside the worker: coupled sampling always; a drafter when the engine speculates. Refuses a runner
     that is not the V1 runner these hooks replace parts of (vLLM's V2 runner has no `_sample`)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    from drafters.base import load_drafter
 
     runner = worker.model_runner
     if not isinstance(runner, GPUModelRunner) or not hasattr(runner, "_sample"):
@@ -275,8 +269,6 @@ def apply_weights(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
 def join_weight_group(worker, ticket) -> None:
     """The worker's member of its engine's weight-sync group with learner rank 0 (`transport.weights: nccl`;
     `ticket`: a transport.collective.GroupTicket). Blocks until the whole group has formed."""
-    from transport.collective import WeightReceiver
-
     worker.weight_receiver = WeightReceiver(ticket, 1 + worker.rank)
 
 
@@ -308,8 +300,8 @@ def fix_cpu_rejection_sampler(worker) -> None:
     rejection_sampler.expand_batch_to_tokens = _expand_batch_to_tokens
 
 
-def take_spec_counts(worker, req_ids: list[str]) -> dict[str, SpecCounts]:
-    return worker.model_runner._sample.take_counts(req_ids)
+def take_records(worker, req_ids: list[str]) -> dict[str, RequestRecord]:
+    return worker.model_runner._sample.take_records(req_ids)
 
 
 def profile(worker) -> dict[str, float]:

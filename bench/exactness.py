@@ -19,6 +19,7 @@ from pathlib import Path
 
 from actor.engine import set_env_defaults
 from bench.engine_process import in_fresh_process
+from transport.messages import total
 
 SETTINGS = {"T=0": (0.0, 1.0), "T=0.7,top_p=0.9": (0.7, 0.9), "T=1": (1.0, 1.0)}
 DRAFTERS = {"ngram": [], "draft_lm": [], "suffix": [],  # every built-in, with its overrides of grpo_tiny
@@ -31,7 +32,7 @@ def rollouts(method: str, sequences: int, max_tokens: int, seed: int, settings: 
     from vllm import SamplingParams
 
     from actor.engine import close_engine, make_engine
-    from actor.vllm_hooks import profile, take_spec_counts
+    from actor.vllm_hooks import profile, take_records
     from sampling.coupled import group_seed
     from configs.load import load_config
     from models.zoo import resolve
@@ -54,14 +55,13 @@ def rollouts(method: str, sequences: int, max_tokens: int, seed: int, settings: 
                           for i in range(sequences)]
                 drafting = llm.collective_rpc(profile)[0]["drafter_s"]
                 outputs = llm.generate([task[i // GROUP].prompt for i in range(sequences)], params, use_tqdm=False)
-                taken = llm.collective_rpc(take_spec_counts, args=([o.request_id for o in outputs],))[0]
+                taken = llm.collective_rpc(take_records, args=([o.request_id for o in outputs],))[0]
                 # each token and the logprob the coupled sampler recorded for it (what an actor sends the learner)
                 rows = [(list(o.outputs[0].token_ids), taken[o.request_id].logprobs[: len(o.outputs[0].token_ids)])
                         for o in outputs]
-                counts = taken.values()  # drafts verified: a check that drafted nothing proves nothing
+                spec = total(r.stats for r in taken.values())  # a check that drafted nothing proves nothing
                 results[label(name, epoch, epochs)] = {
-                    "rows": rows, "draft_tokens": sum(c.draft_tokens for c in counts),
-                    "accepted_tokens": sum(c.accepted_tokens for c in counts),
+                    "rows": rows, "draft_tokens": spec.draft_tokens, "accepted_tokens": spec.accepted_tokens,
                     "drafter_s": llm.collective_rpc(profile)[0]["drafter_s"] - drafting}
     finally:
         close_engine(llm)

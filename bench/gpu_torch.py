@@ -256,7 +256,7 @@ def distiller_step(device: str, steps: int, draft: Path | None = None) -> dict:
     from configs.load import load_config
     from learner.distill import DraftDistiller, observed
     from learner.grpo import Packed
-    from transport.messages import Trajectory
+    from transport.messages import SCHEMA_VERSION, Trajectory
 
     gpu = ["cluster.device=cuda", "speculation.distill.num_gpus=0.5"] if device == "cuda" else []
     model = [f"speculation.options.model={draft}"] if draft else []
@@ -268,7 +268,7 @@ def distiller_step(device: str, steps: int, draft: Path | None = None) -> dict:
 
     def trajectory(group: int, index: int) -> Trajectory:
         response = [rng.randrange(1, 270) for _ in range(min(45, max(2, int(rng.expovariate(1 / 16)))))]
-        return Trajectory(schema=1, actor_id=0, seq=0, group_id=group, group_size=8, sample_index=index,
+        return Trajectory(schema=SCHEMA_VERSION, actor_id=0, seq=0, group_id=group, group_size=8, sample_index=index,
                           prompt_ids=[rng.randrange(1, 270) for _ in range(20)], response_ids=response,
                           behaviour_logprobs=[0.0] * len(response), policy_versions=[0] * len(response),
                           reward=0.0, finish_reason="stop", generate_seconds=0.0)

@@ -39,14 +39,13 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 
 from actor.engine import set_env_defaults
 from bench.engine_process import in_fresh_process
 from bench.rollout_report import plot, table
 from bench.stats import paired
-from transport.messages import add_labels
+from transport.messages import total
 
 PRESETS = {
     # `ops`: the number of operations of each prompt's problem (a group of `group_size` samples per prompt)
@@ -162,7 +161,7 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
     from vllm import SamplingParams
 
     from actor.engine import close_engine
-    from actor.vllm_hooks import profile, take_spec_counts
+    from actor.vllm_hooks import profile, take_records
 
     llm = make_llm(name, target, draft, oracle, device, k)
     try:
@@ -180,7 +179,7 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
         for epoch_seeds in earlier:
             earlier_sequences += generate(llm, prompt_ids, sampling(epoch_seeds))["sequences"]
             if coupled:
-                llm.collective_rpc(take_spec_counts, args=(request_ids,))
+                llm.collective_rpc(take_records, args=(request_ids,))
         before = llm.collective_rpc(profile)[0] if coupled else {}
         records = [] if coupled and trace else None
         run = generate(llm, prompt_ids, sampling(seeds), records)
@@ -198,23 +197,20 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
             counters = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
             verify, accepted = counters["vllm:spec_decode_num_drafts"], counters["vllm:spec_decode_num_accepted_tokens"]
         else:
-            counts = llm.collective_rpc(take_spec_counts, args=(request_ids,))[0].values() if coupled else []
-            verify, accepted = sum(c.verify_steps for c in counts), sum(c.accepted_tokens for c in counts)
-            if any(c.prepared_steps for c in counts):  # decoupled: drafting steps whose drafts were ready
-                run["prepared_hit_rate"] = round(sum(c.prepared_steps for c in counts) / max(verify, 1), 3)
-            planned = sum(c.planned_steps for c in counts)
-            if planned:  # the draft planner: tokens it allowed per request and step, its error on step seconds
-                run["planner"] = {"planned_tokens": round(sum(c.planned_tokens for c in counts) / planned, 3),
-                                  "cost_error": round(sum(c.cost_error for c in counts) / planned, 3)}
-            choices = sum((Counter(c.choices) for c in counts), Counter())
+            records = llm.collective_rpc(take_records, args=(request_ids,))[0].values() if coupled else []
+            spec = total(r.stats for r in records)
+            verify, accepted = spec.verify_steps, spec.accepted_tokens
+            if spec.prepared_steps:  # decoupled: drafting steps whose drafts were ready
+                run["prepared_hit_rate"] = round(spec.prepared_steps / max(verify, 1), 3)
+            if spec.planned_steps:  # the draft planner: tokens it allowed per request and step, its step-cost error
+                run["planner"] = {"planned_tokens": round(spec.planned_tokens / spec.planned_steps, 3),
+                                  "cost_error": round(spec.cost_error / spec.planned_steps, 3)}
+            choices = spec.drafter_choices
             if choices:  # a composite drafter: the share of draft steps each member drafted
                 run["choice_shares"] = {s: round(n / sum(choices.values()), 3) for s, n in sorted(choices.items())}
-            labels: dict[str, list[int]] = {}  # and each member's token acceptance, on every proposal it made
-            for c in counts:
-                add_labels(labels, c.member_labels)
-            if labels:
+            if spec.drafter_labels:  # and each member's token acceptance, on every proposal it made
                 run["member_token_acceptance"] = {m: round(yes / max(yes + no, 1), 3)
-                                                  for m, (yes, no) in sorted(labels.items())}
+                                                  for m, (yes, no) in sorted(spec.drafter_labels.items())}
         run.update(steps=steps, verify_steps=verify, tokens=sum(len(t) for t in run["sequences"]),
                    acceptance_length=round((accepted + verify) / verify, 3) if verify else 1.0)
         if sweep:  # equal-length requests at each concurrency: the hardest prompt (its answers run far longer than

@@ -12,7 +12,8 @@ breaks this contract) is switched off in its engine, which decodes on without dr
 A plugin is a plain class implementing `Drafter`, constructed with keyword options from the config
 (`speculation.options`) and named by a built-in name (`ngram`, `draft_lm`), a dotted path (`pkg.mod.Class`) or
 the name of a `specactor.drafters` entry point. `tests/plugin_contracts/` checks every built-in drafter and the
-example under `examples/`; run it on yours.
+example under `examples/`; run it on yours. A `CompositeDrafter` (a drafter made of members) adds what the engine
+reports per member.
 """
 
 from __future__ import annotations
@@ -111,24 +112,27 @@ class Drafter(ABC):
         """Optional: the verifier samples from policy `version` from the next engine step on (the actor applied new
         weights, or started with them). Ignored by default."""
 
-    def member_labels(self) -> dict[str, dict[str, tuple[int, int]]] | None:
-        """Optional, for composite drafters: per request committed since the last call, per member, the labels of
-        that member's proposals on the committed tokens, chosen or not: draft tokens the verifier would have accepted
-        and tokens it would have rejected (at most one a proposal: its first disagreement; tokens past the committed
-        ones are unlabelled), reported as each member's token acceptance (`spec/member/<name>/token_acceptance`).
-        None: no members to score."""
-        return None
 
+class CompositeDrafter(Drafter):
+    """A drafter made of member drafters (`fastest_of_n`): besides the `Drafter` contract, what the engine reports
+    per member. A plain drafter has none of these."""
+
+    @abstractmethod
+    def member_labels(self) -> dict[str, dict[str, tuple[int, int]]]:
+        """Per request committed since the last call, per member, the labels of that member's proposals on the
+        committed tokens, chosen or not: draft tokens the verifier would have accepted and tokens it would have
+        rejected (at most one a proposal: its first disagreement; tokens past the committed ones are unlabelled),
+        reported as each member's token acceptance (`spec/member/<name>/token_acceptance`)."""
+
+    @abstractmethod
     def failures(self) -> list[str]:
-        """Optional, for composite drafters: one line per member switched off for raising (its name and the
-        exception), reported as a drafter switched off is (`spec/drafter_failed`, `spec/alarm`) while the other
-        members draft on. Empty: none."""
-        return []
+        """One line per member switched off for raising (its name and the exception), reported as a drafter switched
+        off is (`spec/drafter_failed`, `spec/alarm`) while the other members draft on. Empty: none."""
 
-    def sources(self) -> list[str] | None:
-        """Optional: for the last `propose` call, the name of what drafted each request (a composite drafter's
-        member), reported as choice shares (`spec/choice/<name>`). None: this drafter itself."""
-        return None
+    @abstractmethod
+    def sources(self) -> list[str]:
+        """For the last `propose` call, the name of the member that drafted each request ("" where none did),
+        reported as choice shares (`spec/choice/<name>`)."""
 
 
 def _is(value: Any, kind: type) -> bool:

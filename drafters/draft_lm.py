@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from drafters.base import Drafter, DraftRequest
+from models.zoo import resolve
 from sampling.coupled import GREEDY_BELOW, NOISE_ELEMENTS, coupled_draft, gumbel
 
 REQUIRED_MODULES = ("model.embed_tokens", "model.norm", "model.rotary_emb", "lm_head",
@@ -93,8 +94,6 @@ class DraftLM(Drafter):
         """`device`: where its weights, slot cache and drafting live (built by the engine: the engine's device, a
         GPU's when the engine runs on one; a config may name another, e.g. a drafter GPU of its own)."""
         from transformers import AutoModelForCausalLM
-
-        from models.zoo import resolve
 
         self.check_options(dict(model=model, dtype=dtype, device=device))
         self.device = torch.device(device)

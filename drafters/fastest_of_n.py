@@ -27,14 +27,14 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from drafters.base import Drafter, DraftRequest, load_drafter
+from drafters.base import CompositeDrafter, Drafter, DraftRequest, load_drafter
 from drafters.calibration import Calibration
 
 MAX_PROMPTS = 4096  # prompts whose members' labels are kept (the least recently labelled forgotten first)
 log = logging.getLogger(__name__)
 
 
-class FastestOfN(Drafter):
+class FastestOfN(CompositeDrafter):
     def __init__(self, drafters: list[str], options: dict | None = None, prior: float = 2.0, device: str = "cpu"):
         """`drafters`: member names (built-in, dotted path or entry point); `options`: per member name, the keyword
         arguments of its constructor; `prior`: pseudo-labels of a member's overall rate in a new request's own;
@@ -76,13 +76,13 @@ class FastestOfN(Drafter):
                 continue
             start = time.perf_counter()
             answer = self._call(m, lambda member: member.propose([requests[i] for i in asked], k))
-            sureness = self._call(m, lambda member: member.confidences()) if answer is not None else None
+            confidences = self._call(m, lambda member: member.confidences()) if answer is not None else None
             if answer is None or m in self.off:
                 continue
             per_request = (time.perf_counter() - start) / len(asked)
             self.seconds[m] = per_request if self.seconds[m] == 0 else 0.9 * self.seconds[m] + 0.1 * per_request
             try:
-                proposals = self._answers(requests, asked, answer, sureness, m)
+                proposals = self._answers(requests, asked, answer, confidences, m)
             except (TypeError, ValueError) as e:  # out of contract: as if it had raised
                 self._switch_off(m, e)
                 continue
@@ -99,17 +99,17 @@ class FastestOfN(Drafter):
             out.append(proposals[m][0] if m >= 0 else [])
         return out
 
-    def _answers(self, requests: list[DraftRequest], asked: list[int], drafts, sureness, m: int
+    def _answers(self, requests: list[DraftRequest], asked: list[int], drafts, confidences, m: int
                  ) -> list[tuple[int, list[int], list[float]]]:
         """Member `m`'s proposals for the requests `asked` (indices into `requests`), with its confidence in each token
         (or its running rate on the request); ValueError or TypeError where they break the drafter contract."""
-        if len(drafts) != len(asked) or (sureness is not None and len(sureness) != len(asked)):
-            raise ValueError(f"{len(drafts)} proposals and {'no' if sureness is None else len(sureness)} confidence "
-                             f"lists for {len(asked)} requests")
+        if len(drafts) != len(asked) or (confidences is not None and len(confidences) != len(asked)):
+            raise ValueError(f"{len(drafts)} proposals and {'no' if confidences is None else len(confidences)} "
+                             f"confidence lists for {len(asked)} requests")
         out = []
         for j, i in enumerate(asked):
             proposal = list(drafts[j])
-            own = list(map(float, sureness[j][: len(proposal)])) if sureness is not None else \
+            own = list(map(float, confidences[j][: len(proposal)])) if confidences is not None else \
                 [self._own_rate(requests[i].request_id, m)] * len(proposal)
             if len(own) < len(proposal):
                 raise ValueError(f"{len(own)} confidences for a proposal of {len(proposal)} tokens")
@@ -155,12 +155,12 @@ class FastestOfN(Drafter):
         rate = min(self._own_rate(request.request_id, m), 0.99)
         return rate * (1 - rate**budget) / (1 - rate)  # the sum of rate**j over j = 1..budget
 
-    def _each(self, ask: Callable[[Drafter], Any]) -> list:
+    def _ask_all(self, ask: Callable[[Drafter], Any]) -> list:
         """`ask` of every member still on, in order: their answers (None from one that raised and is now off)."""
         return [self._call(m, ask) for m in range(len(self.members)) if m not in self.off]
 
     def commit(self, request_id: str, committed: list[int]) -> None:
-        self._each(lambda member: member.commit(request_id, committed))
+        self._ask_all(lambda member: member.commit(request_id, committed))
         last = self.last.pop(request_id, None)
         if last is None:
             return
@@ -186,19 +186,19 @@ class FastestOfN(Drafter):
         return fresh
 
     def remember(self, prompt_ids: list[int], response_ids: list[int], version: int) -> None:
-        self._each(lambda member: member.remember(prompt_ids, response_ids, version))
+        self._ask_all(lambda member: member.remember(prompt_ids, response_ids, version))
 
     def new_policy(self, version: int) -> None:
-        self._each(lambda member: member.new_policy(version))
+        self._ask_all(lambda member: member.new_policy(version))
 
     def swap_weights(self, weights) -> bool:
         """To every member with weights of its own (the draft LM): true if one took them, or if a member is switched
         off (it may have been the one: the weights are dropped, as the engine drops them for a drafter it switched
         off)."""
-        return any(self._each(lambda member: member.swap_weights(weights))) or bool(self.off)
+        return any(self._ask_all(lambda member: member.swap_weights(weights))) or bool(self.off)
 
     def remove(self, request_id: str) -> None:
-        self._each(lambda member: member.remove(request_id))
+        self._ask_all(lambda member: member.remove(request_id))
         self.labels.pop(request_id, None)
         self.last.pop(request_id, None)
         self.fresh.pop(request_id, None)

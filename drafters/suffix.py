@@ -58,7 +58,7 @@ class SuffixDrafter(Drafter):
         self.version = 0  # the policy's, as the actor last said (`new_policy`)
         self.prompts: OrderedDict[tuple[int, ...], _Prompt] = OrderedDict()
         self.sequences: dict[str, _Sequence] = {}
-        self.chances: list[list[float]] = []  # the last proposal's confidences
+        self.last_confidences: list[list[float]] = []  # the last proposal's confidences
 
     @classmethod
     def check_options(cls, options: dict) -> dict:
@@ -75,7 +75,7 @@ class SuffixDrafter(Drafter):
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
         sequences = [self._sync(r) for r in requests]  # every request first, so none sees a sibling half-synced
         walks = [self._walk(s, r, r.budget(k)) for s, r in zip(sequences, requests)]
-        self.chances = [chances for _, chances in walks]
+        self.last_confidences = [confidences for _, confidences in walks]
         return [drafts for drafts, _ in walks]
 
     def propose_ahead(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
@@ -89,13 +89,13 @@ class SuffixDrafter(Drafter):
                 continue
             tail = _Sequence(r.request_id, sequence.prompt, [int(t) for t in r.token_ids[-self.max_n:]])
             walks.append(self._walk(tail, r, r.budget(k)))
-        self.chances = [chances for _, chances in walks]
+        self.last_confidences = [confidences for _, confidences in walks]
         return [drafts for drafts, _ in walks]
 
     def confidences(self) -> list[list[float]]:
         """Per draft token, the likelihood that the target samples it (above; one of one sibling: 0.5; eight of eight:
         0.89)."""
-        return self.chances
+        return self.last_confidences
 
     def commit(self, request_id: str, committed: list[int]) -> None:
         sequence = self.sequences.get(request_id)
@@ -201,7 +201,7 @@ class SuffixDrafter(Drafter):
                         del entry.counts[context]
 
     def _walk(self, sequence: _Sequence, request: DraftRequest, k: int) -> tuple[list[int], list[float]]:
-        entry, tail, drafts, chances = self.prompts[sequence.prompt], sequence.tokens[-self.max_n :], [], []
+        entry, tail, drafts, confidences = self.prompts[sequence.prompt], sequence.tokens[-self.max_n :], [], []
         sampling = request.temperature >= GREEDY_BELOW
         while len(drafts) < k:
             for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
@@ -211,19 +211,19 @@ class SuffixDrafter(Drafter):
             else:
                 break
             if sampling:
-                token, chance = coupled_choice(counts, request.seed, request.position + len(drafts))
-                if chance < self.min_share:
+                token, confidence = coupled_choice(counts, request.seed, request.position + len(drafts))
+                if confidence < self.min_share:
                     break
             else:
                 token, count = max(counts.items(), key=lambda tc: (tc[1], -tc[0]))  # ties: the smaller id, stably
                 total = sum(counts.values())
                 if count < self.min_share * total:
                     break
-                chance = count / (total + 1)
+                confidence = count / (total + 1)
             drafts.append(token)
-            chances.append(chance)
+            confidences.append(confidence)
             tail = tail[1:] + [token] if len(tail) >= self.max_n else tail + [token]
-        return drafts, chances
+        return drafts, confidences
 
 
 def coupled_choice(counts: Counter, seed: int, position: int) -> tuple[int, float]:

@@ -22,6 +22,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from learner.distill import draft_model
+from models.zoo import resolve
+
 GIB = 1 << 30
 WEIGHT_SYNC_RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results" / "weight_sync_cpu2.json"
 # a packed NCCL broadcast between nodes: NeMo-RL refits Qwen3-30B-A3B (61 GB in bf16) in 0.74-1.6 s; this is the
@@ -88,8 +91,6 @@ def parameters(model_path: str) -> tuple[str, int]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from models.zoo import resolve
-
     config = AutoConfig.from_pretrained(str(resolve(model_path)))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -119,8 +120,6 @@ def rollout_bytes(cfg: DictConfig, params: int) -> dict[str, float]:
 def distiller_bytes(cfg: DictConfig) -> float:
     """The draft LM distiller's memory (0 without distillation): fp32 weights, gradients and AdamW's two moments of
     the draft LM it trains, and the running, starting and candidate copies it replays (learner/distill.py)."""
-    from learner.distill import draft_model
-
     if cfg.speculation.distill.every_versions == 0:
         return 0.0
     return 28.0 * parameters(draft_model(cfg.speculation))[1]

@@ -23,36 +23,36 @@ def load_run_config(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
     return cfg
 
 
-def check_drafters(path: Path, spec: DictConfig) -> None:
+def check_drafters(path: Path, speculation: DictConfig) -> None:
     """The drafters `speculation` names exist and take its options (each drafter's own `check_options`, without
     building it), fastest-of-N's members are distinct, distillation has a draft LM to train."""
-    if spec.drafters and spec.method != "fastest_of_n":
+    if speculation.drafters and speculation.method != "fastest_of_n":
         raise ConfigError(f"{path}: key 'speculation.drafters' is read by method fastest_of_n only "
-                          f"(method is {spec.method!r})")
-    members = {} if spec.method == "none" else {spec.method: spec.options}
-    if spec.method == "fastest_of_n":
-        members = {name: spec.options.get(name, {}) for name in spec.drafters}
-    if spec.distill.every_versions > 0 and "draft_lm" not in members:
-        raise ConfigError(f"{path}: key 'speculation.distill.every_versions' = {spec.distill.every_versions}: "
+                          f"(method is {speculation.method!r})")
+    members = {} if speculation.method == "none" else {speculation.method: speculation.options}
+    if speculation.method == "fastest_of_n":
+        members = {name: speculation.options.get(name, {}) for name in speculation.drafters}
+    if speculation.distill.every_versions > 0 and "draft_lm" not in members:
+        raise ConfigError(f"{path}: key 'speculation.distill.every_versions' = {speculation.distill.every_versions}: "
                           "distillation trains the draft LM, but no drafter of speculation.method "
-                          f"{spec.method!r} is draft_lm (method draft_lm, or fastest_of_n with draft_lm among "
+                          f"{speculation.method!r} is draft_lm (method draft_lm, or fastest_of_n with draft_lm among "
                           "drafters)")
-    if spec.method == "none":
+    if speculation.method == "none":
         return
-    if spec.method == "fastest_of_n":
-        if len(spec.drafters) < 2 or len(set(spec.drafters)) != len(spec.drafters):
-            raise ConfigError(f"{path}: key 'speculation.drafters' = {list(spec.drafters)}: fastest_of_n needs two or "
-                              "more distinct drafters")
-        unknown = set(spec.options) - set(spec.drafters)
+    if speculation.method == "fastest_of_n":
+        if len(speculation.drafters) < 2 or len(set(speculation.drafters)) != len(speculation.drafters):
+            raise ConfigError(f"{path}: key 'speculation.drafters' = {list(speculation.drafters)}: fastest_of_n needs "
+                              "two or more distinct drafters")
+        unknown = set(speculation.options) - set(speculation.drafters)
         if unknown:
             raise ConfigError(f"{path}: key 'speculation.options': {sorted(unknown)} not among speculation.drafters")
     for name, options in members.items():
-        key = "speculation.method" if name == spec.method else "speculation.drafters"
+        key = "speculation.method" if name == speculation.method else "speculation.drafters"
         try:
             cls = drafter_class(name)
         except DrafterLoadError as e:
             raise ConfigError(f"{path}: key '{key}': {e}") from None
-        where = "speculation.options" if name == spec.method else f"speculation.options.{name}"
+        where = "speculation.options" if name == speculation.method else f"speculation.options.{name}"
         try:  # the drafter's own judgement, without building it (constructing one may load a model)
             cls.check_options(dict(options))
         except (TypeError, ValueError) as e:

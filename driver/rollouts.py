@@ -33,10 +33,10 @@ class RolloutPool:
         self.cls = ray.remote(num_cpus=1, num_gpus=num_gpus, max_concurrency=4)(RolloutActor)
         self.restarts = 0
         self.group = reserve(cfg, "rollout")  # a bundle per actor, on the rollout nodes; its replacements take it
-        self.actors = [self.spawn(i, first_k=0) for i in range(cfg.rollout.num_actors)]
+        self.actors = [self.spawn(i, first_ordinal=0) for i in range(cfg.rollout.num_actors)]
         self.runs = [a.run.remote() for a in self.actors]
 
-    def spawn(self, i: int, first_k: int):
+    def spawn(self, i: int, first_ordinal: int):
         name = f"rollout-{i}" if self.restarts == 0 else f"rollout-{i}-r{self.restarts}"
         keys = None
         if self.learners.server_public is not None:  # a key of its own, admitted as actor-<i> (the last one revoked)
@@ -47,7 +47,7 @@ class RolloutPool:
             group = ray.get(self.learners.rank0.open_weight_group.remote(i, self.restarts))
         return self.cls.options(name=name, scheduling_strategy=slot(self.group, i)).remote(
             self.cfg, i, self.model_dir, self.learners.trajectory_endpoint, self.learners.weight_endpoint,
-            self.version, self.plan, first_k, incarnation=self.restarts, keys=keys, weight_group=group)
+            self.version, self.plan, first_ordinal, incarnation=self.restarts, keys=keys, weight_group=group)
 
     def wait(self, refs: list[ray.ObjectRef], timeout_s: float = 0.0) -> list:
         """`ray.get(refs)`, replacing every rollout actor that stops meanwhile; the first error among `refs` is raised
@@ -60,10 +60,10 @@ class RolloutPool:
                 raise TimeoutError(f"no answer within {timeout_s:g} s")
             ready = ray.wait([*pending, *self.runs], num_returns=1, timeout=GAP_CHECK_S)[0]
             if not ready:  # meanwhile: an actor whose trajectories were lost regenerates the groups they belonged to
-                for i, first_k in self._ask(self.learners.rank0.take_gaps).items():
+                for i, first_ordinal in self._ask(self.learners.rank0.take_gaps).items():
                     print(f"rollout actor {i} lost trajectories; it generates again from data cursor "
-                          f"{self.plan.cursor(i, first_k)}", file=sys.stderr)
-                    self.actors[i].rewind.remote(first_k)
+                          f"{self.plan.cursor(i, first_ordinal)}", file=sys.stderr)
+                    self.actors[i].rewind.remote(first_ordinal)
                 self.stop_silent()
                 continue
             ready = ready[0]
@@ -109,8 +109,8 @@ class RolloutPool:
                                    "run (rollout.max_restarts)")
             self.restarts += 1
             ray.kill(self.actors[i])
-            first_k = ray.get(self.learners.rank0.reissue.remote(i, self.restarts))
-            self.actors[i] = actor = self.spawn(i, first_k)
+            first_ordinal = ray.get(self.learners.rank0.reissue.remote(i, self.restarts))
+            self.actors[i] = actor = self.spawn(i, first_ordinal)
             try:
                 target = self.catch_up(actor)
                 break
@@ -119,7 +119,7 @@ class RolloutPool:
                       file=sys.stderr)
                 error = f"replacement {self.restarts} catching up: {one_line(e)}"
         print(f"rollout actor {i} stopped ({error}); replacement {self.restarts} runs weights v{target} from data "
-              f"cursor {self.plan.cursor(i, first_k)}", file=sys.stderr)
+              f"cursor {self.plan.cursor(i, first_ordinal)}", file=sys.stderr)
         self.runs[i] = actor.run.remote()
 
     def catch_up(self, actor) -> int:

@@ -22,6 +22,17 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from actor.engine import set_env_defaults
+from configs.load import ConfigError
+from driver.logs import LOG_FILE, route, unroute, worker_env
+from learner.checkpoint import RUN_FILE, checkpoint_state, is_branch, run_of
+from learner.rollout_log import FILE as ROLLOUTS
+from models.zoo import resolve
+from tasks.dataset import check_prompt_lengths, jsonl_sources
+from tasks.jsonl import DataFormatError
+from tasks.schedule import CursorPlan
+from transport.auth import keypair
+
 
 class LearnerLost(RuntimeError):
     """A learner rank's process died (killed, out of memory, its node gone): `Run.restart` can go on from a
@@ -34,13 +45,6 @@ class Run:
     and `close` however the loop ended (it writes `summary.json`)."""
 
     def __init__(self, cfg: DictConfig):
-        from actor.engine import set_env_defaults
-        from configs.load import ConfigError
-        from driver.logs import LOG_FILE, route, unroute, worker_env
-        from models.zoo import resolve
-        from tasks.dataset import check_prompt_lengths, jsonl_sources
-        from tasks.jsonl import DataFormatError
-
         reference_dir = policy_dir = str(resolve(cfg.model.path))  # builds the built-in models on first use
         if jsonl_sources(cfg.data):  # their prompts, with the model's tokenizer: before anything starts or is written
             from transformers import AutoTokenizer
@@ -79,8 +83,6 @@ class Run:
     def _take_run_dir(self) -> tuple[Path | None, dict]:
         """The checkpoint to start from (None: the run's first step) and its state; the run's id written to the
         directory (an earlier run's checkpoints and logs there deleted first when `logging.overwrite` asks)."""
-        from learner.checkpoint import RUN_FILE, checkpoint_state, is_branch, run_of
-        from learner.rollout_log import FILE as ROLLOUTS
 
         cfg, checkpoint, state = self.cfg, None, {"version": 0, "data_cursor": 0}
         if cfg.trainer.resume_from:  # continue: same step counter, same data cursor, optimizer state restored
@@ -103,15 +105,16 @@ class Run:
     def _announce(self, log_file: str) -> None:
         """The console's configuration lines, once."""
         cfg = self.cfg
-        r, lr, spec = cfg.rollout, cfg.learner, cfg.speculation
+        rollout, learner, speculation = cfg.rollout, cfg.learner, cfg.speculation
         weights = f"weights {self.learners.weight_endpoint}" if cfg.transport.weights.value == "zmq" else \
             (f"weight headers {self.learners.weight_endpoint}, weight bytes over "
              f"{'NCCL' if cfg.cluster.device.value == 'cuda' else 'gloo (transport.weights nccl on a cpu run)'}")
         print(f"SpecActor: model {cfg.model.path} ({self.policy_dir}), data {cfg.data.source}\n"
-              f"  rollout: {r.num_actors} actor(s), {r.prompts_per_step} prompts x {r.group_size} samples per step, "
-              f"T={r.temperature} top_p={r.top_p} top_k={r.top_k}, speculation {spec.method}\n"
-              f"  learner: {lr.num_ranks} rank(s), ZeRO-{lr.zero_stage}, {lr.dtype.value}, lr {lr.lr}, "
-              f"steps {self.first_step}..{cfg.trainer.steps}\n"
+              f"  rollout: {rollout.num_actors} actor(s), {rollout.prompts_per_step} prompts x {rollout.group_size} "
+              f"samples per step, T={rollout.temperature} top_p={rollout.top_p} top_k={rollout.top_k}, speculation "
+              f"{speculation.method}\n"
+              f"  learner: {learner.num_ranks} rank(s), ZeRO-{learner.zero_stage}, {learner.dtype.value}, "
+              f"lr {learner.lr}, steps {self.first_step}..{cfg.trainer.steps}\n"
               f"  transport: trajectories {self.learners.trajectory_endpoint}, {weights}, auth "
               f"{cfg.transport.auth.value}\n"
               f"  placement: {placed(self.placement)}\n"
@@ -120,11 +123,10 @@ class Run:
     def _start(self, checkpoint: Path | None, state: dict) -> None:
         """Ray, the learner ranks and the rollout actors, at `checkpoint`'s step and data cursor (None: the run's
         first step, `state`)."""
+        # (these import Ray, which reads its environment, set by __init__, when it is first imported)
         from driver.learners import LearnerGroup
         from driver.placement import gpus_per_device, nodes_of
         from driver.rollouts import RolloutPool
-        from tasks.schedule import CursorPlan
-        from transport.auth import keypair
 
         cfg, ray = self.cfg, self.ray
         self.policy_dir = self.reference_dir if checkpoint is None else str(checkpoint / "hf")
@@ -174,8 +176,6 @@ class Run:
         """After a learner rank's process died: every process of the run stops and starts again from the run's newest
         checkpoint (its start, if it wrote none), while `trainer.max_learner_restarts` allows; else `error` stands.
         What the dead processes had not checkpointed is generated and trained again."""
-        from learner.checkpoint import checkpoint_state
-
         limit = self.cfg.trainer.max_learner_restarts
         if self.learner_restarts >= limit:
             raise error
@@ -265,8 +265,6 @@ class Run:
 
     def close(self) -> dict:
         """Stops every actor and rank, shuts Ray down and writes `summary.json`; returns the summary."""
-        from driver.logs import unroute
-
         ray = self.ray
         summary: dict = {"interrupted": self.interrupted, "placement": self.placement,
                          "actor_restarts": self.earlier_actor_restarts + self.rollouts.restarts,
@@ -302,8 +300,6 @@ class Run:
             print(f"interrupted at step {learner['version'] if learner else '?'}; every process is shut down",
                   file=sys.stderr)
         elif learner is None or ending is not None:  # the error follows; say where the run can go on from
-            from learner.checkpoint import checkpoint_state
-
             reason = (f"learner rank 0 is gone ({summary['learner_error']})" if learner is None else
                       f"{type(ending).__name__}: {(str(ending).splitlines() or [''])[0]}")
             try:

@@ -50,6 +50,7 @@ import torch
 from omegaconf import DictConfig
 
 from learner.grpo import Packed
+from models.zoo import resolve
 from sampling.coupled import GREEDY_BELOW, NOISE_ELEMENTS, group_seed, gumbel, processed_logits
 from transport.messages import Trajectory
 
@@ -57,9 +58,9 @@ log = logging.getLogger(__name__)
 ALARM_BELOW = 1.05  # replayed acceptance length under which the published drafter is reported as broken
 
 
-def draft_model(spec: DictConfig) -> str:
-    """The draft LM the actors run under `spec` (speculation): what distillation trains."""
-    options = spec.options.get("draft_lm", {}) if spec.method == "fastest_of_n" else spec.options
+def draft_model(speculation: DictConfig) -> str:
+    """The draft LM the actors run under config section `speculation`: what distillation trains."""
+    options = speculation.options.get("draft_lm", {}) if speculation.method == "fastest_of_n" else speculation.options
     return options.get("model", "builtin:draft")
 
 
@@ -117,8 +118,6 @@ def regrouped(batches: list[Batch], rows: int, run_seed: int, order: int) -> lis
 class DraftDistiller:
     def __init__(self, cfg: DictConfig):
         from transformers import AutoModelForCausalLM
-
-        from models.zoo import resolve
 
         self.cfg, d = cfg, cfg.speculation.distill
         self.device = torch.device("cuda" if d.num_gpus > 0 else "cpu")  # Ray shows the actor the GPU it reserved
@@ -234,7 +233,7 @@ class DraftDistiller:
     def adopt(self, version: int, weights: list[tuple[str, torch.Tensor]]) -> tuple[dict[str, float], None]:
         """Starts from draft version `version` (its weights, checkpoint names) as the drafter the actors run and as
         the candidate: a resumed run's, or a replacement distiller's (its AdamW moments start afresh). Returns what
-        `distil` returns when nothing was learnt, so `RemoteDistiller` waits on either call alike."""
+        `run_step` returns when nothing was learnt, so `RemoteDistiller` waits on either call alike."""
         state = dict(weights)
         self.running.load_state_dict(state)
         self.model.load_state_dict(state)
@@ -246,7 +245,7 @@ class DraftDistiller:
         outgoing, self.outgoing = self.outgoing, None
         return None if outgoing is None else (self.version, outgoing)
 
-    def distil(self, policy_version: int, batches: list[Batch]) -> tuple[dict[str, float], tuple | None]:
+    def run_step(self, policy_version: int, batches: list[Batch]) -> tuple[dict[str, float], tuple | None]:
         """`RemoteDistiller`'s call: `step` on one thread scheduled as idle, then `take_outgoing`."""
         torch.set_num_threads(1)
         with contextlib.suppress(OSError, AttributeError):  # Linux: this thread (the one Ray runs the calls in)
@@ -292,7 +291,7 @@ class RemoteDistiller:
         return not self.failed and (self.running is None or bool(ray.wait([self.running], timeout=0)[0]))
 
     def observe(self, trajectories: list[Trajectory], teacher: torch.Tensor) -> None:
-        self.batches.append(observed(self.cfg, trajectories, teacher))
+        self.batches.append(teacher_batch(self.cfg, trajectories, teacher))
 
     def defer(self, trajectories: list[Trajectory]) -> None:
         """Rows the step's GRPO pass did not forward (zero advantage): `start` has them forwarded first."""
@@ -326,7 +325,7 @@ class RemoteDistiller:
                 self.observe(rows, teacher(rows))
         batches, self.batches = self.batches, []
         if batches:
-            self.running = self.worker.distil.remote(policy_version, batches)
+            self.running = self.worker.run_step.remote(policy_version, batches)
         else:  # it was busy when the step began (`ready`), so nothing was observed: skipped
             self.skipped += 1
         if batches and not metrics:
@@ -361,7 +360,7 @@ class RemoteDistiller:
                     self.restarts, self.cfg.speculation.distill.max_restarts, self.newest[0] if self.newest else 0)
         return {"draft/restarts": float(self.restarts)}
 
-    def fate(self) -> dict:
+    def summary(self) -> dict:
         """For the run's summary."""
         return {"distiller_restarts": self.restarts, "distillation_off": self.failed}
 
@@ -384,7 +383,7 @@ class RemoteDistiller:
         self.outgoing = self.newest = ray.get(self.worker.take_outgoing.remote())
 
 
-def observed(cfg: DictConfig, trajectories: list[Trajectory], teacher: torch.Tensor) -> Batch:
+def teacher_batch(cfg: DictConfig, trajectories: list[Trajectory], teacher: torch.Tensor) -> Batch:
     """One micro-batch of the policy's step as a `Batch`: `teacher` [B, T, vocab] the policy's processed logprobs,
     kept as their top-k, renormalised (-inf outside the policy's top-k/p: 0)."""
     values, classes = teacher.detach().topk(min(cfg.speculation.distill.top_k, teacher.shape[-1]), dim=-1)

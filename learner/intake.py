@@ -21,7 +21,7 @@ from itertools import chain
 from learner.base import admissible
 from tasks.reward import REWARD_BOUND
 from tasks.schedule import CursorPlan
-from transport.messages import Heartbeat, Trajectory, WeightAck
+from transport.messages import Heartbeat, SpecStats, Trajectory, WeightAck
 
 INCARNATION_SHIFT = 32
 
@@ -65,7 +65,7 @@ class Intake:
         self.refused: set[int] = set()  # group ids a sample of which was refused (bad data): no step waits for them
         self.pruned_at = -1  # the weight version `pending` was last cleared of groups too stale to train
 
-    def take(self, message: Trajectory | WeightAck | Heartbeat, version: int) -> list[Trajectory] | None:
+    def receive(self, message: Trajectory | WeightAck | Heartbeat, version: int) -> list[Trajectory] | None:
         """A whole, fresh-enough group (sorted by sample index) when `message` completes one; else None."""
         incarnation = getattr(message, "seq", -1) >> INCARNATION_SHIFT  # -1: a weight acknowledgement
         if message.actor_id in self.heard and incarnation >= self.watched.get(message.actor_id, 0):  # not a dead one's
@@ -191,8 +191,8 @@ class Intake:
         # a log-probability is <= 0, and no float32 softmax gives a sampled token one below about -104
         if not all(BEHAVIOUR_FLOOR <= lp <= 1e-4 for lp in t.behaviour_logprobs):  # (and NaN compares false)
             return "logprobs"
-        if not _counts(t.drafter_choices, 1) or not _counts(t.drafter_labels, 2):  # summed into the step's metrics
-            return "drafter_labels"
+        if not _spec_stats_valid(t.spec):  # summed into the step's metrics
+            return "spec"
         if any(not 0 <= v <= version for v in t.policy_versions):  # never ahead of the weights the learner has
             return "versions"
         return None
@@ -220,8 +220,9 @@ class Intake:
         return self.plan.lead_at(version, len(self.delivered) - len(self.held))
 
     def take_gaps(self) -> dict[int, int]:
-        """Actors whose messages were lost since the last call, each with the k it regenerates from: its partial
-        groups are forgotten as for a dead actor (`reissue`), since a lost trajectory leaves one of them short."""
+        """Actors whose messages were lost since the last call, each with the group ordinal it regenerates from: its
+        partial groups are forgotten as for a dead actor (`reissue`), since a lost trajectory leaves one of them
+        short."""
         gapped, self.gapped = self.gapped, set()
         return {actor: self.reissue(actor) for actor in sorted(gapped)}
 
@@ -231,12 +232,12 @@ class Intake:
         return taken
 
     def reissue(self, actor: int) -> int:
-        """Actor `actor` died: forget its partial groups and return the k its replacement starts from (its first
-        group not delivered whole; groups it delivered after that are regenerated and dropped as duplicates)."""
+        """Actor `actor` died: forget its partial groups and return the group ordinal its replacement starts from (its
+        first group not delivered whole; groups it delivered after that are regenerated and dropped as duplicates)."""
         for group_id in [g for g in self.pending if self.plan.owner(g) == actor]:
             self.counts.dropped_reissued += len(self.pending.pop(group_id))
-        k = self.plan.first_undelivered(actor, self.delivered)
-        return self.plan.first_of_step(actor, k) if self.whole_steps else k
+        ordinal = self.plan.first_undelivered(actor, self.delivered)
+        return self.plan.first_of_step(actor, ordinal) if self.whole_steps else ordinal
 
     def replaced(self, actor: int, incarnation: int) -> int:
         """Actor `actor` died and its replacement is numbered `incarnation`: `reissue`, and follow the replacement's
@@ -283,10 +284,10 @@ class Intake:
 BEHAVIOUR_FLOOR = -104.0  # the least logprob a float32 softmax gives a token it can sample (exp underflows below)
 
 
-def _counts(values: dict, width: int) -> bool:
-    """Per name, `width` non-negative integer counts (one bare int when `width` is 1), as a drafter's choices and
-    labels are."""
-    def count(v) -> bool:
-        return type(v) is int and v >= 0
-    return all(count(v) if width == 1 else (isinstance(v, list) and len(v) == width and all(map(count, v)))
-               for v in values.values())
+def _spec_stats_valid(spec: SpecStats) -> bool:
+    """Every count, second and error non-negative and finite; per drafter name one count of choices and an
+    [accepted, rejected] pair of labels."""
+    numbers = [getattr(spec, name) for name in SpecStats.__struct_fields__]
+    return all(0 <= v < math.inf for v in numbers if type(v) in (int, float)) \
+        and all(v >= 0 for v in spec.drafter_choices.values()) \
+        and all(len(pair) == 2 and min(pair) >= 0 for pair in spec.drafter_labels.values())

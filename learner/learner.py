@@ -133,7 +133,7 @@ class Learner(RankCheckpoints):
             message = self.inbox.recv(1000 if until is None else 50)
             if message is not None:
                 with self.lock:
-                    group = self.intake.take(message, self.version)
+                    group = self.intake.receive(message, self.version)
                 if group is not None:
                     groups.append(group)
         with self.lock:
@@ -263,7 +263,8 @@ class Learner(RankCheckpoints):
         return self.version
 
     def reissue(self, actor: int, incarnation: int) -> int:
-        """Rank 0: a rollout actor died; the k its replacement (`incarnation`) starts from (`Intake.replaced`)."""
+        """Rank 0: a rollout actor died; the group ordinal its replacement (`incarnation`) starts from
+        (`Intake.replaced`)."""
         with self.lock:
             return self.intake.replaced(actor, incarnation)
 
@@ -278,7 +279,7 @@ class Learner(RankCheckpoints):
             return self.intake.unstarted()
 
     def take_gaps(self) -> dict[int, int]:
-        """Rank 0: actors that lost messages, each with the k to regenerate from (see `Intake.take_gaps`)."""
+        """Rank 0: actors that lost messages, each with the group ordinal to regenerate from (`Intake.take_gaps`)."""
         with self.lock:
             return self.intake.take_gaps()
 
@@ -286,7 +287,7 @@ class Learner(RankCheckpoints):
         with self.lock:  # collect() may still be taking messages (Ctrl-C, an error elsewhere)
             summary = {**self.intake.summary(), "version": self.version, "skipped_steps": self.skipped_steps,
                        "dropped_messages": dict(self.inbox.dropped)}
-        if self.distiller is not None:  # the draft version the actors were last sent, and the distiller's fate
+        if self.distiller is not None:  # the draft version the actors were last sent, and the distiller's state
             sent = self.outlet.draft[0] if self.outlet.draft else 0
-            summary["draft"] = {"version": sent, **self.distiller.fate()}
+            summary["draft"] = {"version": sent, **self.distiller.summary()}
         return summary

@@ -14,14 +14,14 @@ from omegaconf import DictConfig
 
 from learner.base import staleness
 from learner.grpo import SUMMED, StepRows
-from transport.messages import Trajectory, add_labels
+from transport.messages import SpecStats, Trajectory, add_labels, total
 
 log = logging.getLogger(__name__)
 # a step's drafter (or a composite's member) with at least ALARM_DRAFTED draft tokens (labelled tokens) accepted
 # under ALARM_RATE of the time raises spec/alarm: an acceptance length of ~1 (< 1.05 for a drafter), what a draft
 # LM's zeroed weights give; a working drafter, drafting only where the planner expects it to pay, stays far above
 ALARM_DRAFTED, ALARM_RATE = 100, 0.05
-WARNED: set[str] = set()  # drafter failures this process has warned about (Trajectory.drafter_failure)
+WARNED: set[str] = set()  # drafter failures this process has warned about (SpecStats.drafter_failure)
 
 
 def step_metrics(rows: StepRows, sums: torch.Tensor, extremes: torch.Tensor, cfg: DictConfig, version: int,
@@ -47,9 +47,7 @@ def step_metrics(rows: StepRows, sums: torch.Tensor, extremes: torch.Tensor, cfg
 
 def rollout_metrics(trajectories: list[Trajectory], method: str) -> dict[str, float]:
     lengths = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.float32)
-    verify_steps = sum(t.verify_steps for t in trajectories)
-    drafted = sum(t.draft_tokens for t in trajectories)
-    accepted = sum(t.accepted_tokens for t in trajectories)
+    spec = total(t.spec for t in trajectories)
     metrics = {
         "rollout/trajectories": float(len(trajectories)),
         "rollout/tokens": lengths.sum().item(),
@@ -64,56 +62,61 @@ def rollout_metrics(trajectories: list[Trajectory], method: str) -> dict[str, fl
         "rollout/entropy_estimate":
             -sum(lp for t in trajectories for lp in t.behaviour_logprobs) / lengths.sum().item(),
         # tokens emitted per verify step that carried drafts (1 = nothing accepted, or no drafts at all)
-        "spec/acceptance_length": (accepted + verify_steps) / verify_steps if verify_steps else 1.0,
-        "spec/draft_tokens": float(drafted),
-        "spec/accepted_tokens": float(accepted),
+        "spec/acceptance_length": spec.acceptance_length(),
+        "spec/draft_tokens": float(spec.draft_tokens),
+        "spec/accepted_tokens": float(spec.accepted_tokens),
+        **planner_metrics(spec),
     }
-    metrics.update(planner_metrics(trajectories, verify_steps))
-    choices = sum((Counter(t.drafter_choices) for t in trajectories), Counter())
-    for source, n in choices.items():  # which member of a composite drafter drafted, as shares of draft steps
-        metrics[f"spec/choice/{source.rsplit('.', 1)[-1]}"] = n / sum(choices.values())
+    for source, n in spec.drafter_choices.items():  # which member of a composite drafter drafted, as shares
+        metrics[f"spec/choice/{source.rsplit('.', 1)[-1]}"] = n / sum(spec.drafter_choices.values())
     if method != "none":  # per drafter, so drafters can be compared across runs
-        name = method.rsplit(".", 1)[-1]
-        metrics.update({f"spec/{name}/acceptance_length": metrics["spec/acceptance_length"],
-                        f"spec/{name}/draft_tokens": float(drafted), f"spec/{name}/accepted_tokens": float(accepted),
-                        f"spec/{name}/draft_seconds": sum(t.draft_seconds for t in trajectories)})
-        # a drafter whose drafts are (nearly) all rejected (zeroed weights, another tokenizer) costs time for nothing
-        broken = [f"drafter {name}: {accepted} of this step's {drafted} draft tokens accepted "
-                  f"(acceptance length {metrics['spec/acceptance_length']:.3f})"] \
-            if drafted >= ALARM_DRAFTED and accepted < ALARM_RATE * verify_steps else []
-        labels: dict[str, list[int]] = {}  # a composite's members, each scored on every proposal it made
-        for t in trajectories:
-            add_labels(labels, {member.rsplit(".", 1)[-1]: pair for member, pair in t.drafter_labels.items()})
-        for member, (yes, no) in sorted(labels.items()):
-            if yes + no:  # the chance that one of its draft tokens is accepted, given the ones before it were
-                metrics[f"spec/member/{member}/token_acceptance"] = yes / (yes + no)
-            if yes + no >= ALARM_DRAFTED and yes < ALARM_RATE * (yes + no):
-                broken.append(f"member {member} of drafter {name}: {yes} of {yes + no} labelled draft tokens "
-                              "would have been accepted")
-        for line in broken:
-            log.warning("%s: drafting costs time for nothing (zeroed draft weights? another tokenizer?)", line)
-        # an engine whose drafter raised decodes on without it (actor/draft_bridge.py switch_off): same tokens, slower
-        failed = Counter(t.drafter_failure for t in trajectories if t.drafter_failure)
-        metrics["spec/drafter_failed"] = sum(failed.values()) / len(trajectories)
-        for failure, n in sorted(failed.items()):
-            if failure not in WARNED:  # it lasts the engine's life: said once, then in TensorBoard only
-                WARNED.add(failure)
-                log.warning("%s: %d of this step's %d trajectories were decoded without drafts (from now on "
-                            "spec/drafter_failed in TensorBoard)", failure, n, len(trajectories))
-        metrics["spec/alarm"] = float(bool(broken or failed))
+        metrics.update(drafter_metrics(method.rsplit(".", 1)[-1], spec, trajectories))
     return metrics
 
 
-def planner_metrics(trajectories: list[Trajectory], verify_steps: int) -> dict[str, float]:
+def drafter_metrics(name: str, spec: SpecStats, trajectories: list[Trajectory]) -> dict[str, float]:
+    """Drafter `name`'s figures under its own name, each composite member's token acceptance, and the alarm: a
+    drafter or member whose drafts are (nearly) all rejected, or one that was switched off for raising."""
+    metrics = {f"spec/{name}/acceptance_length": spec.acceptance_length(),
+               f"spec/{name}/draft_tokens": float(spec.draft_tokens),
+               f"spec/{name}/accepted_tokens": float(spec.accepted_tokens),
+               f"spec/{name}/draft_seconds": spec.draft_seconds}
+    # a drafter whose drafts are (nearly) all rejected (zeroed weights, another tokenizer) costs time for nothing
+    broken = [f"drafter {name}: {spec.accepted_tokens} of this step's {spec.draft_tokens} draft tokens accepted "
+              f"(acceptance length {spec.acceptance_length():.3f})"] \
+        if spec.draft_tokens >= ALARM_DRAFTED and spec.accepted_tokens < ALARM_RATE * spec.verify_steps else []
+    labels: dict[str, list[int]] = {}  # a composite's members, each scored on every proposal it made
+    add_labels(labels, {member.rsplit(".", 1)[-1]: pair for member, pair in spec.drafter_labels.items()})
+    for member, (yes, no) in sorted(labels.items()):
+        if yes + no:  # the chance that one of its draft tokens is accepted, given the ones before it were
+            metrics[f"spec/member/{member}/token_acceptance"] = yes / (yes + no)
+        if yes + no >= ALARM_DRAFTED and yes < ALARM_RATE * (yes + no):
+            broken.append(f"member {member} of drafter {name}: {yes} of {yes + no} labelled draft tokens "
+                          "would have been accepted")
+    for line in broken:
+        log.warning("%s: drafting costs time for nothing (zeroed draft weights? another tokenizer?)", line)
+    # an engine whose drafter raised decodes on without it (actor/draft_bridge.py switch_off): same tokens, slower
+    failed = Counter(t.spec.drafter_failure for t in trajectories if t.spec.drafter_failure)
+    metrics["spec/drafter_failed"] = sum(failed.values()) / len(trajectories)
+    for failure, n in sorted(failed.items()):
+        if failure not in WARNED:  # it lasts the engine's life: said once, then in TensorBoard only
+            WARNED.add(failure)
+            log.warning("%s: %d of this step's %d trajectories were decoded without drafts (from now on "
+                        "spec/drafter_failed in TensorBoard)", failure, n, len(trajectories))
+    metrics["spec/alarm"] = float(bool(broken or failed))
+    return metrics
+
+
+def planner_metrics(spec: SpecStats) -> dict[str, float]:
     """The draft planner's choices (tokens allowed per request and step, its step-cost error) and, decoupled, how
     often drafts were ready when verification ended and the drafting the engines waited for."""
-    metrics, planned_steps = {}, sum(t.planned_steps for t in trajectories)
-    if planned_steps:
-        metrics["spec/planned_tokens"] = sum(t.planned_tokens for t in trajectories) / planned_steps
-        metrics["spec/planner_cost_error"] = sum(t.cost_error for t in trajectories) / planned_steps
-    if any(t.prepared_steps for t in trajectories):
-        metrics["spec/prepared_hit_rate"] = sum(t.prepared_steps for t in trajectories) / max(verify_steps, 1)
-        metrics["spec/critical_draft_seconds"] = sum(t.draft_seconds for t in trajectories)
+    metrics = {}
+    if spec.planned_steps:
+        metrics["spec/planned_tokens"] = spec.planned_tokens / spec.planned_steps
+        metrics["spec/planner_cost_error"] = spec.cost_error / spec.planned_steps
+    if spec.prepared_steps:
+        metrics["spec/prepared_hit_rate"] = spec.prepared_steps / max(spec.verify_steps, 1)
+        metrics["spec/critical_draft_seconds"] = spec.draft_seconds
     return metrics
 
 

@@ -1,7 +1,7 @@
 """Which prompt each rollout actor takes and which learner step consumes it: the one cursor-ownership rule.
 
 A run (or a resumed run) starts at data cursor `start`. Actor `a` of `R` owns the cursors `start + k * R + a`
-(its k-th group, k = 0, 1, ...), and the group of cursor `c` is meant for learner step `c // prompts_per_step`,
+(its groups by ordinal, 0, 1, ...), and the group of cursor `c` is meant for learner step `c // prompts_per_step`,
 so an actor admits it only while that step is at most `max_staleness` versions ahead of its weights. The learner
 trains a step's cursors, waiting for their stragglers (`algorithm.step_order: cursor`, learner/intake.py), or the
 first whole groups to arrive (`arrival`); either way a group it drops as stale (overtaken by later ones, or come too
@@ -24,9 +24,9 @@ class CursorPlan:
     num_actors: int
     prompts_per_step: int
 
-    def cursor(self, actor: int, k: int) -> int:
-        """The data cursor of `actor`'s k-th group."""
-        return self.start + k * self.num_actors + actor
+    def cursor(self, actor: int, ordinal: int) -> int:
+        """The data cursor of `actor`'s group `ordinal` (its first is 0)."""
+        return self.start + ordinal * self.num_actors + actor
 
     def owner(self, cursor: int) -> int:
         return (cursor - self.start) % self.num_actors
@@ -45,14 +45,14 @@ class CursorPlan:
         return self.start + delivered - self.prompts_per_step * version
 
     def first_undelivered(self, actor: int, delivered: Container[int]) -> int:
-        """The smallest k whose cursor `actor` owns and that is not in `delivered`."""
-        k = 0
-        while self.cursor(actor, k) in delivered:
-            k += 1
-        return k
+        """The smallest group ordinal whose cursor `actor` owns and that is not in `delivered`."""
+        ordinal = 0
+        while self.cursor(actor, ordinal) in delivered:
+            ordinal += 1
+        return ordinal
 
-    def first_of_step(self, actor: int, k: int) -> int:
-        """`actor`'s first k whose group is meant for the same learner step as its k-th."""
-        while k > 0 and self.step(self.cursor(actor, k - 1)) == self.step(self.cursor(actor, k)):
-            k -= 1
-        return k
+    def first_of_step(self, actor: int, ordinal: int) -> int:
+        """`actor`'s first group ordinal meant for the same learner step as its group `ordinal`."""
+        while ordinal > 0 and self.step(self.cursor(actor, ordinal - 1)) == self.step(self.cursor(actor, ordinal)):
+            ordinal -= 1
+        return ordinal

@@ -87,3 +87,40 @@ def test_long_bodies_are_cut_into_named_phases():
                 if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 60:
                     long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert not long, long
+
+
+HEAVY = {"torch", "transformers", "ray", "vllm", "deepspeed"}  # what a module may defer importing
+
+
+def top_level_imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """The modules `path` imports outside any function (what importing it runs)."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known)
+    return names
+
+
+def test_project_imports_sit_at_the_top_unless_they_bring_a_heavy_dependency():
+    """The top of a file shows what it depends on: a project module imported inside a function (outside bench/) must
+    be one whose import loads torch, transformers, Ray, vLLM or DeepSpeed (an import deferred for its cost, or until
+    the environment those read at import is set)."""
+    known = modules()
+
+    def heavy(name: str, seen: set[str]) -> bool:
+        seen.add(name)
+        imported = top_level_imports(known[name], known)
+        return any(i.split(".")[0] in HEAVY for i in imported) or any(
+            heavy(i, seen) for i in imported if i in known and i not in seen)
+
+    light = []
+    for name, path in known.items():
+        if name.split(".")[0] == "bench":
+            continue
+        for imported in imports(path, known) - top_level_imports(path, known):
+            if imported in known and not heavy(imported, set()):
+                light.append(f"{name} imports {imported} inside a function")
+    assert not light, "\n".join(light)

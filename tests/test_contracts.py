@@ -5,8 +5,9 @@ import typing
 import msgspec
 import pytest
 
+import factories
 from learner.base import admissible, staleness
-from transport.messages import (SCHEMA_VERSION, Heartbeat, History, Message, Output, TensorSpec, Trajectory,
+from transport.messages import (SCHEMA_VERSION, Heartbeat, History, Message, Output, SpecStats, TensorSpec,
                                 WeightAck, WeightBucket)
 
 
@@ -21,11 +22,11 @@ def test_every_message_type_round_trips_through_one_tagged_decoder():
     """Every member of `Message`, and `History` (the weight channel's), decoded back equal from its bytes, with its
     defaulted fields set; a message whose tag names no type is refused."""
     samples = [
-        Trajectory(SCHEMA_VERSION, actor_id=1, seq=7, group_id=3, group_size=8, sample_index=2, prompt_ids=[1, 2],
-                   response_ids=[3, 4, 5], behaviour_logprobs=[-0.1, -0.2, -0.3], policy_versions=[0, 0, 1],
-                   reward=1.0, finish_reason="stop", generate_seconds=0.5, verify_steps=2, draft_tokens=6,
-                   accepted_tokens=4, drafter_choices={"suffix": 2}, drafter_labels={"suffix": [4, 1]},
-                   drafter_failure="drafter X switched off"),
+        factories.trajectory(actor_id=1, seq=7, group_id=3, group_size=8, sample_index=2,
+                             behaviour_logprobs=[-0.1, -0.2, -0.3], policy_versions=[0, 0, 1], generate_seconds=0.5,
+                             spec=SpecStats(verify_steps=2, draft_tokens=6, accepted_tokens=4, cost_error=0.25,
+                                            drafter_choices={"suffix": 2}, drafter_labels={"suffix": [4, 1]},
+                                            drafter_failure="drafter X switched off")),
         WeightBucket(SCHEMA_VERSION, version=2, bucket=0, num_buckets=1, tensors=[TensorSpec("w", "float32", [2, 3])],
                      model="draft", lead=3),
         WeightAck(SCHEMA_VERSION, actor_id=1, version=2, apply_seconds=0.01, model="draft"),

@@ -9,15 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
+import factories
 from configs.load import load_config
 from drafters.base import DraftRequest
 from drafters.draft_lm import DraftLM
-from learner.distill import DraftDistiller, RemoteDistiller, acceptance_walk, observed, regrouped
+from learner.distill import DraftDistiller, RemoteDistiller, acceptance_walk, teacher_batch, regrouped
 from learner.grpo import Packed
 from models.zoo import resolve
 from sampling.coupled import coupled_sample, group_seed, processed_logprobs
 from tasks.arithmetic import ArithmeticTask
-from transport.messages import SCHEMA_VERSION, Trajectory
+from transport.messages import Trajectory
 
 K = 4
 
@@ -29,8 +30,8 @@ def config(**distill):
 
 
 def trajectory(cursor: int, index: int, prompt: list[int], response: list[int]) -> Trajectory:
-    return Trajectory(SCHEMA_VERSION, 0, 0, cursor, 8, index, prompt, response, [-1.0] * len(response),
-                      [0] * len(response), 0.0, "stop", 0.0)
+    return factories.trajectory(group_id=cursor, group_size=8, sample_index=index, prompt_ids=prompt,
+                                response_ids=response, behaviour_logprobs=[-1.0] * len(response), reward=0.0)
 
 
 def test_acceptance_walk_counts_verify_steps():
@@ -51,7 +52,7 @@ def test_replay_is_exactly_what_the_draft_lm_proposes():
     response = list(own)
     response[5] = (response[5] + 1) % 272  # the verifier committed another token at position 5
     t = trajectory(3, 2, tokenizer_prompt, response)
-    batch = observed(cfg, [t], torch.zeros(1, len(response), 272))
+    batch = teacher_batch(cfg, [t], torch.zeros(1, len(response), 272))
     replayed = distiller._drafts(batch, distiller._rows(distiller.running, batch))[0][0].tolist()
     assert replayed[:5] == own[:5] and replayed[5] == own[5] != response[5]
     for position in (6, 9):  # after the mismatch: drafts conditioned on the committed history
@@ -77,7 +78,7 @@ def test_regrouped_batches_keep_each_trajectory_with_its_own_targets():
         teacher = torch.full((len(rows), max(batch), 272), -50.0)
         for i, n in enumerate(batch):
             teacher[i, :n, 20 + n] = 0.0  # the policy's favourite at every position is the row's own token
-        batches.append(observed(cfg, rows, teacher))
+        batches.append(teacher_batch(cfg, rows, teacher))
     out = sorted(regrouped(batches, 3, cfg.seed, order=1), key=lambda b: b.lengths[0])
     assert [len(b.lengths) for b in out] == [3, 3, 2]
     assert [n for b in out for n in b.lengths] == sorted(n for batch in lengths for n in batch)
@@ -120,7 +121,7 @@ def policy_batches():
 
 def learnt(policy_batches) -> list:
     """The fixture's micro-batches as a policy step hands them to the distiller."""
-    return [observed(config(), rows, teacher) for rows, teacher in policy_batches]
+    return [teacher_batch(config(), rows, teacher) for rows, teacher in policy_batches]
 
 
 def test_distillation_raises_replayed_acceptance_and_the_gate_publishes_only_better(policy_batches):
@@ -182,7 +183,7 @@ def test_distillation_never_holds_the_learner_back(policy_batches, tmp_path):
         ray.get(distiller.running)
         assert step(4)["draft/version"] == 1 and distiller.take_outgoing()[0] == 1  # step 3 gated a trained one
         ray.get(distiller.running)
-        # a step that began while it was busy observed nothing (`ready`): skipped and counted, step 4's metrics given
+        # a step that began while it was busy teacher_batch nothing (`ready`): skipped and counted, step 4's metrics given
         assert set(distiller.start(4)) >= {"draft/loss", "draft/skipped_steps"} and distiller.running is None
         assert distiller.skipped == 2
         policy = ray.get(distiller.worker.__ray_call__.remote(lambda worker: os.sched_getscheduler(0)))

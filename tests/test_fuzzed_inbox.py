@@ -13,7 +13,9 @@ from msgspec.structs import replace
 from learner.intake import Intake
 from tasks.schedule import CursorPlan
 from transport.auth import ClientKeys, Gate, dial, keypair
-from transport.messages import MAX_DRAFTERS, SCHEMA_VERSION, Heartbeat, TensorSpec, Trajectory, WeightAck, WeightBucket
+import factories
+from transport.messages import (MAX_DRAFTERS, SCHEMA_VERSION, Heartbeat, SpecStats, TensorSpec, Trajectory, WeightAck,
+                                WeightBucket)
 from transport.zmq import MAXMSGSIZE_SLACK, Inbox, Outbox
 
 FUZZED = 12_000
@@ -25,9 +27,11 @@ def trajectory(actor: int, group: int, index: int, seq: int, rng: random.Random)
     n = rng.randint(1, 8)
     prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))]
     response = [rng.randrange(VOCAB) for _ in range(n)]
-    return Trajectory(SCHEMA_VERSION, actor, seq, group, GROUP_SIZE, index, prompt, response,
-                      [-rng.random() * 5 for _ in range(n)], [rng.randint(0, VERSION) for _ in range(n)],
-                      rng.choice([0.0, 1.0]), "stop", 0.1)
+    return factories.trajectory(actor_id=actor, seq=seq, group_id=group, group_size=GROUP_SIZE, sample_index=index,
+                                prompt_ids=prompt, response_ids=response,
+                                behaviour_logprobs=[-rng.random() * 5 for _ in range(n)],
+                                policy_versions=[rng.randint(0, VERSION) for _ in range(n)],
+                                reward=rng.choice([0.0, 1.0]))
 
 
 def semantic_violations(t: Trajectory) -> dict[str, list[Trajectory]]:
@@ -41,8 +45,10 @@ def semantic_violations(t: Trajectory) -> dict[str, list[Trajectory]]:
             "reward": [replace(t, reward=float("nan")), replace(t, reward=1e39), replace(t, reward=3e38)],
             "logprobs": [replace(t, behaviour_logprobs=[float("-inf")] * n),
                          replace(t, reward=0.0, behaviour_logprobs=[-1e3] * n)],  # a negative advantage's ratio
-            "drafter_labels": [replace(t, drafter_labels={"ngram": [1]}), replace(t, drafter_choices={"x": -1}),
-                               replace(t, drafter_labels={"ngram": [1, -1]})],
+            "spec": [replace(t, spec=SpecStats(drafter_labels={"ngram": [1]})),
+                     replace(t, spec=SpecStats(drafter_choices={"x": -1})),
+                     replace(t, spec=SpecStats(drafter_labels={"ngram": [1, -1]})),
+                     replace(t, spec=SpecStats(draft_seconds=float("nan"))), replace(t, spec=SpecStats(verify_steps=-1))],
             "versions": [replace(t, policy_versions=[VERSION + 1] * n)],
             "ahead": [replace(t, group_id=t.group_id + 6 * GROUPS)]}  # a step no actor admits yet
 
@@ -67,7 +73,7 @@ def hostile_messages(rng: random.Random) -> tuple[list[bytes], dict[str, int], d
             frame, reason = rng.randbytes(MAX_BYTES + 1 + rng.randrange(MAXMSGSIZE_SLACK // 2)), "oversized"
         elif kind == 4:  # more drafters than a composite drafter combines: refused as it is decoded
             labels = {f"d{j}": [0, 0] for j in range(MAX_DRAFTERS + 1)}
-            frame, reason = msgspec.msgpack.encode(replace(base, drafter_labels=labels)), "malformed"
+            frame, reason = msgspec.msgpack.encode(replace(base, spec=SpecStats(drafter_labels=labels))), "malformed"
         elif kind == 5:  # a message type that is not the inbox's
             header = WeightBucket(SCHEMA_VERSION, 3, 0, 1, [TensorSpec("w", "float32", [2])])
             frame, reason = msgspec.msgpack.encode(header), "malformed"
@@ -154,7 +160,7 @@ def test_fuzzed_messages_never_crash_the_inbox_nor_touch_a_valid_group():
             continue
         if isinstance(message, WeightAck | Heartbeat):
             others += 1
-        elif (group := intake.take(message, VERSION)) is not None:
+        elif (group := intake.receive(message, VERSION)) is not None:
             delivered.append(group)
     sender.join()
     assert inbox.recv(500) is None  # nothing more: none of the oversize-limit frames reached the application

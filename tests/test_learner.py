@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 import transformers
+from msgspec.structs import replace
 
+import factories
 from configs.load import load_config
 from models.zoo import resolve
 from sampling.coupled import processed_logprobs
@@ -31,8 +33,9 @@ def make_groups(model, tok, texts=GROUPS) -> list[list[Trajectory]]:
     for g, (prompt, responses) in enumerate(texts):
         p = tok(prompt, add_special_tokens=False).input_ids
         rs = [tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id] for text in responses]
-        groups.append([Trajectory(SCHEMA_VERSION, 0, i, g, 4, i, p, r, sequence_logprob(model, p, r), [0] * len(r),
-                                  1.0 if i == 0 else 0.0, "stop", 0.1) for i, r in enumerate(rs)])
+        groups.append([factories.trajectory(seq=i, group_id=g, group_size=4, sample_index=i, prompt_ids=p, response_ids=r,
+                                            behaviour_logprobs=sequence_logprob(model, p, r), reward=1.0 if i == 0 else 0.0)
+                       for i, r in enumerate(rs)])
     return groups
 
 
@@ -127,7 +130,7 @@ def test_rows_with_zero_advantage_are_not_forwarded_and_the_step_is_unchanged(ag
     learner.start()
     reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     groups = make_groups(reference, transformers.AutoTokenizer.from_pretrained(model_dir), texts)
-    groups[2] = [Trajectory(**{**{f: getattr(t, f) for f in t.__struct_fields__}, "reward": 0.0}) for t in groups[2]]
+    groups[2] = [replace(t, reward=0.0) for t in groups[2]]
     rows = [t for g in groups for t in g]
     advantages = group_advantages(torch.tensor([[t.reward for t in g] for g in groups]), True).flatten()
     packed = Packed(rows)  # the whole step at once, every row, the uniform group's included
@@ -207,7 +210,7 @@ def test_the_distiller_still_learns_from_rows_with_zero_advantage(monkeypatch):
                                             "speculation.distill.every_versions=1"])
     learner.distiller = Distiller()
     groups = make_groups(learner.engine.module, transformers.AutoTokenizer.from_pretrained(model_dir), texts)
-    groups[2] = [Trajectory(**{**{f: getattr(t, f) for f in t.__struct_fields__}, "reward": 0.0}) for t in groups[2]]
+    groups[2] = [replace(t, reward=0.0) for t in groups[2]]
     learner.groups = groups
     metrics = learner.train()
     assert metrics["rl/zero_advantage_fraction"] == pytest.approx(1 / 3) and metrics["rl/grad_norm"] > 0
@@ -238,8 +241,7 @@ def test_a_step_whose_gradient_is_not_finite_is_skipped_and_counted(zero_stage):
     before = {n: p.detach().clone() for n, p in learner.engine.module.named_parameters()}
     poisoned = [g[:] for g in groups]
     bad = poisoned[0][1]
-    poisoned[0][1] = Trajectory(**{**{f: getattr(bad, f) for f in bad.__struct_fields__},
-                                   "reward": float("nan")})
+    poisoned[0][1] = replace(bad, reward=float("nan"))
     learner.groups = poisoned
     metrics = learner.train()
     assert metrics["rl/skipped_steps"] == 1.0 and learner.summary()["skipped_steps"] == 1
@@ -285,8 +287,7 @@ def test_a_deterministic_learner_takes_its_own_logprobs_as_the_behaviour_ones(de
     learner = Learner(cfg, model_dir, model_dir, CursorPlan(0, 1, 2))
     learner.start()
     groups = make_groups(learner.engine.module, transformers.AutoTokenizer.from_pretrained(model_dir))
-    learner.groups = [[Trajectory(**{**{f: getattr(t, f) for f in t.__struct_fields__},
-                                     "behaviour_logprobs": [lp - 1.0 for lp in t.behaviour_logprobs]}) for t in g]
+    learner.groups = [[replace(t, behaviour_logprobs=[lp - 1.0 for lp in t.behaviour_logprobs]) for t in g]
                       for g in groups]
     metrics = learner.train()
     if deterministic:
@@ -317,7 +318,7 @@ def test_ranks_share_a_step_and_take_the_same_step_as_one_rank(tmp_path, ranks, 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     texts = [*GROUPS, ("Question: 5+1=?\nAnswer:", [" 5+1=7\n#### 7", " 8", " 5+1=4\n#### 4", " 2"])]
     rewards = [[1.0, 0.0, 0.0, 0.0], [1.0, 0.5, 0.25, 0.25], [0.0] * 4]  # 4 + 3 + 0 rows with a gradient
-    trajectories = [Trajectory(**{**{f: getattr(t, f) for f in t.__struct_fields__}, "reward": r})
+    trajectories = [replace(t, reward=r)
                     for g, rs in zip(make_groups(model, transformers.AutoTokenizer.from_pretrained(model_dir), texts),
                                      rewards) for t, r in zip(g, rs)]
     env = {k: os.environ[k] for k in ("DS_ACCELERATOR", "OMP_NUM_THREADS")}

@@ -98,7 +98,7 @@ def pool(behaviour: dict[int, str], max_restarts: int, *overrides: str, earlier:
     p.cls = SimpleNamespace(options=lambda **kw: SimpleNamespace(
         remote=lambda *a, **k: cls.options(**kw).remote(*a, **k, behaviour=behaviour)))
     p.group = reserve(cfg, "rollout")
-    p.actors = [p.spawn(0, first_k=0)]
+    p.actors = [p.spawn(0, first_ordinal=0)]
     p.runs = [p.actors[0].run.remote()]
     return p
 
@@ -165,7 +165,7 @@ def test_stopping_reports_a_dead_actor_instead_of_raising_over_the_error_that_en
     with pytest.raises(RuntimeError, match=r"after 0 restarts"):
         p.replace(0)
     p.restarts = 1  # stand-ins behave by incarnation: the second actor is spawned as a healthy incarnation 1
-    p.actors.append(p.spawn(1, first_k=0))
+    p.actors.append(p.spawn(1, first_ordinal=0))
     p.runs.append(p.actors[1].run.remote())
     summaries = p.stop(timeout_s=30)
     assert summaries[0]["actor"] == 0 and "engine died" in summaries[0]["error"]

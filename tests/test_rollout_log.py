@@ -3,14 +3,15 @@ reproduces each sample."""
 
 import json
 
+import factories
 from learner.rollout_log import FILE, RolloutLog
 from sampling.coupled import group_seed
-from transport.messages import SCHEMA_VERSION, Trajectory
+from transport.messages import Trajectory
 
 
 def trajectory(group: int, index: int, response: list[int]) -> Trajectory:
-    return Trajectory(SCHEMA_VERSION, 0, group * 2 + index, group, 2, index, [5, 6], response, [-0.5] * len(response),
-                      [3] * len(response), float(index), "stop", 0.1, 0, 0, 0, 0.0, 0, 0, 0.0, {})
+    return factories.trajectory(seq=group * 2 + index, group_id=group, sample_index=index, prompt_ids=[5, 6],
+                                response_ids=response, policy_versions=[3] * len(response), reward=float(index))
 
 
 def test_each_step_appends_its_trajectories_with_step_and_seed(tmp_path):

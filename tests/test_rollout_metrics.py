@@ -7,13 +7,15 @@ import logging
 import msgspec
 import pytest
 
+import factories
 from learner.metrics import ALARM_DRAFTED, rollout_metrics
-from transport.messages import SCHEMA_VERSION, Trajectory
+from transport.messages import SpecStats, Trajectory
 
 
 def trajectory(verify_steps: int, drafted: int, accepted: int, labels: dict | None = None) -> Trajectory:
-    return Trajectory(SCHEMA_VERSION, 0, 0, 0, 2, 0, [1, 2], [3] * 10, [-1.0] * 10, [0] * 10, 1.0, "stop", 0.5,
-                      verify_steps, drafted, accepted, drafter_labels=labels or {})
+    return factories.trajectory(response_ids=[3] * 10, behaviour_logprobs=[-1.0] * 10, generate_seconds=0.5,
+                                spec=SpecStats(verify_steps=verify_steps, draft_tokens=drafted,
+                                               accepted_tokens=accepted, drafter_labels=labels or {}))
 
 
 @pytest.mark.parametrize(("accepted", "alarm"), [(0, 1.0), (4, 1.0), (5, 0.0), (60, 0.0)])
@@ -55,7 +57,7 @@ def test_trajectories_decoded_without_a_switched_off_drafter_raise_the_alarm(cap
     and the log must say that its rollouts no longer draft."""
     failure = "drafter Raises switched off: IndexError: broke (test_rollout_metrics)"
     with caplog.at_level(logging.WARNING, logger="learner.metrics"):
-        off = msgspec.structs.replace(trajectory(0, 0, 0), drafter_failure=failure)
+        off = msgspec.structs.replace(trajectory(0, 0, 0), spec=SpecStats(drafter_failure=failure))
         metrics = rollout_metrics([trajectory(50, 100, 60), off], "draft_lm")
     assert metrics["spec/drafter_failed"] == 0.5 and metrics["spec/alarm"] == 1.0
     assert f"{failure}: 1 of this step's 2 trajectories were decoded without drafts" in caplog.text
@@ -74,8 +76,8 @@ def test_without_speculation_there_are_no_spec_scalars_per_drafter():
 def test_decoupled_drafting_reports_its_hit_rate_and_the_drafting_waited_for():
     plain = trajectory(40, 100, 60)
     assert "spec/prepared_hit_rate" not in rollout_metrics([plain], "draft_lm")  # not decoupled: no such scalar
-    ahead = [msgspec.structs.replace(plain, prepared_steps=10, draft_seconds=0.25),
-             msgspec.structs.replace(plain, prepared_steps=30, draft_seconds=0.5)]
+    ahead = [msgspec.structs.replace(plain, spec=msgspec.structs.replace(plain.spec, prepared_steps=n, draft_seconds=s))
+             for n, s in ((10, 0.25), (30, 0.5))]
     metrics = rollout_metrics(ahead, "draft_lm")
     assert metrics["spec/prepared_hit_rate"] == pytest.approx(40 / 80)
     assert metrics["spec/critical_draft_seconds"] == pytest.approx(0.75)

@@ -7,7 +7,7 @@ draws from the global RNGs."""
 import pytest
 
 from actor.engine import close_engine, completion_text, make_engine
-from actor.vllm_hooks import take_spec_counts
+from actor.vllm_hooks import take_records
 from configs.load import load_config
 from models.zoo import resolve
 from tasks.arithmetic import ArithmeticTask
@@ -48,14 +48,14 @@ def rollouts(drafter: str) -> tuple[list, dict]:
                 params.append(SamplingParams(seed=100 * s + i, temperature=temperature, top_p=top_p, top_k=top_k,
                                              max_tokens=max_tokens(i)))
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        stats = llm.collective_rpc(take_spec_counts, args=([o.request_id for o in outputs],))[0]
+        records = llm.collective_rpc(take_records, args=([o.request_id for o in outputs],))[0]
         results = []
         for o in outputs:  # the tokens, and the logprobs the actor sends the learner (the coupled sampler's)
             c = o.outputs[0]
-            results.append((list(c.token_ids), stats[o.request_id].logprobs[: len(c.token_ids)], c.text,
+            results.append((list(c.token_ids), records[o.request_id].logprobs[: len(c.token_ids)], c.text,
                             c.finish_reason))
-            assert len(stats[o.request_id].logprobs) >= len(c.token_ids), f"{method}: request {o.request_id}"
-        return results, [stats[o.request_id] for o in outputs]
+            assert len(records[o.request_id].logprobs) >= len(c.token_ids), f"{method}: request {o.request_id}"
+        return results, [records[o.request_id].stats for o in outputs]
     finally:
         close_engine(llm)
 
@@ -154,7 +154,7 @@ def stepped_rollouts(overrides: list[str], between_steps) -> tuple[dict, dict, i
                     done[out.request_id], finished_at[out.request_id] = list(out.outputs[0].token_ids), steps
             steps += 1
             between_steps(llm, steps, lengths)
-        return done, finished_at, steps, llm.collective_rpc(take_spec_counts, args=(list(done),))[0]
+        return done, finished_at, steps, llm.collective_rpc(take_records, args=(list(done),))[0]
     finally:
         close_engine(llm)
 
@@ -178,14 +178,14 @@ def test_a_draft_lm_swapped_mid_rollout_leaves_every_trajectory_unchanged(plain,
             assert llm.collective_rpc(swap_draft_weights, args=(versions.pop(0),)) == [True]
 
     members = ["speculation.drafters=[suffix,draft_lm]"] if method == "fastest_of_n" else []
-    done, _, steps, stats = stepped_rollouts([f"speculation.method={method}", *members], swap)
+    done, _, steps, records = stepped_rollouts([f"speculation.method={method}", *members], swap)
     assert not versions and steps > 15
     for s in range(len(SETTINGS)):
         for i in range(PROMPTS):
             assert done[f"{s}-{i}"] == plain[s * PROMPTS + i][0], f"request {s}-{i} changed after a draft swap"
-    assert sum(c.accepted_tokens for c in stats.values()) > 0
+    assert sum(c.stats.accepted_tokens for c in records.values()) > 0
     if method == "fastest_of_n":  # every member's proposals were labelled, the draft LM's through all three versions
-        labelled = {name for c in stats.values() for name, (yes, no) in c.member_labels.items() if yes + no}
+        labelled = {name for c in records.values() for name, (yes, no) in c.stats.drafter_labels.items() if yes + no}
         assert labelled == {"suffix", "draft_lm"}
 
 
@@ -209,17 +209,17 @@ def test_a_drafter_that_raises_mid_rollout_is_switched_off_and_leaves_every_traj
     broken member, emitting plain decoding's tokens; every request running from then on carries the reason for the
     learner's spec/alarm."""
     members = ["speculation.drafters=[suffix,draft_lm]"] if method == "fastest_of_n" else []
-    done, finished_at, steps, stats = stepped_rollouts(
+    done, finished_at, steps, records = stepped_rollouts(
         [f"speculation.method={method}", *members, "speculation.planner=false"],  # no planner: drafts from step 1
         lambda llm, steps, lengths: steps == 10 and llm.collective_rpc(_break_the_drafter))
     assert steps > 10 and len(done) == len(SETTINGS) * PROMPTS
     for s in range(len(SETTINGS)):
         for i in range(PROMPTS):
             assert done[f"{s}-{i}"] == plain[s * PROMPTS + i][0], f"request {s}-{i} changed when its drafter broke"
-    assert sum(c.draft_tokens for c in stats.values()) > 0  # it drafted before it broke
+    assert sum(c.stats.draft_tokens for c in records.values()) > 0  # it drafted before it broke
     later = [r for r, step in finished_at.items() if step > 11]  # still running when it proposed next
-    assert later and {stats[r].drafter_failure for r in later} == {BROKEN[method]}
-    drafted = max(stats[r].verify_steps for r in later)  # engine steps that verified drafts for one request
+    assert later and {records[r].stats.drafter_failure for r in later} == {BROKEN[method]}
+    drafted = max(records[r].stats.verify_steps for r in later)  # engine steps that verified drafts for one request
     # no request drafted after the break (at most the 11 steps before it), or under fastest-of-N the suffix member did
     assert drafted > 11 if method == "fastest_of_n" else drafted <= 11
 
@@ -250,7 +250,7 @@ def test_a_preempting_weight_update_leaves_every_logprob_at_its_position_under_i
             assert llm.reset_prefix_cache(reset_running_requests=True)
             switched_at.update(lengths)
 
-    done, _, steps, stats = stepped_rollouts([f"speculation.method={method}", "speculation.planner=false"], update)
+    done, _, steps, records = stepped_rollouts([f"speculation.method={method}", "speculation.planner=false"], update)
     assert switched_at and steps > 6
     tokenizer, task, moved = AutoTokenizer.from_pretrained(resolve("builtin:dense")), ArithmeticTask(seed=3), 0
     for s, (temperature, top_p, top_k) in enumerate(SETTINGS):
@@ -263,7 +263,7 @@ def test_a_preempting_weight_update_leaves_every_logprob_at_its_position_under_i
                                                temperature, top_k, top_p).gather(1, torch.tensor(ids)[:, None])[:, 0]
                             for model in (old, new)]
             want = torch.cat([expected[0][:m], expected[1][m:]])
-            recorded = torch.tensor(stats[rid].logprobs[: len(ids)])
+            recorded = torch.tensor(records[rid].logprobs[: len(ids)])
             assert torch.allclose(recorded, want, atol=1e-4), f"{method} request {rid}: switched after {m} tokens"
             moved += int((expected[0][m:] - expected[1][m:]).abs().max() > 1e-3) if len(ids) > m else 0
     assert moved > PROMPTS, "the new weights barely change the logprobs: the test could not tell the versions apart"

@@ -8,14 +8,13 @@ import pytest
 import torch
 import zmq
 
+import factories
 from transport.messages import SCHEMA_VERSION, Trajectory, WeightAck
 from transport.zmq import Inbox, Outbox, WeightPublisher, WeightSubscriber, pack_buckets
 
 
 def trajectory(seq, schema=SCHEMA_VERSION, n=3):
-    return Trajectory(schema, actor_id=0, seq=seq, group_id=seq, group_size=2, sample_index=0,
-                      prompt_ids=[1, 2], response_ids=list(range(n)), behaviour_logprobs=[-0.5] * n,
-                      policy_versions=[0] * n, reward=1.0, finish_reason="stop", generate_seconds=0.1)
+    return factories.trajectory(schema=schema, seq=seq, group_id=seq, response_ids=range(n))
 
 
 @pytest.fixture

@@ -4,14 +4,14 @@ noise seeds that no global RNG moves, and records that leave with their requests
 import pytest
 import torch
 
-from actor.vllm_hooks import CoupledSampling, SpecCounts, noise_seed
+from actor.vllm_hooks import CoupledSampling, RequestRecord, noise_seed
 
 
 def test_a_position_sampled_again_overwrites_its_logprob_and_never_shifts_the_later_ones():
     """What a preempting weight update does to a request whose next token was already sampled (vLLM with async
     scheduling): the position is sampled again, under the new weights, and its logprob must replace the old one."""
     sampler = CoupledSampling(runner=None)
-    sampler.held["r-x"] = SpecCounts()
+    sampler.held["r-x"] = RequestRecord()
     sampler._record(["r-x"], [1], [0], [-0.1], [1])
     sampler._record(["r-x"], [4], [1, 2, 3, 4], [-0.2, -0.3, -0.4, -0.5], [3])  # a verify step: 3 tokens emitted
     assert sampler.held["r-x"].logprobs == [-0.1, -0.2, -0.3, -0.4]
@@ -37,7 +37,7 @@ def test_the_records_of_ten_thousand_finished_requests_are_gone():
     from vllm import SamplingParams
 
     from actor.engine import close_engine, make_engine
-    from actor.vllm_hooks import take_spec_counts
+    from actor.vllm_hooks import take_records
     from configs.load import load_config
     from models.zoo import resolve
 
@@ -46,11 +46,11 @@ def test_the_records_of_ten_thousand_finished_requests_are_gone():
         prompts = [{"prompt_token_ids": [1 + i % 50, 2 + i % 7]} for i in range(10_000)]
         params = [SamplingParams(max_tokens=2, seed=None if i % 2 else i) for i in range(10_000)]
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        taken = llm.collective_rpc(take_spec_counts, args=([o.request_id for o in outputs],))[0]
+        taken = llm.collective_rpc(take_records, args=([o.request_id for o in outputs],))[0]
         assert all(len(taken[o.request_id].logprobs) >= len(o.outputs[0].token_ids) >= 1 for o in outputs)
         llm.generate([{"prompt_token_ids": [3]}], SamplingParams(max_tokens=1, seed=1), use_tqdm=False)
         sizes = llm.collective_rpc(lambda worker: {name: len(getattr(worker.model_runner._sample, name))
-                                                   for name in ("held", "counts")})[0]
-        assert sizes["held"] <= 1 and sizes["counts"] <= 2, sizes
+                                                   for name in ("held", "records")})[0]
+        assert sizes["held"] <= 1 and sizes["records"] <= 2, sizes
     finally:
         close_engine(llm)

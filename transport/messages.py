@@ -4,18 +4,19 @@ Every message carries `schema`; a receiver decodes with a typed decoder and drop
 malformed, truncated, oversized or of another schema version. Tensor bytes never travel inside a Struct:
 a `WeightBucket` header is followed by one zero-copy frame per tensor, in `tensors` order.
 
-`schema` changes when a field changes meaning or a required field is added; a new field with a default (the
-speculation counts of `Trajectory`) keeps it, since msgspec decoders skip unknown fields and fill defaults.
+`schema` changes when a field changes meaning or a required field is added; a new field with a default (a counter
+of `SpecStats`) keeps it, since msgspec decoders skip unknown fields and fill defaults.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated
 
 import msgspec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # Length limits a decoder checks before it builds anything (a longer list is refused as it starts): what one message
 # can make its receiver allocate beyond its own bytes (`trajectory_bytes`) stays bounded
@@ -33,7 +34,57 @@ def trajectory_bytes(max_model_len: int) -> int:
     return (64 << 10) + 32 * max_model_len
 
 
-class Trajectory(msgspec.Struct, tag="trajectory", frozen=True):
+class SpecStats(msgspec.Struct, omit_defaults=True):
+    """What speculative decoding did for one sequence: counted by the actor's coupled sampler and drafter bridge,
+    carried in its `Trajectory`, and summed (`+`, `total`) into a step's metrics and the benchmarks' figures."""
+
+    verify_steps: int = 0  # verify steps that carried drafts for it
+    draft_tokens: int = 0  # draft tokens proposed for it
+    accepted_tokens: int = 0  # of which the verifier accepted
+    invalid_drafts: int = 0  # proposals dropped as invalid (token ids outside the vocabulary)
+    draft_seconds: float = 0.0  # its share of the time the drafter spent proposing (the engine waited for)
+    planned_steps: int = 0  # decode steps the draft planner decided for it (drafting or not)
+    planned_tokens: int = 0  # draft tokens the planner allowed it over those steps
+    prepared_steps: int = 0  # of its drafting steps, those whose drafts were prepared a step ahead (decoupled)
+    cost_error: float = 0.0  # sum over those steps of the planner's relative error on the engine step's seconds
+    # draft steps per member of a composite drafter (fastest_of_n)
+    drafter_choices: Annotated[dict[Name, int], msgspec.Meta(max_length=MAX_DRAFTERS)] = {}
+    # per member of a composite drafter: [tokens of its proposals the verifier would have accepted, rejected]
+    # (every proposal it made, chosen or not, labelled on the committed tokens: Drafter.member_labels)
+    drafter_labels: Annotated[dict[Name, Annotated[list[int], msgspec.Meta(max_length=2)]],
+                              msgspec.Meta(max_length=MAX_DRAFTERS)] = {}
+    drafter_failure: Annotated[str, msgspec.Meta(max_length=4096)] = ""  # why the drafter was switched off ("": not)
+
+    def __add__(self, other: SpecStats) -> SpecStats:
+        labels: dict[str, list[int]] = {}
+        for each in (self, other):
+            add_labels(labels, each.drafter_labels)
+        return SpecStats(**{name: getattr(self, name) + getattr(other, name) for name in _SUMMED_SPEC},
+                         drafter_choices=dict(Counter(self.drafter_choices) + Counter(other.drafter_choices)),
+                         drafter_labels=labels, drafter_failure=self.drafter_failure or other.drafter_failure)
+
+    def acceptance_length(self) -> float:
+        """Tokens emitted per verify step that carried drafts (1: nothing accepted, or no drafts at all)."""
+        return (self.accepted_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else 1.0
+
+
+_SUMMED_SPEC = ("verify_steps", "draft_tokens", "accepted_tokens", "invalid_drafts", "draft_seconds", "planned_steps",
+                "planned_tokens", "prepared_steps", "cost_error")
+
+
+def total(stats: Iterable[SpecStats]) -> SpecStats:
+    return sum(stats, SpecStats())
+
+
+def add_labels(into: dict[str, list[int]], labels: Mapping[str, Sequence[int]]) -> None:
+    """Adds per-member [accepted, rejected] draft-token labels (as `SpecStats.drafter_labels` holds) into `into`."""
+    for name, (accepted, rejected) in labels.items():
+        pair = into.setdefault(name, [0, 0])
+        pair[0] += accepted
+        pair[1] += rejected
+
+
+class Trajectory(msgspec.Struct, tag="trajectory", frozen=True, kw_only=True):
     """One sampled response of a GRPO group, streamed by a rollout actor as soon as its group completes."""
 
     schema: int
@@ -49,28 +100,7 @@ class Trajectory(msgspec.Struct, tag="trajectory", frozen=True):
     reward: float
     finish_reason: Name  # "stop" or "length"
     generate_seconds: float
-    verify_steps: int = 0  # speculation: verify steps that carried drafts for this sequence
-    draft_tokens: int = 0  # draft tokens proposed for it
-    accepted_tokens: int = 0  # of which the verifier accepted
-    draft_seconds: float = 0.0  # its share of the time the drafter spent proposing
-    planned_steps: int = 0  # decode steps the draft planner decided for it (drafting or not)
-    planned_tokens: int = 0  # draft tokens the planner allowed it over those steps
-    prepared_steps: int = 0  # of its drafting steps, those whose drafts were prepared a step ahead (decoupled)
-    cost_error: float = 0.0  # sum over those steps of the planner's relative error on the engine step's seconds
-    drafter_choices: Annotated[dict[Name, int], msgspec.Meta(max_length=MAX_DRAFTERS)] = {}  # draft steps per member of a composite drafter (fastest_of_n)
-    # per member of a composite drafter: [tokens of its proposals the verifier would have accepted, rejected]
-    # (every proposal it made, chosen or not, labelled on the committed tokens: Drafter.member_labels)
-    drafter_labels: Annotated[dict[Name, Annotated[list[int], msgspec.Meta(max_length=2)]],
-                              msgspec.Meta(max_length=MAX_DRAFTERS)] = {}
-    drafter_failure: Annotated[str, msgspec.Meta(max_length=4096)] = ""  # why the engine's drafter was switched off while this ran ("": it was not)
-
-
-def add_labels(total: dict[str, list[int]], labels: Mapping[str, Sequence[int]]) -> None:
-    """Adds per-member [accepted, rejected] draft-token labels (as `Trajectory.drafter_labels` holds) into `total`."""
-    for name, (accepted, rejected) in labels.items():
-        into = total.setdefault(name, [0, 0])
-        into[0] += accepted
-        into[1] += rejected
+    spec: SpecStats = msgspec.field(default_factory=SpecStats)
 
 
 class TensorSpec(msgspec.Struct, frozen=True):

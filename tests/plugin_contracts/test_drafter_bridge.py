@@ -13,8 +13,8 @@ import pytest
 
 from actor.draft_bridge import DrafterBridge, new_policy_version, remember_outputs, swap_draft_weights
 from actor.drafter_checks import confidences_for
-from actor.vllm_hooks import CoupledSampling, SpecCounts, caller_id
-from drafters.base import Drafter
+from actor.vllm_hooks import CoupledSampling, RequestRecord, caller_id
+from drafters.base import CompositeDrafter, Drafter
 from drafters.calibration import EDGES
 
 VOCAB = 100
@@ -64,9 +64,9 @@ def test_invalid_proposals_are_dropped_and_counted_per_request():
     drafter = Recording([[1, 2], [-1], [VOCAB + 5], ["7"], [99, 3.5]])
     b, runner = bridge(drafter, ["a-1", "b-1", "c-1", "d-1", "e-1"])
     assert propose(b, [[5]] * 5) == [[1, 2], [], [], [], []]
-    counts: dict[str, SpecCounts] = runner._sample.counts
-    assert {r: c.invalid_drafts for r, c in counts.items()} == {"a": 0, "b": 1, "c": 1, "d": 1, "e": 1}
-    assert all(c.draft_seconds > 0 for c in counts.values())  # each request's share of the drafter's time
+    records: dict[str, RequestRecord] = runner._sample.records
+    assert {r: c.stats.invalid_drafts for r, c in records.items()} == {"a": 0, "b": 1, "c": 1, "d": 1, "e": 1}
+    assert all(c.stats.draft_seconds > 0 for c in records.values())  # each request's share of the drafter's time
 
 
 def test_planner_learns_acceptance_from_commits_and_withholds_drafts_that_cannot_pay():
@@ -79,8 +79,8 @@ def test_planner_learns_acceptance_from_commits_and_withholds_drafts_that_cannot
     for tokens in range(1, 64):  # the engine turns out compute-bound: every token costs its share of the step
         b.step_cost.observe(tokens, 0.01 * tokens)
     assert propose(b, [[7], [7]]) == [[], []]
-    counts = runner._sample.counts
-    assert counts["a"].planned_steps == 3 and counts["a"].planned_tokens == 3 + 3  # 3 drafts handed over twice, then 0
+    stats = runner._sample.records["a"].stats
+    assert stats.planned_steps == 3 and stats.planned_tokens == 3 + 3  # 3 drafts handed over twice, then 0
     assert drafter.commits[-2:] == [("a-1", [7]), ("b-1", [7])]  # commits still reach the drafter
 
 
@@ -115,7 +115,7 @@ def test_a_rated_proposal_is_verified_as_far_as_its_calibrated_gains_pay_and_lab
         b.step_cost.observe(tokens, 0.01 + 0.001 * tokens)
     assert propose(b, [[1, 2, 3, 4, 9]]) == [[1, 2]]  # 4 drafted (at its acceptance), the sure 2 verified
     assert b.verifying["a-1"] == (2, [1, 2, 3, 4], [0.999, 0.999, 0.1, 0.1])
-    assert runner._sample.counts["a"].planned_tokens == 4 + 4 + 2
+    assert runner._sample.records["a"].stats.planned_tokens == 4 + 4 + 2
     unsure = int(np.searchsorted(EDGES, 0.1, side="right"))
     agreed = b.calibration.agreed[unsure]
     propose(b, [[1, 2, 3]])  # both accepted, and the bonus token 3 is the third draft: a label it had not earned
@@ -145,11 +145,21 @@ def test_confidences_that_do_not_rate_every_draft_token_switch_the_drafter_off_w
     with caplog.at_level(logging.ERROR, logger="actor.draft_bridge"):
         assert propose(b, [[5]]) == [[]]
     assert "Rated: 1 confidences for a proposal of 2 tokens" in b.failure
-    assert runner._sample.counts["a"].drafter_failure == b.failure and b.failure in caplog.text
+    assert runner._sample.records["a"].stats.drafter_failure == b.failure and b.failure in caplog.text
 
 
-class Raises(Recording):
-    """Proposes like Recording until its `fail_at`-th call of `method`, which raises."""
+class Raises(Recording, CompositeDrafter):
+    """Proposes like Recording until its `fail_at`-th call of `method`, which raises (a composite without members
+    switched off, so that `member_labels` is called too)."""
+
+    def member_labels(self):
+        return {}
+
+    def failures(self):
+        return []
+
+    def sources(self):
+        return [""] * 2
 
     def __init__(self, method: str, fail_at: int):
         super().__init__([[1, 2], [3, 4]])
@@ -187,7 +197,7 @@ def test_a_drafter_that_raises_is_switched_off_and_the_engine_decodes_on_without
     assert drafter.calls == calls and len(drafter.commits) == commits  # never called again
     assert caplog.text.count("switched off") == 1 and "Traceback" in caplog.text
     live = [caller_id(r) for r in runner.input_batch.req_ids]  # (in the "remove" case b-1 left before the failure)
-    assert [runner._sample.counts[r].drafter_failure for r in live] == [b.failure] * len(live)
+    assert [runner._sample.records[r].stats.drafter_failure for r in live] == [b.failure] * len(live)
     worker = SimpleNamespace(model_runner=SimpleNamespace(drafter=b))
     remember_outputs(worker, [([1], [2], 0)])
     assert swap_draft_weights(worker, [("w", 0)])  # taken and dropped: the engine no longer drafts
@@ -219,13 +229,19 @@ def test_a_drafters_commits_count_as_its_own_time_not_the_bridges(monkeypatch):
 
 
 def test_a_composites_member_switched_off_is_reported_while_the_composite_drafts_on():
-    class Composite(Recording):
+    class Composite(Recording, CompositeDrafter):
         def failures(self):
             return ["member m switched off: KeyError: 'x'"]
 
+        def member_labels(self):
+            return {}
+
+        def sources(self):
+            return ["m", "m"]
+
     b, runner = bridge(Composite([[1, 2], [3, 4]]), ["a-1", "b-1"])
     assert propose(b, [[5], [6]]) == [[1, 2], [3, 4]] and not b.failure
-    assert [c.drafter_failure for c in runner._sample.counts.values()] == [
+    assert [c.stats.drafter_failure for c in runner._sample.records.values()] == [
         "drafter Composite: member m switched off: KeyError: 'x'"] * 2
 
 
