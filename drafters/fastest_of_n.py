@@ -59,7 +59,7 @@ class FastestOfN(CompositeDrafter):
         self.choices: list[str] = []  # the member that drafted each request of the last proposal
         self.chosen: list[list[float]] = []  # the chosen proposals' calibrated rates
         self.seconds = [0.0 for _ in self.members]  # per member: drafting seconds per request asked, averaged
-        self.fresh: dict[str, dict[str, tuple[int, int]]] = {}  # labels since the last `member_labels()` call
+        self.unreported: dict[str, dict[str, tuple[int, int]]] = {}  # labels since the last `member_labels()` call
         self.off: dict[int, str] = {}  # members switched off for raising: why
 
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
@@ -170,7 +170,7 @@ class FastestOfN(CompositeDrafter):
         self.by_prompt.move_to_end(key)
         if len(self.by_prompt) > MAX_PROMPTS:
             self.by_prompt.popitem(last=False)
-        fresh = self.fresh.setdefault(request_id, {})
+        unreported = self.unreported.setdefault(request_id, {})
         for m, (proposal, own) in last.items():
             self.tables[m].observe(own, proposal, committed)
             agreed = agreement(proposal, committed)
@@ -178,12 +178,12 @@ class FastestOfN(CompositeDrafter):
             labels[m][0], labels[m][1] = labels[m][0] + agreed, labels[m][1] + rejected
             prompt[m][0], prompt[m][1] = prompt[m][0] + agreed, prompt[m][1] + rejected
             self.overall[m] = [0.99 * self.overall[m][0] + agreed, 0.99 * self.overall[m][1] + rejected]
-            before = fresh.get(self.names[m], (0, 0))
-            fresh[self.names[m]] = (before[0] + agreed, before[1] + rejected)
+            before = unreported.get(self.names[m], (0, 0))
+            unreported[self.names[m]] = (before[0] + agreed, before[1] + rejected)
 
     def member_labels(self) -> dict[str, dict[str, tuple[int, int]]]:
-        fresh, self.fresh = self.fresh, {}
-        return fresh
+        unreported, self.unreported = self.unreported, {}
+        return unreported
 
     def remember(self, prompt_ids: list[int], response_ids: list[int], version: int) -> None:
         self._ask_all(lambda member: member.remember(prompt_ids, response_ids, version))
@@ -201,7 +201,7 @@ class FastestOfN(CompositeDrafter):
         self._ask_all(lambda member: member.remove(request_id))
         self.labels.pop(request_id, None)
         self.last.pop(request_id, None)
-        self.fresh.pop(request_id, None)
+        self.unreported.pop(request_id, None)
         self.prompt_of.pop(request_id, None)
 
 

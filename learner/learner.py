@@ -205,12 +205,12 @@ class Learner(RankCheckpoints):
                 loss = self.engine(input_ids=row.ids, attention_mask=row.attention).logits.sum() * 0.0
             self.engine.backward(loss)
             boundary = self.engine.is_gradient_accumulation_boundary()  # once per step: the optimizer steps
-            plain = not (self.engine.zero_optimization() or self.engine.bfloat16_enabled())
-            if boundary and plain:  # DeepSpeed clips these (all-reduced) gradients in place and keeps no norm
+            plain_fp32 = not (self.engine.zero_optimization() or self.engine.bfloat16_enabled())
+            if boundary and plain_fp32:  # DeepSpeed clips these (all-reduced) gradients in place and keeps no norm
                 grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.engine.module.parameters()
                                                            if p.grad is not None]).item()
             self.engine.step()
-            if boundary and not plain:  # ZeRO and bf16 optimizers record the norm they clipped by
+            if boundary and not plain_fp32:  # ZeRO and bf16 optimizers record the norm they clipped by
                 grad_norm = float(self.engine.get_global_grad_norm())
             if batch:
                 sums += torch.tensor([loss.item() / (gas * self.world), *(stats[name] for name in SUMMED), 1.0, 0.0])

@@ -43,8 +43,8 @@ def build_engines(cfg: DictConfig, policy_dir: str, reference_dir: str):
         "steps_per_print": 1 << 30,
     }
     # DeepSpeed's ZeRO and bf16 optimizers wrap this one and skip a non-finite gradient themselves
-    plain = learner.zero_stage == 0 and learner.dtype != Dtype.bfloat16
-    optimizer = (FiniteAdamW if plain else torch.optim.AdamW)(model.parameters(), lr=learner.lr,
+    plain_fp32 = learner.zero_stage == 0 and learner.dtype != Dtype.bfloat16
+    optimizer = (FiniteAdamW if plain_fp32 else torch.optim.AdamW)(model.parameters(), lr=learner.lr,
                                                               weight_decay=learner.weight_decay)
     warmup = learner.warmup_steps
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))

@@ -23,10 +23,12 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def imports(path: Path, known: dict[str, Path]) -> set[str]:
-    """Every module (project or third party) `path` imports, at any depth of the file."""
+def imports(path: Path, known: dict[str, Path], top_level: bool = False) -> set[str]:
+    """Every module (project or third party) `path` imports, at any depth of the file (`top_level`: outside any
+    function or class, what importing it runs)."""
+    tree = ast.parse(path.read_text())
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in tree.body if top_level else ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -92,18 +94,6 @@ def test_long_bodies_are_cut_into_named_phases():
 HEAVY = {"torch", "transformers", "ray", "vllm", "deepspeed"}  # what a module may defer importing
 
 
-def top_level_imports(path: Path, known: dict[str, Path]) -> set[str]:
-    """The modules `path` imports outside any function (what importing it runs)."""
-    names = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names.update(f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known)
-    return names
-
-
 def test_project_imports_sit_at_the_top_unless_they_bring_a_heavy_dependency():
     """The top of a file shows what it depends on: a project module imported inside a function (outside bench/) must
     be one whose import loads torch, transformers, Ray, vLLM or DeepSpeed (an import deferred for its cost, or until
@@ -112,7 +102,7 @@ def test_project_imports_sit_at_the_top_unless_they_bring_a_heavy_dependency():
 
     def heavy(name: str, seen: set[str]) -> bool:
         seen.add(name)
-        imported = top_level_imports(known[name], known)
+        imported = imports(known[name], known, top_level=True)
         return any(i.split(".")[0] in HEAVY for i in imported) or any(
             heavy(i, seen) for i in imported if i in known and i not in seen)
 
@@ -120,7 +110,7 @@ def test_project_imports_sit_at_the_top_unless_they_bring_a_heavy_dependency():
     for name, path in known.items():
         if name.split(".")[0] == "bench":
             continue
-        for imported in imports(path, known) - top_level_imports(path, known):
+        for imported in imports(path, known) - imports(path, known, top_level=True):
             if imported in known and not heavy(imported, set()):
                 light.append(f"{name} imports {imported} inside a function")
     assert not light, "\n".join(light)
