@@ -33,8 +33,10 @@ prompt's earlier outputs (the policy does not change between epochs here: the be
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -237,6 +239,20 @@ def shape(run: dict) -> dict:
             "tail_share_last_10pct": round((run["makespan_s"] - p90_done) / run["makespan_s"], 3)}
 
 
+@contextlib.contextmanager
+def preloaded(libraries: list[Path]):
+    """The engine processes started meanwhile load `libraries` first (LD_PRELOAD; a spawned process inherits it)."""
+    before = os.environ.get("LD_PRELOAD")
+    if libraries:
+        os.environ["LD_PRELOAD"] = ":".join(str(lib.resolve()) for lib in libraries)
+    try:
+        yield
+    finally:
+        os.environ.pop("LD_PRELOAD", None)
+        if before is not None:
+            os.environ["LD_PRELOAD"] = before
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
@@ -250,6 +266,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-sweep", action="store_true", help="skip the fixed-batch sweep")
     parser.add_argument("--trace", type=Path, help="also write the run's trace here (bench/trace.py), which "
                         "bench.simulate replays")
+    parser.add_argument("--preload", nargs="+", type=Path, default=[], metavar="LIB",
+                        help="also run vanilla and specactor with these shared libraries in LD_PRELOAD (systems "
+                             "vanilla+preload, specactor+preload, paired with the runs without): vLLM's CPU advice")
     parser.add_argument("--epochs-before", type=int, default=0,
                         help="measure epoch N+1: each engine first generates the same prompts N times with the "
                              "seeds of earlier epochs, unmeasured (the history a training run's drafters hold)")
@@ -288,12 +307,15 @@ def main(argv: list[str] | None = None) -> dict:
         for repeat in range(preset["repeats"]):
             # every system in a rotated order, vanilla too (always first would hide a position bias); the first
             # repeat starts with vanilla, whose tokens the oracle replays
-            names = ["vanilla", *others]
+            names = ["vanilla", *others, *(f"{n}+preload" for n in ("vanilla", "specactor")
+                                            if args.preload and n in ("vanilla", *others))]
             order = names[repeat % len(names):] + names[: repeat % len(names)]
             for name in order:  # one fresh process per engine: vLLM keeps global state between engines
-                run = in_fresh_process(log, run_system, name, target, draft, prompts, seeds, preset["max_tokens"],
-                                       oracle, sweep if name in ("vanilla", "specactor") else [], device, earlier,
-                                       args.speculative_tokens, args.trace is not None)
+                with preloaded(args.preload if name.endswith("+preload") else []):
+                    run = in_fresh_process(log, run_system, name.removesuffix("+preload"), target, draft, prompts,
+                                           seeds, preset["max_tokens"], oracle,
+                                           sweep if name in ("vanilla", "specactor") else [], device, earlier,
+                                           args.speculative_tokens, args.trace is not None)
                 if name == "vanilla" and repeat == 0:  # the oracle replays every epoch it sees
                     replay = zip([*sum(earlier, []), *seeds], [*run["earlier_sequences"], *run["sequences"]])
                     oracle.write_text(json.dumps({s: t for s, t in replay}))
@@ -323,6 +345,10 @@ def main(argv: list[str] | None = None) -> dict:
     if "oracle" in systems and "specactor" in systems and systems["oracle"]["speedup"] > 1:
         result["share_of_oracle_speedup"] = round((systems["specactor"]["speedup"] - 1)
                                                   / (systems["oracle"]["speedup"] - 1), 3)
+    if args.preload:  # each system against itself without the libraries, repeat by repeat
+        result["preload"] = {"libraries": [str(lib) for lib in args.preload], **{
+            name: paired([r["makespan_s"] for r in runs[name]], [r["makespan_s"] for r in runs[f"{name}+preload"]])
+            for name in ("vanilla", "specactor") if f"{name}+preload" in runs}}
     if sweep and "specactor" in runs:
         result["sweep"] = {size: paired([r["sweep_s"][size] for r in runs["vanilla"]],
                                         [r["sweep_s"][size] for r in runs["specactor"]]) for size in sweep}

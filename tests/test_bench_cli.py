@@ -281,3 +281,26 @@ def test_the_gpu_check_fits_its_window_and_runs_with_only_what_a_gpu_machine_has
     assert sections["learner"]["result"]["logprob_gap_max"] < 1e-3  # fp32 here: the learner's are the decode's
     assert all(v["ms_per_draft_position"] > 0 for v in sections["draft_lm"]["result"]["builtin_draft"]["by_requests"]
                .values())
+
+
+def _mapped_libraries() -> str:
+    with open("/proc/self/maps") as f:
+        return f.read()
+
+
+def test_preloaded_libraries_are_loaded_by_the_engine_processes_started_meanwhile(tmp_path):
+    """`bench.rollout --preload LIB`: the spawned engine process has LIB mapped before anything imported it; the
+    benchmark's own environment is as it was afterwards."""
+    import os
+    import sys
+    from pathlib import Path
+
+    from bench.engine_process import in_fresh_process
+    from bench.rollout import preloaded
+
+    library = Path(sys.prefix) / "lib" / "libiomp5.so"  # intel-openmp, a dependency of vLLM's CPU build
+    before = os.environ.get("LD_PRELOAD")
+    with preloaded([library]):
+        assert str(library.resolve()) in in_fresh_process(tmp_path / "log", _mapped_libraries)
+    assert os.environ.get("LD_PRELOAD") == before
+    assert str(library.resolve()) not in in_fresh_process(tmp_path / "log", _mapped_libraries)
