@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -13,6 +14,17 @@ from configs.schema import Device
 # process, one thread per math library (on a busy few-core host, OpenMP threads busy-wait for each other).
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
               "TOKENIZERS_PARALLELISM": "false"}
+
+
+# tcmalloc, which `make` unpacks into the venv from Debian's libtcmalloc-minimal4: vLLM's CPU advice, measured here
+# (docs/benchmarks.md, "The engine's allocator"); Intel's OpenMP, its other advice, gives nothing with one thread
+TCMALLOC = Path(sys.prefix) / "lib" / "tcmalloc" / "libtcmalloc_minimal.so.4"
+
+
+def engine_preload(device: Device) -> str:
+    """LD_PRELOAD for a process that will run an engine on `device`: tcmalloc for a CPU engine where `make` installed
+    it, else "" (a GPU engine's host allocations are few; a host without it keeps glibc's allocator)."""
+    return str(TCMALLOC) if device == Device.cpu and TCMALLOC.is_file() else ""
 
 
 def set_env_defaults(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -53,9 +65,15 @@ def make_engine(cfg: DictConfig, model_dir: Path):
     warm-up must have been sampled by the coupled sampler."""
     if os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0") != "0":  # the GPU default is V2, which has no _sample
         raise RuntimeError("VLLM_USE_V2_MODEL_RUNNER must be 0: the coupled sampler hooks vLLM's V1 model runner")
-    from vllm import LLM, SamplingParams
-
     from actor.vllm_hooks import install, quiet_expected
+
+    # advice the project has answered (docs/benchmarks.md, "The engine's allocator"): Triton has no CPU backend and
+    # needs none here; tcmalloc is preloaded where `make` installed it; Intel's OpenMP gives nothing at one thread
+    quiet_expected("vllm.triton_utils.importing", "Triton is installed, but doesn't include CPU backend")
+    quiet_expected("vllm.platforms.cpu", "Triton is not installed")
+    quiet_expected("vllm.v1.worker.cpu_worker", "libiomp is not found in LD_PRELOAD",
+                   "Speculative decoding on CPU without Intel OpenMP")
+    from vllm import LLM, SamplingParams
 
     # deliberate choices (engine_kwargs): the coupled sampler never uses vLLM's global seed; chunked prefill is off
     # (vLLM-CPU crash, above); eager mode on CPU; drafts come through the custom_class proposer; min_p and

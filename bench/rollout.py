@@ -43,10 +43,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from actor.engine import set_env_defaults
+from actor.engine import engine_preload, set_env_defaults
 from bench.engine_process import in_fresh_process
 from bench.rollout_report import plot, table
 from bench.stats import paired
+from configs.schema import Device
 from transport.messages import total
 
 PRESETS = {
@@ -267,8 +268,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--trace", type=Path, help="also write the run's trace here (bench/trace.py), which "
                         "bench.simulate replays")
     parser.add_argument("--preload", nargs="+", type=Path, default=[], metavar="LIB",
-                        help="also run vanilla and specactor with these shared libraries in LD_PRELOAD (systems "
-                             "vanilla+preload, specactor+preload, paired with the runs without): vLLM's CPU advice")
+                        help="measure preloading: every system runs without the library the actors' engines preload "
+                             "(actor/engine.py engine_preload), and vanilla+preload, specactor+preload with these "
+                             "in LD_PRELOAD instead, paired with the runs without")
     parser.add_argument("--epochs-before", type=int, default=0,
                         help="measure epoch N+1: each engine first generates the same prompts N times with the "
                              "seeds of earlier epochs, unmeasured (the history a training run's drafters hold)")
@@ -295,6 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts, seeds = workload(preset, args.seed, epoch=args.epochs_before)
     earlier = [workload(preset, args.seed, epoch=e)[1] for e in range(args.epochs_before)]
     others = [n for n in SYSTEMS if n in args.systems and n != "vanilla"]
+    engine_libs = [Path(lib) for lib in [engine_preload(Device(device))] if lib]  # as a rollout actor's engine
     sweep = [] if args.no_sweep else preset["sweep"]
     out, log = Path(args.out), Path(args.out).with_suffix(".log")
     runs: dict[str, list[dict]] = {}
@@ -311,7 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
                                             if args.preload and n in ("vanilla", *others))]
             order = names[repeat % len(names):] + names[: repeat % len(names)]
             for name in order:  # one fresh process per engine: vLLM keeps global state between engines
-                with preloaded(args.preload if name.endswith("+preload") else []):
+                with preloaded(args.preload if name.endswith("+preload") else [] if args.preload else engine_libs):
                     run = in_fresh_process(log, run_system, name.removesuffix("+preload"), target, draft, prompts,
                                            seeds, preset["max_tokens"], oracle,
                                            sweep if name in ("vanilla", "specactor") else [], device, earlier,
@@ -354,6 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
                                         [r["sweep_s"][size] for r in runs["specactor"]]) for size in sweep}
     result["config"] = {
         "preset": args.preset, **preset, "sequences": len(reference), "temperature": TEMPERATURE, "seed": args.seed,
+        "engine_preload": [] if args.preload else [lib.name for lib in engine_libs],  # LD_PRELOAD of every engine
         "epochs_before": args.epochs_before,
         "num_speculative_tokens": args.speculative_tokens, "specactor": "draft_lm, cost-model draft planner",
         "target": (f"cost-padded built-in policy: {TARGETS[device]['zero_layers']} zero-output layers in front of "

@@ -11,6 +11,7 @@ import time
 import ray
 from omegaconf import DictConfig
 
+from actor.engine import engine_preload
 from actor.rollout import RolloutActor
 from driver.learners import LearnerGroup
 from driver.placement import reserve, slot
@@ -45,7 +46,9 @@ class RolloutPool:
         group = None  # transport.weights nccl: a weight-sync group of its own with rank 0 (the last one closed)
         if self.cfg.transport.weights.value == "nccl":
             group = ray.get(self.learners.rank0.open_weight_group.remote(i, self.restarts))
-        return self.cls.options(name=name, scheduling_strategy=slot(self.group, i)).remote(
+        preload = engine_preload(self.cfg.cluster.device)  # its engine's allocator (actor/engine.py)
+        return self.cls.options(name=name, scheduling_strategy=slot(self.group, i),
+                                runtime_env={"env_vars": {"LD_PRELOAD": preload}} if preload else None).remote(
             self.cfg, i, self.model_dir, self.learners.trajectory_endpoint, self.learners.weight_endpoint,
             self.version, self.plan, first_ordinal, incarnation=self.restarts, keys=keys, weight_group=group)
 

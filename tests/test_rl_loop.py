@@ -393,9 +393,36 @@ def test_the_console_shows_progress_not_engine_chatter(tmp_path):
     lines = console.splitlines()  # a progress-bar redraw is a carriage return inside one line
     assert len(lines) < 60, "\n".join(lines)
     assert "Failed to load weights" not in console
+    assert "Triton" not in console and "libiomp" not in console  # vLLM's CPU advice, answered (actor/engine.py)
+    from actor.engine import TCMALLOC
+
+    assert "libtcmalloc" not in console or not TCMALLOC.is_file()
     assert "tensorboard --logdir" in console and "transport: trajectories tcp://" in console
     # 4 steps: training reward over the first and the last 2, held-out at the first and the final evaluation
     assert re.search(r"done: step 4, reward \d\.\d{3} -> \d\.\d{3} \(means over the first and the last 2 steps\), "
                      r"held-out \d\.\d{3} \(step 0\) -> \d\.\d{3} \(step 4\);", console), console[-2000:]
     engine_log = (logdir / "run.log").read_text()
     assert "Reloading and processing weights" in engine_log  # vLLM's info lines went to the file
+
+
+def maps_containing(name: str):
+    """Runs inside the rollout actor (a closure, shipped by value): asserts its process has `name` mapped."""
+
+    def check(actor) -> None:
+        with open("/proc/self/maps") as f:
+            assert name in f.read(), f"{name} is not loaded in the rollout actor's process"
+
+    return check
+
+
+def test_a_cpu_rollout_actors_engine_allocates_with_tcmalloc(tmp_path, inject_into_actor):
+    """Where `make` installed tcmalloc, the rollout actor's process is started with it preloaded (vLLM's CPU advice,
+    measured to pay: docs/benchmarks.md); the run is otherwise the same."""
+    from actor.engine import TCMALLOC
+
+    if not TCMALLOC.is_file():
+        pytest.skip(f"{TCMALLOC} is not installed (make fetches it with apt-get download)")
+    injection = inject_into_actor(maps_containing(TCMALLOC.name))
+    assert launch.main(["--config", "grpo_tiny", "trainer.steps=1", f"logging.dir={tmp_path}", *SMALL]) == 0
+    injection.join(60)
+    assert injection.injected, "the check inside the rollout actor failed (its log says why)"
