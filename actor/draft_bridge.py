@@ -54,6 +54,7 @@ class DrafterBridge:
         self.ahead: DraftsAhead | None = None  # speculation.decoupled: the next step's drafts, prepared meanwhile
         self.waited = 0.0  # this step: seconds the engine waited for the preparation in flight
         self.waited_total = 0.0  # over the engine's life (a benchmark's profile)
+        self.unseen_total = 0  # history tokens shown to the drafter for the first time, over the engine's life
 
     def load_model(self, *args, **kwargs) -> None:  # vLLM hands over the target model; drafters bring their own
         pass
@@ -260,6 +261,7 @@ class DrafterBridge:
         name = type(self.drafter).__name__
         sampler = self.runner._sample
         unseen = sum(self._unseen(r) for _, r in requests)
+        self.unseen_total += unseen
         self.rated = confidences is not None
         made = []
         for j, ((row, request), proposal) in enumerate(zip(requests, proposals)):

@@ -306,7 +306,8 @@ def take_records(worker, req_ids: list[str]) -> dict[str, RequestRecord]:
 
 def profile(worker) -> dict[str, float]:
     """Seconds spent so far in the coupled sampler, in the drafter bridge (ids, acceptance, the planner) and in the
-    drafter plugin itself (its proposals, commits and removals); zeros for hooks that are not installed."""
+    drafter plugin itself (its proposals, commits and removals), and the history tokens the drafter was shown for
+    the first time (its catch-up); zeros for hooks that are not installed."""
     runner = worker.model_runner
     bridge = getattr(runner, "drafter", None)
     drafting = isinstance(bridge, DrafterBridge)
@@ -314,6 +315,7 @@ def profile(worker) -> dict[str, float]:
     return {"sampler_s": getattr(runner._sample, "seconds", 0.0),
             "bridge_s": bridge.seconds - bridge.drafter_seconds if drafting else 0.0,
             "drafter_s": bridge.drafter_seconds if drafting else 0.0,
+            "unseen_tokens": bridge.unseen_total if drafting else 0,
             **({"ahead_thread_s": ahead.seconds, "ahead_waited_s": bridge.waited_total} if ahead else {})}
 
 

@@ -192,7 +192,7 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
         steps = len(run["batch_curve"])
         if coupled:  # where the time of a step went
             after = llm.collective_rpc(profile)[0]
-            spent = {k: after[k] - before[k] for k in after}
+            spent = {k: after[k] - before[k] for k in after if k.endswith("_s")}
             # the step's own parts (a decoupled drafter's thread runs beside them; its wait is in drafter_s)
             spent["engine_s"] = run["makespan_s"] - sum(spent[k] for k in ("sampler_s", "bridge_s", "drafter_s"))
             run["profile_ms_per_step"] = {k.removesuffix("_s"): round(1000 * v / steps, 3) for k, v in spent.items()}

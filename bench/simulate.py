@@ -48,8 +48,9 @@ from drafters.calibration import Calibration
 @dataclass
 class Costs:
     """What a simulated step costs: `engine(requests, drafts)` seconds, drafting's seconds as
-    `draft_fixed + draft_per_request * requests + draft_per_pass * passes + draft_per_token * drafts` when it drafts
-    (`bridge_per_request * requests` when it does not: the planner's own work), and the prefill's seconds."""
+    `draft_fixed + draft_per_request * requests + draft_per_pass * passes + draft_per_token * drafts +
+    draft_per_unseen * unseen` when it drafts (unseen: history tokens the drafter sees for the first time, its
+    catch-up; `bridge_per_request * requests` when it does not draft: the planner's own work), and the prefill's."""
 
     engine: object  # (requests, drafts) -> seconds
     prefill_s: float
@@ -58,12 +59,13 @@ class Costs:
     draft_per_pass: float = 0.0
     draft_per_token: float = 0.0
     bridge_per_request: float = 0.0
+    draft_per_unseen: float = 0.0
 
-    def drafting(self, requests: int, drafts: int, passes: int) -> float:
+    def drafting(self, requests: int, drafts: int, passes: int, unseen: int = 0) -> float:
         if drafts == 0:
             return self.bridge_per_request * requests
         return (self.draft_fixed + self.draft_per_request * requests + self.draft_per_pass * passes
-                + self.draft_per_token * drafts)
+                + self.draft_per_token * drafts + self.draft_per_unseen * unseen)
 
 
 def monotone_curve(points: dict[int, float]):
@@ -94,7 +96,7 @@ def fit_costs(trace: dict, drafter: str | None) -> Costs:
     k, by_tokens = trace["config"]["num_speculative_tokens"], {}
     for runs in trace["systems"].values():
         for run in runs:
-            for wall, tokens, requests, _, bridge, drafter_s in decode_steps(run, k)[0]:
+            for wall, tokens, requests, _, bridge, drafter_s, *_ in decode_steps(run, k)[0]:
                 by_tokens.setdefault(int(tokens), []).append(wall - bridge - drafter_s)
     curve = monotone_curve({t: statistics.median(v) for t, v in by_tokens.items()})
     vanilla = trace["systems"]["vanilla"]  # the prefill: the same prompts in every system
@@ -107,23 +109,30 @@ def fit_costs(trace: dict, drafter: str | None) -> Costs:
         steps = decode_steps(run, k)[0]
         for step, after in zip(steps, steps[1:]):  # a step's drafting makes the next step's drafts
             drafted = after[1] - after[2]
-            rows.append([1.0 if drafted else 0.0, step[2] if drafted else 0.0, drafted, 0.0 if drafted else step[2]])
+            unseen = step[6] if len(step) > 6 else 0.0  # (a trace recorded without it: no catch-up term)
+            rows.append([1.0 if drafted else 0.0, step[2] if drafted else 0.0, drafted, unseen if drafted else 0.0,
+                         0.0 if drafted else step[2]])
             spent.append(step[4] + step[5])
     coef = np.clip(np.linalg.lstsq(np.array(rows), np.array(spent), rcond=None)[0], 0.0, None)
-    costs.draft_fixed, costs.draft_per_request, costs.draft_per_token, costs.bridge_per_request = coef
+    costs.draft_fixed, costs.draft_per_request, costs.draft_per_token, costs.draft_per_unseen, \
+        costs.bridge_per_request = coef
     return costs
 
 
 def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k: int, drafting: bool,
-             decoupled: str | None = None, confidence: list[list[list[float]]] | None = None) -> dict:
+             decoupled: str | None = None, confidence: list[list[list[float]]] | None = None,
+             prompts: list[int] | None = None) -> dict:
     """Makespan and batch curve of one rollout: `lengths` tokens per request, drafts accepted by `match` (None: the
     oracle, every draft), drafting decided by the real planner when `drafting`. `decoupled`: None (drafting on the
     critical path), "chain" (as built: a request finds drafts prepared when its drafts were all accepted and the
     drafter's next token was the target's; one that missed is drafted now only where the cost model says it pays) or
     "every_outcome" (drafts prepared for every outcome of the verify step: always ready). `confidence`: the drafter's
     per token, where it gives them: as the bridge, each proposal is then verified only as far as its calibrated
-    gains pay (drafters/calibration.py, learned from the simulated outcomes)."""
+    gains pay (drafters/calibration.py, learned from the simulated outcomes). `prompts`: each request's prompt tokens,
+    which a drafter catches up on the first time it drafts for it, as what a request committed while not drafting
+    (the planner weighs that catch-up as the bridge does; None: no catch-up)."""
     n = len(lengths)
+    prompt, shown = prompts or [0] * n, [0] * n  # shown: history tokens the drafter has seen, per request
     position = [1] * n  # the prefill samples every request's first token
     clock, curve, waited = costs.prefill_s, [], 0.0
     step_cost, draft_cost, acceptance, calibration = StepCost(), DraftCost(), Acceptance(), Calibration()
@@ -135,15 +144,17 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
             break
         ids = [str(i) for i in running]
         drafts = [0] * len(running)
+        unseen = [prompt[i] + position[i] - shown[i] for i in running]  # what drafting now would catch up on
         if drafting:
             gains = geometric(acceptance.rates(ids), k)
             budgets, _ = plan(gains, len(running), step_cost, None if decoupled == "every_outcome" else draft_cost,
-                              explore=undrafted >= EXPLORE_EVERY)
+                              explore=undrafted >= EXPLORE_EVERY, unseen=unseen)
             drafts = [min(b, lengths[i] - position[i] - 1) for b, i in zip(budgets, running)]
         missed = [m for m, i in enumerate(running) if drafts[m] and not ready[i]] if decoupled == "chain" else []
         if missed:  # as the bridge: drafted now only where it pays at the serial cost, else plainly this step
             budgets, _ = plan([list(gains[m][: drafts[m]]) for m in missed],
-                              len(running) + sum(drafts) - sum(drafts[m] for m in missed), step_cost, draft_cost)
+                              len(running) + sum(drafts) - sum(drafts[m] for m in missed), step_cost, draft_cost,
+                              unseen=[unseen[m] for m in missed])
             for m, b in zip(missed, budgets):
                 drafts[m] = b
         asked = list(drafts)  # what the drafter proposes (and is paid for); `drafts`: what the engine verifies
@@ -155,15 +166,20 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
         engine = costs.engine(len(running), total)
         if decoupled == "chain":  # drafted on the critical path: the misses the planner drafts now
             now = [asked[m] for m in missed if asked[m]]
+            unseen_now = sum(unseen[m] for m in missed if asked[m])
         else:
             now = [] if decoupled else asked
-        drafting_now = costs.drafting(len(now), sum(now), max(now)) if sum(now) else 0.0
+            unseen_now = 0 if decoupled else sum(u for u, a in zip(unseen, asked) if a)
+        drafting_now = costs.drafting(len(now), sum(now), max(now), unseen_now) if sum(now) else 0.0
         waited_here = drafting_now
         if decoupled:  # the prepared drafting runs beside the verify step: only what outlasts it is waited for
-            waited_here += max(0.0, costs.drafting(len(running), sum(asked), passes) - waited_here - engine)
+            prepared = costs.drafting(len(running), sum(asked), passes, sum(u for u, a in zip(unseen, asked) if a))
+            waited_here += max(0.0, prepared - waited_here - engine)
         clock += engine + waited_here
         waited += waited_here
         for d, proposed, i, rid in zip(drafts, asked, running, ids):
+            if proposed:  # the drafter has seen this request's history
+                shown[i] = prompt[i] + position[i]
             reach = k + 1 if match is None else match[i][position[i]]
             accepted = min(d, reach)
             if confidence is not None and proposed:  # labels as the verifier gives them: up to the first miss
@@ -176,7 +192,7 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
                 acceptance.observe(rid, d, accepted)
         step_cost.observe(len(running) + total, engine)
         if sum(now):  # the drafting cost the planner learns: what the engine waits for when it drafts now
-            draft_cost.observe(max(now), sum(now), 0, drafting_now)
+            draft_cost.observe(max(now), sum(now), unseen_now, drafting_now)
         undrafted = 0 if total else undrafted + 1
         curve.append((round(clock, 4), len(running)))
     return {"makespan_s": clock, "steps": len(curve), "drafting_waited_s": waited, "batch_curve": curve}
@@ -199,6 +215,7 @@ def matches_at_rate(lengths: list[int], k: int, rate: float, seed: int = 0) -> l
 def validate(trace: dict) -> dict:
     """Simulated against measured makespans of vanilla, oracle and specactor, costs fitted from the same trace."""
     k, lengths = trace["config"]["num_speculative_tokens"], [r["tokens"] for r in trace["requests"]]
+    prompts = [r["prompt_tokens"] for r in trace["requests"]]
     cases = {"vanilla": (None, None, False), "oracle": ("oracle", None, True),
              "specactor": ("specactor", trace["match"]["draft_lm"], True)}
     rated = trace.get("confidence", {}).get("draft_lm")  # (a trace recorded without them: acceptance rates only)
@@ -208,7 +225,7 @@ def validate(trace: dict) -> dict:
             continue
         measured = statistics.median(r["makespan_s"] for r in trace["systems"][name])
         simulated = simulate(lengths, match, fit_costs(trace, drafter), k, drafting,
-                             confidence=rated if name == "specactor" else None)["makespan_s"]
+                             confidence=rated if name == "specactor" else None, prompts=prompts)["makespan_s"]
         out[name] = {"measured_s": round(measured, 3), "simulated_s": round(simulated, 3),
                      "error": round(simulated / measured - 1, 3)}
         if name == "vanilla":
@@ -241,14 +258,14 @@ def project(trace: dict, costs_file: Path, shape: str, context: int, gpu_draft_s
     """Projected speed-ups over vanilla on `costs_file`'s device, per system and drafting placement, and the
     speed-up against mean acceptance length."""
     k, requests = trace["config"]["num_speculative_tokens"], trace["requests"]
-    lengths = [r["tokens"] for r in requests]
+    lengths, prompts = [r["tokens"] for r in requests], [r["prompt_tokens"] for r in requests]
     engine = attention_curve(costs_file, shape, context)
     by_tokens = json.loads(costs_file.read_text())["shapes"][shape]["ms_by_tokens"]
     prefill = monotone_curve({int(t): ms / 1e3 for t, ms in by_tokens.items()})(sum(r["prompt_tokens"] for r in requests))
     host = fit_costs(trace, "specactor")  # the draft LM's drafting as measured on this CPU
     placements = {
         "host_cpu": Costs(engine, prefill, host.draft_fixed, host.draft_per_request, 0.0, host.draft_per_token,
-                          host.bridge_per_request),
+                          host.bridge_per_request, host.draft_per_unseen),
         "gpu": Costs(engine, prefill, draft_per_pass=gpu_draft_s_per_pass)}
     vanilla = simulate(lengths, None, Costs(engine, prefill), k, drafting=False)
     systems = {"vanilla": vanilla, "oracle": simulate(lengths, None, Costs(engine, prefill), k, drafting=True)}
@@ -256,7 +273,7 @@ def project(trace: dict, costs_file: Path, shape: str, context: int, gpu_draft_s
         for decoupled in (None, "chain", "every_outcome"):
             name = f"specactor_{where}" + (f"_decoupled_{decoupled}" if decoupled else "")
             systems[name] = simulate(lengths, trace["match"]["draft_lm"], costs, k, True, decoupled,
-                                     trace.get("confidence", {}).get("draft_lm"))
+                                     trace.get("confidence", {}).get("draft_lm"), prompts)
     out = {"systems": {name: {"makespan_s": round(r["makespan_s"], 4),
                               "speedup": round(vanilla["makespan_s"] / r["makespan_s"], 3),
                               "drafting_waited_share": round(r["drafting_waited_s"] / r["makespan_s"], 4)}

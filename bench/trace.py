@@ -25,17 +25,18 @@ STEP_FIELDS = ("wall_s", "tokens", "requests", "sampler_s", "bridge_s", "drafter
 
 def step_record(worker) -> list[float]:
     """In the engine's worker, after a step: the tokens it computed, the requests it ran, and the cumulative seconds
-    of the coupled sampler, the bridge and the drafter (differenced per step by `steps_of`)."""
+    of the coupled sampler, the bridge and the drafter and history tokens the drafter caught up on (differenced per
+    step by `steps_of`)."""
     from actor.vllm_hooks import profile
 
     runner, spent = worker.model_runner, profile(worker)
     return [runner._sample.step_tokens, runner.input_batch.num_reqs, spent["sampler_s"], spent["bridge_s"],
-            spent["drafter_s"]]
+            spent["drafter_s"], spent["unseen_tokens"]]
 
 
 def steps_of(records: list[list[float]]) -> list[list[float]]:
     """`[wall, *step_record]` per step with the cumulative seconds made per step."""
-    out, last = [], [0.0, 0.0, 0.0]
+    out, last = [], [0.0, 0.0, 0.0, 0.0]
     for wall, tokens, requests, *cumulative in records:
         out.append([round(wall, 6), int(tokens), int(requests),
                     *(round(c - p, 6) for c, p in zip(cumulative, last))])

@@ -16,7 +16,7 @@ def test_smoke_benchmark_writes_json_and_png(tmp_path, capsys):
     result = json.loads(out.read_text())
     systems = result["systems"]
     assert set(systems) == {"vllm", "vanilla", "vllm_spec_draft", "vllm_spec_ngram", "oracle", "specactor",
-                            "specactor_ngram", "specactor_suffix", "specactor_fastest"}
+                            "specactor_decoupled", "specactor_ngram", "specactor_suffix", "specactor_fastest"}
     for run in systems.values():
         assert run["makespan_s"] > 0 and run["tokens"] > 0 and run["tokens_per_s"] > 0 and run["acceptance_length"] >= 1
         assert run["speedup"] > 0
