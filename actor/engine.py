@@ -68,9 +68,10 @@ def make_engine(cfg: DictConfig, model_dir: Path):
     from actor.vllm_hooks import install, quiet_expected
 
     # advice the project has answered (docs/benchmarks.md, "The engine's allocator"): Triton has no CPU backend and
-    # needs none here; tcmalloc is preloaded where `make` installed it; Intel's OpenMP gives nothing at one thread
+    # needs none here; tcmalloc is preloaded where `make` installed it; Intel's OpenMP gives nothing at one thread;
+    # the SSM (mamba) cache notice is about a layer type no model here has
     quiet_expected("vllm.triton_utils.importing", "Triton is installed, but doesn't include CPU backend")
-    quiet_expected("vllm.platforms.cpu", "Triton is not installed")
+    quiet_expected("vllm.platforms.cpu", "Triton is not installed", "Reset SSM cache type")
     quiet_expected("vllm.v1.worker.cpu_worker", "libiomp is not found in LD_PRELOAD",
                    "Speculative decoding on CPU without Intel OpenMP")
     from vllm import LLM, SamplingParams

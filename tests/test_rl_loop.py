@@ -393,7 +393,7 @@ def test_the_console_shows_progress_not_engine_chatter(tmp_path):
     lines = console.splitlines()  # a progress-bar redraw is a carriage return inside one line
     assert len(lines) < 60, "\n".join(lines)
     assert "Failed to load weights" not in console
-    assert "Triton" not in console and "libiomp" not in console  # vLLM's CPU advice, answered (actor/engine.py)
+    assert not re.search(r"Triton|libiomp|SSM cache", console)  # vLLM's CPU notices, answered (actor/engine.py)
     from actor.engine import TCMALLOC
 
     assert "libtcmalloc" not in console or not TCMALLOC.is_file()
