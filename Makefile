@@ -21,11 +21,12 @@ $(STAMP): pyproject.toml
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
-# the CPU engines' allocator (actor/engine.py TCMALLOC): Debian's libtcmalloc-minimal4, unpacked into the venv;
-# a host without apt-get keeps glibc's allocator (slower engines, same tokens)
+# the CPU engines' allocator (actor/engine.py TCMALLOC): Debian's libtcmalloc-minimal4 (t64 on newer releases),
+# unpacked into the venv; a host without apt-get keeps glibc's allocator (slower engines, same tokens)
 $(VENV)/.tcmalloc-tried: $(STAMP)
 	@rm -rf $(VENV)/lib/tcmalloc && mkdir -p $(VENV)/lib/tcmalloc/deb
-	@cd $(VENV)/lib/tcmalloc/deb && { apt-get download libtcmalloc-minimal4 && dpkg-deb -x libtcmalloc-minimal4_*.deb . \
+	@cd $(VENV)/lib/tcmalloc/deb && { { apt-get download libtcmalloc-minimal4t64 || apt-get download libtcmalloc-minimal4; } \
+		&& dpkg-deb -x libtcmalloc-minimal4*.deb . \
 		&& cp usr/lib/*/libtcmalloc_minimal.so.4* ..; } >> ../../../install.log 2>&1 \
 		|| echo "tcmalloc not installed (apt-get download failed; see $(VENV)/install.log): engines use glibc's allocator"
 	@rm -rf $(VENV)/lib/tcmalloc/deb

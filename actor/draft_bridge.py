@@ -25,7 +25,7 @@ from actor.drafter_checks import confidences_for, guarded, token_ids_within
 from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, StepCost, geometric, plan
 from drafters.base import CompositeDrafter, Drafter, DraftRequest
 from drafters.calibration import Calibration
-from transport.messages import add_labels
+from transport.messages import MAX_FAILURE, add_labels
 
 log = logging.getLogger(__name__)
 # decoupled: how long the drafter's thread may hold the GIL while the engine's waits for it (Python's default 5 ms is
@@ -175,7 +175,7 @@ class DrafterBridge:
         if self.failure or members_off:  # every request from now on says it was decoded without them
             reason = self.failure or f"drafter {type(self.drafter).__name__}: {members_off}"
             for req_id in req_ids:
-                sampler.stats_for(req_id).drafter_failure = reason
+                sampler.stats_for(req_id).drafter_failure = reason[:MAX_FAILURE]  # what a trajectory may carry
         for row in rows:
             stats = sampler.stats_for(req_ids[row])
             stats.planned_steps += 1

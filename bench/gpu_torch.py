@@ -254,7 +254,7 @@ def draft_of_shape(hidden: int, layers: int, directory: Path) -> int:
 
 def distiller_step(device: str, steps: int, draft: Path | None = None) -> dict:
     from configs.load import load_config
-    from learner.distill import DraftDistiller, observed
+    from learner.distill import DraftDistiller, teacher_batch
     from learner.grpo import Packed
     from transport.messages import SCHEMA_VERSION, Trajectory
 
@@ -280,7 +280,7 @@ def distiller_step(device: str, steps: int, draft: Path | None = None) -> dict:
         for start in range(0, len(trajectories), 8):
             part = trajectories[start : start + 8]
             teacher = torch.randn(8, Packed(part).targets.shape[1], 272).log_softmax(-1)
-            batches.append(observed(cfg, part, teacher))
+            batches.append(teacher_batch(cfg, part, teacher))
         begin = time.perf_counter()
         metrics = distiller.step(version, batches)
         seconds.append(time.perf_counter() - begin)

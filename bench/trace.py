@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-STEP_FIELDS = ("wall_s", "tokens", "requests", "sampler_s", "bridge_s", "drafter_s")
+STEP_FIELDS = ("wall_s", "tokens", "requests", "sampler_s", "bridge_s", "drafter_s", "unseen_tokens")
 
 
 def step_record(worker) -> list[float]:

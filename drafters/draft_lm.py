@@ -118,7 +118,7 @@ class DraftLM(Drafter):
         self.cos = self.sin = torch.zeros(0, self.head_dim, device=self.device)
         self._pack()
         self.states: dict[str, _State] = {}
-        self.sureness: list[list[float]] = []  # the last proposal's confidences
+        self.last_confidences: list[list[float]] = []  # the last proposal's confidences
 
     @classmethod
     def check_options(cls, options: dict) -> dict:
@@ -169,7 +169,7 @@ class DraftLM(Drafter):
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
         budgets = [r.budget(k) for r in requests]
         drafts: list[list[int]] = [[] for _ in requests]
-        self.sureness = [[] for _ in requests]
+        self.last_confidences = [[] for _ in requests]
         active, chunks = [], []
         for i, request in enumerate(requests):
             if budgets[i] > 0 and 0 < len(request.token_ids) <= self.cache.max_len - budgets[i]:
@@ -200,7 +200,7 @@ class DraftLM(Drafter):
                 noise=None if noise is None else noise[live, j])
             for i, token, margin in zip(active, tokens.tolist(), margins.tolist()):
                 drafts[i].append(token)
-                self.sureness[i].append(1.0 - math.exp(-margin))
+                self.last_confidences[i].append(1.0 - math.exp(-margin))
             going = [n for n, i in enumerate(active) if len(drafts[i]) < budgets[i]]
             if len(going) < len(active):
                 active, live = [active[n] for n in going], live[going]
@@ -215,7 +215,7 @@ class DraftLM(Drafter):
     def confidences(self) -> list[list[float]]:
         """`1 - exp(-margin)` per draft token: the target samples the same token unless its log-probabilities differ
         from the draft's by about the margin of the draft's noisy winner over the runner-up (sampling/coupled.py)."""
-        return self.sureness
+        return self.last_confidences
 
     def _catch_up(self, request: DraftRequest) -> list[int]:
         """Rolls the request's slot back to the longest prefix it shares with the history (only the tail past the

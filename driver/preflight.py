@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 from configs.load import ConfigError, check_model, find_config, load_config
 from drafters.base import DrafterLoadError, drafter_class
 from learner.checkpoint import checkpoint_state
+from transport.messages import MAX_DRAFTERS, MAX_NAME
 
 
 def load_run_config(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
@@ -40,6 +41,9 @@ def check_drafters(path: Path, speculation: DictConfig) -> None:
     if speculation.method == "none":
         return
     if speculation.method == "fastest_of_n":
+        if len(speculation.drafters) > MAX_DRAFTERS or any(len(d) > MAX_NAME for d in speculation.drafters):
+            raise ConfigError(f"{path}: key 'speculation.drafters': at most {MAX_DRAFTERS} drafters, each named in at "
+                              f"most {MAX_NAME} characters (what a trajectory's speculation stats may carry)")
         if len(speculation.drafters) < 2 or len(set(speculation.drafters)) != len(speculation.drafters):
             raise ConfigError(f"{path}: key 'speculation.drafters' = {list(speculation.drafters)}: fastest_of_n needs "
                               "two or more distinct drafters")

@@ -22,12 +22,14 @@ import json
 import os
 import shutil
 import socket
+import time
 from pathlib import Path
 
 from learner.exchange import gather_full_state
 from models.zoo import copy_tokenizer
 
 MANIFEST = "manifest.json"
+SHARED_WAIT_S = 60.0  # how long rank 0 waits to see another rank's files before it calls logging.dir unshared
 RUN_FILE = "run.json"  # in a run directory: {"run_id": ...} of the run that writes its checkpoints
 
 
@@ -140,10 +142,15 @@ def files_under(directory: Path) -> list[str]:
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
 
 
-def check_sees_all(directory: Path, seen_by_rank: list[list[str]]) -> None:
+def check_sees_all(directory: Path, seen_by_rank: list[list[str]], wait_s: float = 0.0) -> None:
     """Rank 0, after every rank wrote into `directory` and listed it (`files_under`, rank order): raises
-    UnsharedDirectory unless rank 0 sees every file any rank saw there."""
+    UnsharedDirectory unless rank 0 sees every file any rank saw there, within `wait_s` (a network file system's
+    client may cache a directory's listing for tens of seconds)."""
+    deadline = time.monotonic() + wait_s
     here = set(files_under(directory))
+    while not set().union(*seen_by_rank) <= here and time.monotonic() < deadline:
+        time.sleep(1.0)
+        here = set(files_under(directory))
     for rank, names in enumerate(seen_by_rank):
         missing = sorted(set(names) - here)
         if missing:
@@ -180,7 +187,7 @@ class RankCheckpoints:
         state.json (version, data cursor, counters, run id) and the manifest written, everything fsynced,
         `step_<version>.partial` renamed to `step_<version>` (learner/checkpoint.py)."""
         final = Path(root) / f"step_{self.version}"
-        check_sees_all(partial(final), seen_by_rank)
+        check_sees_all(partial(final), seen_by_rank, SHARED_WAIT_S)
         with self.lock:
             state = {"version": self.version, "run_id": run_id, "skipped_steps": self.skipped_steps,
                      **self.intake.state()}
@@ -195,7 +202,7 @@ class RankCheckpoints:
 
     def check_shared(self, directory: str, seen_by_rank: list[list[str]]) -> None:
         """Rank 0: raises UnsharedDirectory unless it sees each rank's `mark_directory` files; then removes them."""
-        check_sees_all(Path(directory), seen_by_rank)
+        check_sees_all(Path(directory), seen_by_rank, SHARED_WAIT_S)
         shutil.rmtree(directory, ignore_errors=True)
 
     def load_checkpoint(self, path: str) -> None:

@@ -117,3 +117,16 @@ def test_rank_zero_seals_only_when_it_sees_every_ranks_files(tmp_path):
         check_sees_all(partial(tmp_path / "node0" / "checkpoints" / "step_2"), on_own_disks)
     shared = [save(tmp_path / "shared", 0), save(tmp_path / "shared", 1)]
     check_sees_all(partial(tmp_path / "shared" / "checkpoints" / "step_2"), shared)  # both there: sealed as usual
+
+
+def test_rank_zero_waits_for_a_shared_directory_to_show_another_ranks_file(tmp_path):
+    """A network file system's client may list a directory from its cache: a file another node wrote a moment ago
+    shows up late, and rank 0 waits for it instead of calling the directory unshared."""
+    import threading
+
+    late = threading.Timer(0.5, lambda: (tmp_path / "rank_1").write_text("node 1"))
+    late.start()
+    check_sees_all(tmp_path, [[], ["rank_1"]], wait_s=10)
+    late.join()
+    with pytest.raises(UnsharedDirectory, match="rank_2"):
+        check_sees_all(tmp_path, [[], ["rank_2"]], wait_s=1.5)

@@ -77,6 +77,9 @@ def test_path_to_yaml_works(tmp_path):
     ("learner.num_ranks=0", ["learner.num_ranks", ">= 1"]),  # was a ZeroDivisionError
     ("learner.micro_batch_size=0", ["learner.micro_batch_size", ">= 1"]),  # was a ZeroDivisionError
     ("speculation.drafters={}", ["speculation.drafters", "incompatible"]),  # was a TypeError
+    # a name no trajectory could carry (its member choices would be refused at the learner, every one)
+    (f"speculation.method=fastest_of_n speculation.drafters=[ngram,pkg.{'x' * 300}.Drafter]",
+     ["speculation.drafters", "256 characters"]),
     ("learner.lr=inf", ["learner.lr", "finite"]),
     ("rollout.temperature=inf", ["rollout.temperature", "finite"]),
     ("learner.grad_clip=nan", ["learner.grad_clip", "finite"]),

@@ -83,10 +83,11 @@ class Gate:
         with self._lock:
             self._names = {k: n for k, n in self._names.items() if n != name} | {public: name}
 
-    def revoke(self, name: str) -> None:
-        """`name`'s key may no longer connect, and what its open connection sends is dropped as `revoked`."""
+    def revoke(self, public: bytes) -> None:
+        """Key `public` may no longer connect, and what its open connection sends is dropped as `revoked` (a key
+        admitted since under the same name is untouched)."""
         with self._lock:
-            self._names = {k: n for k, n in self._names.items() if n != name}
+            self._names.pop(public, None)
 
     def name_of(self, public: bytes) -> str | None:
         with self._lock:

@@ -22,9 +22,11 @@ SCHEMA_VERSION = 2
 # can make its receiver allocate beyond its own bytes (`trajectory_bytes`) stays bounded
 MAX_TOKENS = 1 << 20  # the most tokens a trajectory carries: model.max_model_len's ceiling
 MAX_DRAFTERS = 64  # the most drafters a composite drafter combines
+MAX_NAME = 256  # the longest drafter name (a dotted class path) and finish reason
+MAX_FAILURE = 4096  # the longest reason a drafter was switched off (the bridge cuts longer ones)
 Tokens = Annotated[list[int], msgspec.Meta(max_length=MAX_TOKENS)]
 Floats = Annotated[list[float], msgspec.Meta(max_length=MAX_TOKENS)]
-Name = Annotated[str, msgspec.Meta(max_length=64)]
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
 
 
 def trajectory_bytes(max_model_len: int) -> int:
@@ -53,7 +55,7 @@ class SpecStats(msgspec.Struct, omit_defaults=True):
     # (every proposal it made, chosen or not, labelled on the committed tokens: Drafter.member_labels)
     drafter_labels: Annotated[dict[Name, Annotated[list[int], msgspec.Meta(max_length=2)]],
                               msgspec.Meta(max_length=MAX_DRAFTERS)] = {}
-    drafter_failure: Annotated[str, msgspec.Meta(max_length=4096)] = ""  # why the drafter was switched off ("": not)
+    drafter_failure: Annotated[str, msgspec.Meta(max_length=MAX_FAILURE)] = ""  # why the drafter was switched off ("": not)
 
     def __add__(self, other: SpecStats) -> SpecStats:
         labels: dict[str, list[int]] = {}

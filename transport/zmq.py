@@ -105,12 +105,13 @@ class Inbox:
 
     def _decode(self, frame: zmq.Frame, count: int) -> Message | None:
         # a gated socket names the sender from its key, per message (None: revoked since it connected)
-        sender = self.gate.name_of(frame.get("User-Id").encode()) if self.gate is not None else "a peer"
+        key = frame.get("User-Id").encode() if self.gate is not None else b""
+        sender = self.gate.name_of(key) if self.gate is not None else "a peer"
         if sender is None:
             return self._drop("a revoked key", "revoked", "its key was revoked after it connected")
         if count != 1:  # libzmq held every frame before this one: a key that does it once does it no more
             if self.gate is not None:
-                self.gate.revoke(sender)
+                self.gate.revoke(key)
             return self._drop(sender, "frames", f"{count} frames, expected 1" +
                               ("; its key is revoked" if self.gate is not None else ""))
         if len(frame) > self.max_bytes:

@@ -328,3 +328,24 @@ def test_decoupled_drafts_are_prepared_on_a_thread_and_no_other_call_overlaps_it
     propose(b, [[5], [6]])  # the next step: it waits for the thread before telling the drafter anything
     b.settle()  # (the step after that would wait for the third preparation too)
     assert drafter.ahead_calls == 2 and drafter.overlaps and not any(busy for _, busy in drafter.overlaps)
+
+
+def test_a_drafters_failure_is_cut_to_what_a_trajectory_may_carry():
+    """A plugin's exception message of any length switches it off; what every request then carries is at most
+    MAX_FAILURE characters, so its trajectories still decode at the learner."""
+    import msgspec
+
+    import factories
+    from transport.messages import MAX_FAILURE, Trajectory
+
+    class Verbose(Recording):
+        def propose(self, requests, k):
+            raise ValueError("x" * 10 * MAX_FAILURE)
+
+    b, runner = bridge(Verbose([[1], [2]]), ["a-1", "b-1"])
+    propose(b, [[5], [6]])
+    propose(b, [[7], [8]])
+    stats = runner._sample.records["a"].stats
+    assert b.failure and len(stats.drafter_failure) == MAX_FAILURE
+    encoded = msgspec.msgpack.encode(factories.trajectory(spec=stats))
+    assert msgspec.msgpack.Decoder(Trajectory).decode(encoded).spec.drafter_failure == stats.drafter_failure
