@@ -163,17 +163,18 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
             keep, _ = plan([calibration.gains(c) for c in rated], len(running), step_cost, None)
             drafts = [min(d, kept) for d, kept in zip(drafts, keep)]
         total, passes = sum(drafts), max(asked, default=0)
+        unseen_asked = sum(u for u, a in zip(unseen, asked) if a)  # what the drafter catches up on this step
         engine = costs.engine(len(running), total)
         if decoupled == "chain":  # drafted on the critical path: the misses the planner drafts now
             now = [asked[m] for m in missed if asked[m]]
             unseen_now = sum(unseen[m] for m in missed if asked[m])
         else:
             now = [] if decoupled else asked
-            unseen_now = 0 if decoupled else sum(u for u, a in zip(unseen, asked) if a)
+            unseen_now = 0 if decoupled else unseen_asked
         drafting_now = costs.drafting(len(now), sum(now), max(now), unseen_now) if sum(now) else 0.0
         waited_here = drafting_now
         if decoupled:  # the prepared drafting runs beside the verify step: only what outlasts it is waited for
-            prepared = costs.drafting(len(running), sum(asked), passes, sum(u for u, a in zip(unseen, asked) if a))
+            prepared = costs.drafting(len(running), sum(asked), passes, unseen_asked)
             waited_here += max(0.0, prepared - waited_here - engine)
         clock += engine + waited_here
         waited += waited_here

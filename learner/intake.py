@@ -21,7 +21,7 @@ from itertools import chain
 from learner.base import admissible
 from tasks.reward import REWARD_BOUND
 from tasks.schedule import CursorPlan
-from transport.messages import Heartbeat, SpecStats, Trajectory, WeightAck
+from transport.messages import SPEC_NUMBERS, Heartbeat, SpecStats, Trajectory, WeightAck
 
 INCARNATION_SHIFT = 32
 
@@ -287,7 +287,6 @@ BEHAVIOUR_FLOOR = -104.0  # the least logprob a float32 softmax gives a token it
 def _spec_stats_valid(spec: SpecStats) -> bool:
     """Every count, second and error non-negative and finite; per drafter name one count of choices and an
     [accepted, rejected] pair of labels."""
-    numbers = [getattr(spec, name) for name in SpecStats.__struct_fields__]
-    return all(0 <= v < math.inf for v in numbers if type(v) in (int, float)) \
+    return all(0 <= getattr(spec, name) < math.inf for name in SPEC_NUMBERS) \
         and all(v >= 0 for v in spec.drafter_choices.values()) \
         and all(len(pair) == 2 and min(pair) >= 0 for pair in spec.drafter_labels.values())

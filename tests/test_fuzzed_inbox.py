@@ -120,10 +120,10 @@ def test_fuzzed_messages_never_crash_the_inbox_nor_touch_a_valid_group():
         gate.admit(name, pair.public)
     good = Outbox(inbox.endpoint, hwm=16, context=ctx, keys=ClientKeys(actor0, gate.keys.public))
     evil = ctx.socket(zmq.PUSH)
-    evil.curve_secretkey, evil.curve_publickey, evil.curve_serverkey = actor1.secret, actor1.public, gate.keys.public
+    dial(evil, ClientKeys(actor1, gate.keys.public))
     evil.connect(inbox.endpoint)
     huge = ctx.socket(zmq.PUSH)  # frames over the socket's size limit: ZeroMQ drops the connection, not the inbox
-    huge.curve_secretkey, huge.curve_publickey, huge.curve_serverkey = actor1.secret, actor1.public, gate.keys.public
+    dial(huge, ClientKeys(actor1, gate.keys.public))
     huge.connect(inbox.endpoint)
     # actor 2's key: a message of 200 frames, each within the size limit, that libzmq holds whole before the inbox
     # sees it; then one-frame messages, which its revoked key no longer gets in

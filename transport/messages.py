@@ -55,13 +55,14 @@ class SpecStats(msgspec.Struct, omit_defaults=True):
     # (every proposal it made, chosen or not, labelled on the committed tokens: Drafter.member_labels)
     drafter_labels: Annotated[dict[Name, Annotated[list[int], msgspec.Meta(max_length=2)]],
                               msgspec.Meta(max_length=MAX_DRAFTERS)] = {}
-    drafter_failure: Annotated[str, msgspec.Meta(max_length=MAX_FAILURE)] = ""  # why the drafter was switched off ("": not)
+    # why the drafter was switched off ("": it was not)
+    drafter_failure: Annotated[str, msgspec.Meta(max_length=MAX_FAILURE)] = ""
 
     def __add__(self, other: SpecStats) -> SpecStats:
         labels: dict[str, list[int]] = {}
         for each in (self, other):
             add_labels(labels, each.drafter_labels)
-        return SpecStats(**{name: getattr(self, name) + getattr(other, name) for name in _SUMMED_SPEC},
+        return SpecStats(**{name: getattr(self, name) + getattr(other, name) for name in SPEC_NUMBERS},
                          drafter_choices=dict(Counter(self.drafter_choices) + Counter(other.drafter_choices)),
                          drafter_labels=labels, drafter_failure=self.drafter_failure or other.drafter_failure)
 
@@ -70,8 +71,9 @@ class SpecStats(msgspec.Struct, omit_defaults=True):
         return (self.accepted_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else 1.0
 
 
-_SUMMED_SPEC = ("verify_steps", "draft_tokens", "accepted_tokens", "invalid_drafts", "draft_seconds", "planned_steps",
-                "planned_tokens", "prepared_steps", "cost_error")
+# its counters, seconds and errors: the fields whose default is a number (the rest are per-drafter maps and text)
+SPEC_NUMBERS = tuple(name for name, default in zip(SpecStats.__struct_fields__, SpecStats.__struct_defaults__)
+                     if type(default) in (int, float))
 
 
 def total(stats: Iterable[SpecStats]) -> SpecStats:

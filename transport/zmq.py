@@ -104,16 +104,17 @@ class Inbox:
             return None, 0
 
     def _decode(self, frame: zmq.Frame, count: int) -> Message | None:
-        # a gated socket names the sender from its key, per message (None: revoked since it connected)
-        key = frame.get("User-Id").encode() if self.gate is not None else b""
-        sender = self.gate.name_of(key) if self.gate is not None else "a peer"
-        if sender is None:
-            return self._drop("a revoked key", "revoked", "its key was revoked after it connected")
+        key, sender = None, "a peer"
+        if self.gate is not None:  # it names the sender from its key, per message (None: revoked since it connected)
+            key = frame.get("User-Id").encode()
+            sender = self.gate.name_of(key)
+            if sender is None:
+                return self._drop("a revoked key", "revoked", "its key was revoked after it connected")
         if count != 1:  # libzmq held every frame before this one: a key that does it once does it no more
-            if self.gate is not None:
+            if key is not None:
                 self.gate.revoke(key)
-            return self._drop(sender, "frames", f"{count} frames, expected 1" +
-                              ("; its key is revoked" if self.gate is not None else ""))
+            revoked = "; its key is revoked" if key is not None else ""
+            return self._drop(sender, "frames", f"{count} frames, expected 1{revoked}")
         if len(frame) > self.max_bytes:
             return self._drop(sender, "oversized", f"{len(frame)} bytes > limit {self.max_bytes}")
         try:
