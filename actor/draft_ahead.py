@@ -29,6 +29,7 @@ class Prepared(NamedTuple):
     tail: tuple[int, ...]  # the unverified tokens that history ended with (the drafts being verified)
     proposal: list[int]  # the guess of the target's next token, then the drafts after it
     confidences: list[float] | None
+    source: str  # a composite drafter's member that proposed it ("": not a composite)
 
 
 class DraftsAhead:
@@ -49,28 +50,34 @@ class DraftsAhead:
         self.prepared = future.result()
         return time.perf_counter() - start
 
-    def take(self, request_id: str, history) -> tuple[list[int], list[float] | None] | None:
-        """The drafts (and confidences) prepared for `request_id` if `history` is the outcome they were prepared
-        for: every draft accepted, then the guessed token."""
+    def take(self, request_id: str, history) -> tuple[list[int], list[float] | None, str] | None:
+        """The drafts (with their confidences and source) prepared for `request_id` if `history` is the outcome they
+        were prepared for: every draft accepted, then the guessed token."""
         prepared = self.prepared.pop(request_id, None)
         if prepared is None or not prepared.proposal or len(history) != prepared.length + 1:
             return None
         expected = (*prepared.tail, prepared.proposal[0])
         if any(int(a) != b for a, b in zip(history[prepared.length - len(prepared.tail):], expected)):
             return None
-        return prepared.proposal[1:], None if prepared.confidences is None else prepared.confidences[1:]
+        return (prepared.proposal[1:], None if prepared.confidences is None else prepared.confidences[1:],
+                prepared.source)
 
-    def launch(self, requests: list[DraftRequest], propose: Callable[[], tuple[list, list | None]]) -> None:
-        """Runs `propose()` on the thread: the drafter's proposals for `requests` (`ahead`) and their confidences."""
+    def launch(self, requests: list[DraftRequest], propose: Callable[[], tuple[list, list | None, list | None]]
+               ) -> None:
+        """Runs `propose()` on the thread: the drafter's proposals for `requests` (`ahead`), their confidences and
+        (a composite's) sources."""
         self.prepared = {}
 
         def work() -> dict[str, Prepared]:
             start = time.perf_counter()
             try:
-                proposals, confidences = propose()
+                proposals, confidences, sources = propose()
+                if proposals is None:  # the drafter prepared nothing this time (`Drafter.propose_ahead`)
+                    return {}
                 return {r.request_id: Prepared(len(r.token_ids), tuple(int(t) for t in r.token_ids[
-                    len(r.token_ids) - r.unverified:]), [int(t) for t in p], s)
-                        for r, p, s in zip(requests, proposals, confidences or [None] * len(requests))}
+                    len(r.token_ids) - r.unverified:]), [int(t) for t in p], c, str(s))
+                        for r, p, c, s in zip(requests, proposals, confidences or [None] * len(requests),
+                                              sources or [""] * len(requests))}
             finally:
                 self.seconds += time.perf_counter() - start
 

@@ -296,31 +296,36 @@ class DrafterBridge:
                    ) -> tuple[list, list | None, list[str] | None, set[int]]:
         """Each request's proposal and confidences: prepared during the last step where its outcome was the one
         prepared for (decoupled), else asked of the drafter now in one call (decoupled: only where the cost model
-        says drafting it now pays, else no drafts this step); the drafter's sources, and which were prepared."""
+        says drafting it now pays, else no drafts this step); a composite's member per request ("": none; None for a
+        plain drafter), and which were prepared."""
         taken = ((j, self.ahead.take(r.request_id, r.token_ids)) for j, r in enumerate(requests)) if self.ahead else ()
-        found = {j: got for j, got in taken if got is not None}
+        found = {j: got for j, got in taken if got is not None}  # j -> (proposal, confidences, source)
         prepared = set(found)
         asked = [(j, r) for j, r in enumerate(requests) if j not in found]
         if self.ahead is not None and asked:
-            asked = self._worth_drafting_now(asked, base_tokens + sum(len(p) for p, _ in found.values()))
-        sources, start = None, time.perf_counter()
+            asked = self._worth_drafting_now(asked, base_tokens + sum(len(p) for p, _, _ in found.values()))
+        start = time.perf_counter()
         if asked:
             with guarded(self.drafter):
                 fresh = self.drafter.propose([r for _, r in asked], max(r.max_tokens for _, r in asked))
                 rated = self.drafter.confidences()
                 sources = self.drafter.sources() if isinstance(self.drafter, CompositeDrafter) else None
-            if len(fresh) != len(asked) or (rated is not None and len(rated) != len(asked)):
-                raise RuntimeError(f"drafter {type(self.drafter).__name__} returned {len(fresh)} proposals and "
-                                   f"{'no' if rated is None else len(rated)} confidence lists for "
-                                   f"{len(asked)} requests (drafters/base.py: one list per request)")
+            if len(fresh) != len(asked) or (rated is not None and len(rated) != len(asked)) or \
+                    (sources is not None and len(sources) != len(asked)):
+                raise RuntimeError(f"drafter {type(self.drafter).__name__} returned {len(fresh)} proposals, "
+                                   f"{'no' if rated is None else len(rated)} confidence lists and "
+                                   f"{'no' if sources is None else len(sources)} sources for {len(asked)} requests "
+                                   f"(drafters/base.py: one of each per request)")
             if self.ahead is not None:  # what drafting the misses on the critical path costs
                 self.draft_cost.observe(max(map(len, fresh)), sum(map(len, fresh)),
                                         sum(self._unseen(r) for _, r in asked), time.perf_counter() - start)
-            found.update((j, (p, c)) for (j, _), p, c in zip(asked, fresh, rated or [None] * len(asked)))
-        pairs = [found.get(j, ([], None)) for j in range(len(requests))]  # skipped misses: no drafts
-        proposals, confidences = [p for p, _ in pairs], [c for _, c in pairs]
+            found.update((j, (p, c, s)) for (j, _), p, c, s in zip(
+                asked, fresh, rated or [None] * len(asked), sources or [""] * len(asked)))
+        triples = [found.get(j, ([], None, "")) for j in range(len(requests))]  # skipped misses: no drafts
+        proposals, confidences = [p for p, _, _ in triples], [c for _, c, _ in triples]
         any_rated = any(c is not None for c in confidences)
-        return proposals, confidences if any_rated else None, sources if not prepared else None, prepared
+        sources = [str(s) for *_, s in triples] if isinstance(self.drafter, CompositeDrafter) else None
+        return proposals, confidences if any_rated else None, sources, prepared
 
     def _worth_drafting_now(self, asked: list[tuple[int, DraftRequest]], base_tokens: int
                             ) -> list[tuple[int, DraftRequest]]:
@@ -342,7 +347,8 @@ class DrafterBridge:
 
         def propose():
             with guarded(drafter):
-                return drafter.propose_ahead(asked, k), drafter.confidences()
+                proposals, confidences = drafter.propose_ahead(asked, k), drafter.confidences()
+                return proposals, confidences, drafter.sources() if isinstance(drafter, CompositeDrafter) else None
 
         self.ahead.launch(asked, propose)
 

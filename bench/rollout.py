@@ -11,7 +11,8 @@ Systems (fixed before the run; `specactor` is the configured default, never the 
 - `specactor`: coupled speculation as configured by default (draft LM, the cost-model draft planner);
 - `specactor_decoupled`: the same with `speculation.decoupled` (drafts prepared while the engine verifies);
 - `specactor_ngram`, `specactor_suffix`, `specactor_fastest`: the same with the n-gram drafter, the history
-  (suffix) drafter, fastest-of-N over suffix and the draft LM (listed, not chosen).
+  (suffix) drafter, fastest-of-N over suffix and the draft LM (listed, not chosen); `specactor_fastest_decoupled`:
+  fastest-of-N with `speculation.decoupled`.
 The target is a cost-padded copy of the trained policy (bench/padded_target.py): 70.8M parameters of cost in fp32 on
 CPU presets; for `gpu` (the long-tail workload on one CUDA GPU, bf16, CUDA graphs as vLLM uses them by default)
 ~1.41B with Qwen3-1.7B's matmul shapes, so that decoding is memory-bound as on real rollout GPUs (the preset refuses
@@ -74,10 +75,10 @@ TARGETS = {"cpu": dict(zero_layers=16, num_heads=32, intermediate_size=8192),  #
            "cuda": dict(zero_layers=24, num_heads=64, intermediate_size=6144, hidden_size=2048)}
 ENGINE = {"cpu": [], "cuda": ["cluster.device=cuda", "model.dtype=bfloat16", "rollout.kv_cache_mib=16384"]}  # overrides
 SYSTEMS = ["vllm", "vanilla", "vllm_spec_draft", "vllm_spec_ngram", "oracle", "specactor", "specactor_decoupled",
-           "specactor_ngram", "specactor_suffix", "specactor_fastest"]
+           "specactor_ngram", "specactor_suffix", "specactor_fastest", "specactor_fastest_decoupled"]
 COUPLED = {"vanilla": "none", "oracle": "bench.oracle.OracleDrafter", "specactor": "draft_lm",
            "specactor_decoupled": "draft_lm", "specactor_ngram": "ngram", "specactor_suffix": "suffix",
-           "specactor_fastest": "fastest_of_n"}
+           "specactor_fastest": "fastest_of_n", "specactor_fastest_decoupled": "fastest_of_n"}
 FASTEST_OF = "[suffix,draft_lm]"  # specactor_fastest's members
 SPECULATIVE_TOKENS = 4
 TEMPERATURE = 1.0  # GRPO samples at T = 1
@@ -115,7 +116,7 @@ def make_llm(name: str, target: Path, draft: Path, oracle: Path | None, device: 
         overrides.append(f"speculation.method={COUPLED[name]}")
         if name == "oracle":
             overrides.append(f"speculation.options.path={oracle}")
-        if name == "specactor_fastest":
+        if name.startswith("specactor_fastest"):
             overrides.append(f"speculation.drafters={FASTEST_OF}")
         if name.endswith("_decoupled"):  # its drafting thread takes the core the engine leaves
             overrides.append("speculation.decoupled=true")

@@ -56,6 +56,8 @@ class FastestOfN(CompositeDrafter):
         self.by_prompt: OrderedDict[tuple[int, ...], list[list[float]]] = OrderedDict()
         self.overall = [[0.5, 0.5] for _ in self.members]  # per member: the same over every request, forgetting
         self.last: dict[str, dict[int, tuple[list[int], list[float]]]] = {}  # per request: members' last proposals
+        # per request: the drafts its last `propose_ahead` assumed accepted, and members' proposals made after them
+        self.ahead: dict[str, tuple[tuple[int, ...], dict[int, tuple[list[int], list[float]]]]] = {}
         self.choices: list[str] = []  # the member that drafted each request of the last proposal
         self.chosen: list[list[float]] = []  # the chosen proposals' calibrated rates
         self.seconds = [0.0 for _ in self.members]  # per member: drafting seconds per request asked, averaged
@@ -63,6 +65,37 @@ class FastestOfN(CompositeDrafter):
         self.off: dict[int, str] = {}  # members switched off for raising: why
 
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
+        mine, best = self._race(requests, k, lambda member, asked: member.propose(asked, k), self.members)
+        out, self.choices, self.chosen = [], [], []
+        for request, proposals, m in zip(requests, mine, best):  # the first member on answered every request
+            self.last[request.request_id] = proposals
+            self.choices.append(self.names[m] if m >= 0 else "")
+            self.chosen.append(self.tables[m].rates(proposals[m][1]) if m >= 0 else [])
+            out.append(proposals[m][0] if m >= 0 else [])
+        return out
+
+    def propose_ahead(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
+        """The same race among the members that prepare ahead (the others sit it out: a request only they would
+        draft gets no prepared drafts). Every member's proposal is held until the verifier commits: if the drafts
+        being verified are all accepted, its first token (its guess) is labelled on the target's token, and if that
+        is the target's, the rest is labelled on the next commit as a proposal of that step, taken or not."""
+        ready = [member if type(member).propose_ahead is not Drafter.propose_ahead else None
+                 for member in self.members]
+        mine, best = self._race(requests, k, lambda member, asked: member.propose_ahead(asked, k), ready)
+        out, self.choices, self.chosen = [], [], []
+        for request, proposals, m in zip(requests, mine, best):
+            tail = tuple(int(t) for t in request.token_ids[len(request.token_ids) - request.unverified:])
+            self.ahead[request.request_id] = (tail, proposals)
+            self.choices.append(self.names[m] if m >= 0 else "")
+            self.chosen.append(self.tables[m].rates(proposals[m][1]) if m >= 0 else [])
+            out.append(proposals[m][0] if m >= 0 else [])
+        return out
+
+    def _race(self, requests: list[DraftRequest], k: int, ask: Callable[[Drafter, list[DraftRequest]], Any],
+              members: list[Drafter | None]) -> tuple[list[dict[int, tuple[list[int], list[float]]]], list[int]]:
+        """Asks the `members` (None: sits out) cheapest first, each for the requests it may still win: per request,
+        every answering member's proposal with its confidences, and the member expected to commit the most tokens
+        (-1: none answered)."""
         mine: list[dict[int, tuple[list[int], list[float]]]] = [{} for _ in requests]  # per request: member -> proposal
         best = [(0.0, -1) for _ in requests]  # per request: the best expected accepted tokens so far, and its member
         budgets = [r.budget(k) for r in requests]
@@ -70,12 +103,12 @@ class FastestOfN(CompositeDrafter):
             if r.request_id not in self.prompt_of:
                 self.prompt_of[r.request_id] = tuple(r.token_ids[: len(r.token_ids) - r.position])
         for m in sorted(range(len(self.members)), key=self.seconds.__getitem__):
-            asked = [i for i, r in enumerate(requests)
-                     if m not in self.off and (best[i][1] < 0 or best[i][0] < self._expected(m, r, budgets[i]))]
+            asked = [i for i, r in enumerate(requests) if members[m] is not None and m not in self.off
+                     and (best[i][1] < 0 or best[i][0] < self._expected(m, r, budgets[i]))]
             if not asked:
                 continue
             start = time.perf_counter()
-            answer = self._call(m, lambda member: member.propose([requests[i] for i in asked], k))
+            answer = self._call(m, lambda member: ask(member, [requests[i] for i in asked]))
             confidences = self._call(m, lambda member: member.confidences()) if answer is not None else None
             if answer is None or m in self.off:
                 continue
@@ -91,13 +124,7 @@ class FastestOfN(CompositeDrafter):
                 gain = sum(self.tables[m].gains(own))
                 if best[i][1] < 0 or gain > best[i][0]:
                     best[i] = (gain, m)
-        out, self.choices, self.chosen = [], [], []
-        for request, proposals, (_, m) in zip(requests, mine, best):  # the first member on answered every request
-            self.last[request.request_id] = proposals
-            self.choices.append(self.names[m] if m >= 0 else "")
-            self.chosen.append(self.tables[m].rates(proposals[m][1]) if m >= 0 else [])
-            out.append(proposals[m][0] if m >= 0 else [])
-        return out
+        return mine, [m for _, m in best]
 
     def _answers(self, requests: list[DraftRequest], asked: list[int], drafts, confidences, m: int
                  ) -> list[tuple[int, list[int], list[float]]]:
@@ -162,8 +189,23 @@ class FastestOfN(CompositeDrafter):
     def commit(self, request_id: str, committed: list[int]) -> None:
         self._ask_all(lambda member: member.commit(request_id, committed))
         last = self.last.pop(request_id, None)
-        if last is None:
-            return
+        if last is not None:
+            self._label(request_id, last, committed)
+        tail, prepared = self.ahead.pop(request_id, ((), None))
+        if prepared is None or len(committed) <= len(tail) or tuple(committed[: len(tail)]) != tail:
+            return  # a draft was rejected: the history the members prepared for never happened
+        target = committed[len(tail)]
+        guesses = {m: (p[:1], own[:1]) for m, (p, own) in prepared.items() if p}
+        if guesses:
+            self._label(request_id, guesses, [target])
+        rest = {m: (p[1:], own[1:]) for m, (p, own) in prepared.items() if p and p[0] == target}
+        if rest:  # the proposals current for the next commit (unless a proposal of the next step replaces them)
+            self.last[request_id] = rest
+
+    def _label(self, request_id: str, proposals: dict[int, tuple[list[int], list[float]]], committed: list[int]
+               ) -> None:
+        """Each member's proposal labelled on the committed tokens: its calibration, its running rates on the
+        request, the prompt and overall, and the labels not yet reported."""
         labels = self.labels.setdefault(request_id, [[0.0, 0.0] for _ in self.members])
         key = self.prompt_of.get(request_id)
         prompt = self.by_prompt.setdefault(key, [[0.0, 0.0] for _ in self.members])
@@ -171,7 +213,7 @@ class FastestOfN(CompositeDrafter):
         if len(self.by_prompt) > MAX_PROMPTS:
             self.by_prompt.popitem(last=False)
         unreported = self.unreported.setdefault(request_id, {})
-        for m, (proposal, own) in last.items():
+        for m, (proposal, own) in proposals.items():
             self.tables[m].observe(own, proposal, committed)
             agreed = agreement(proposal, committed)
             rejected = 1 if agreed < min(len(proposal), len(committed)) else 0
@@ -201,6 +243,7 @@ class FastestOfN(CompositeDrafter):
         self._ask_all(lambda member: member.remove(request_id))
         self.labels.pop(request_id, None)
         self.last.pop(request_id, None)
+        self.ahead.pop(request_id, None)
         self.unreported.pop(request_id, None)
         self.prompt_of.pop(request_id, None)
 

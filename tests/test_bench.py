@@ -16,12 +16,13 @@ def test_smoke_benchmark_writes_json_and_png(tmp_path, capsys):
     result = json.loads(out.read_text())
     systems = result["systems"]
     assert set(systems) == {"vllm", "vanilla", "vllm_spec_draft", "vllm_spec_ngram", "oracle", "specactor",
-                            "specactor_decoupled", "specactor_ngram", "specactor_suffix", "specactor_fastest"}
+                            "specactor_decoupled", "specactor_ngram", "specactor_suffix", "specactor_fastest",
+                            "specactor_fastest_decoupled"}
     for run in systems.values():
         assert run["makespan_s"] > 0 and run["tokens"] > 0 and run["tokens_per_s"] > 0 and run["acceptance_length"] >= 1
         assert run["speedup"] > 0
-    for name in ("specactor", "oracle", "specactor_ngram", "specactor_suffix",
-                 "specactor_fastest"):  # coupled speculation: exactly vanilla's tokens
+    for name in ("specactor", "oracle", "specactor_decoupled", "specactor_ngram", "specactor_suffix",
+                 "specactor_fastest", "specactor_fastest_decoupled"):  # coupled speculation: exactly vanilla's tokens
         assert result["identical_fraction"][name] == 1.0 and systems[name]["tokens"] == systems["vanilla"]["tokens"]
     # the oracle drafts vanilla's own tokens: nearly every draft accepted (k + 1 = 5 tokens per verify step)
     assert systems["oracle"]["acceptance_length"] > 4.5

@@ -156,6 +156,37 @@ def test_member_labels_score_every_proposal_made_once_and_forget_removed_request
     assert fon.member_labels() == {}
 
 
+class OnesAhead(Ones):
+    """Prepares ahead (decoupled speculation): guesses 3 after any history, then 1s."""
+
+    def propose_ahead(self, requests, k):
+        return [[3] + [1] * (k - 1) for _ in requests]
+
+
+def test_proposals_ahead_race_the_members_that_prepare_and_are_labelled_when_their_history_is_committed():
+    """`propose_ahead`: members without it sit out; each proposal is labelled once the drafts it assumed are
+    committed: its guess on the target's token, and the rest, if the guess was the target's, on the next commit."""
+    ahead, twos = "test_fastest_of_n.OnesAhead", "test_fastest_of_n.Twos"
+    fon = FastestOfN([twos, ahead])
+
+    def unverified(rid: str) -> DraftRequest:  # two drafts being verified (8, 9) past the committed [5, 6]
+        return DraftRequest(rid, seed=0, position=2, token_ids=[5, 6, 8, 9], unverified=2)
+
+    assert fon.propose_ahead([unverified("a"), unverified("b"), unverified("c")], 4) == [[3, 1, 1, 1]] * 3
+    assert fon.sources() == [ahead] * 3 and len(fon.confidences()) == 3  # Twos prepares nothing: it sat out
+    fon.commit("a", [8, 9, 3])  # both drafts accepted and the target sampled the guess
+    fon.commit("b", [8, 9, 4])  # both accepted, another token sampled: the guess was wrong
+    fon.commit("c", [8, 7])  # a draft rejected: the history it was prepared for never happened, nothing labelled
+    assert fon.member_labels() == {"a": {ahead: (1, 0)}, "b": {ahead: (0, 1)}}
+    fon.commit("a", [1, 1, 7])  # the prepared rest, [1, 1, 1], on the next commit (taken or not): 2, then a rejection
+    fon.commit("b", [1, 1, 1])  # b's rest was never current: no labels
+    assert fon.member_labels() == {"a": {ahead: (2, 1)}}
+    fon.propose_ahead([unverified("a")], 4)
+    fon.remove("a")  # forgets what it held for a
+    fon.commit("a", [8, 9, 3])
+    assert fon.member_labels() == {}
+
+
 class Remembering(Ones):
     def __init__(self):
         self.outputs = []

@@ -78,9 +78,8 @@ def test_speculative_rollouts_equal_plain_decoding(plain, drafter):
             assert speculative[r][1] == pytest.approx(plain[r][1], rel=1e-5, abs=1e-6), f"{setting}: sequence {r}"
         drafted, accepted = sum(stats[r].draft_tokens for r in rows), sum(stats[r].accepted_tokens for r in rows)
         assert drafted > 0 and accepted > 0, f"{setting}: drafted {drafted}, accepted {accepted}: nothing verified"
-    if drafter.endswith("+decoupled"):  # drafts prepared ahead were taken (and, above, changed no token), but
-        # by a composite, which drafts serially
-        assert (sum(c.prepared_steps for c in stats) > 0) == (not drafter.startswith("fastest_of_n"))
+    if drafter.endswith("+decoupled"):  # drafts prepared ahead were taken (and, above, changed no token)
+        assert sum(c.prepared_steps for c in stats) > 0
 
 
 def test_the_actor_decodes_a_finished_completion_as_vllms_detokenizer_does(plain):

@@ -330,6 +330,37 @@ def test_decoupled_drafts_are_prepared_on_a_thread_and_no_other_call_overlaps_it
     assert drafter.ahead_calls == 2 and drafter.overlaps and not any(busy for _, busy in drafter.overlaps)
 
 
+def test_a_composites_prepared_drafts_count_for_the_member_that_prepared_them():
+    class Composite(Ahead, CompositeDrafter):
+        def propose(self, requests, k):
+            self.named = ["serial"] * len(requests)
+            return super().propose(requests, k)
+
+        def propose_ahead(self, requests, k):
+            self.named = ["ahead"] * len(requests)
+            return [[7, 8, 9] for _ in requests]
+
+        def sources(self):
+            return self.named
+
+        def member_labels(self):
+            return {}
+
+        def failures(self):
+            return []
+
+    b, runner = bridge(Composite([[1, 2], [3]]), ["a-x", "b-y"], planning=False, decoupled=True)
+    history = np.zeros((2, 16), dtype=np.int64)
+    assert b.propose([[5], [6]], np.array([8, 8]), history) == [[1, 2], [3]]
+    history[0, 8:11] = [1, 2, 7]  # a: both drafts and the guess committed; b: its draft rejected
+    history[1, 8] = 4
+    drafts = b.propose([[1, 2, 7], [4]], np.array([11, 9]), history)
+    assert drafts[0] == [8, 9]  # prepared
+    stats = runner._sample.records
+    assert stats["a"].stats.prepared_steps == 1 and stats["a"].stats.drafter_choices == {"serial": 1, "ahead": 1}
+    assert stats["b"].stats.prepared_steps == 0 and stats["b"].stats.drafter_choices.get("ahead", 0) == 0
+
+
 def test_a_drafters_failure_is_cut_to_what_a_trajectory_may_carry():
     """A plugin's exception message of any length switches it off; what every request then carries is at most
     MAX_FAILURE characters, so its trajectories still decode at the learner."""
