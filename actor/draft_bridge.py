@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
+
 from actor.draft_ahead import DraftsAhead, ahead
 from actor.drafter_checks import confidences_for, guarded, token_ids_within
 from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, StepCost, geometric, plan
@@ -138,9 +140,10 @@ class DrafterBridge:
             return [self.k] * len(rows), explore
         unseen = [lengths[row] - self.shown.get(req_ids[row], 0) for row in rows]
         rates = self.acceptance.rates([req_ids[row] for row in rows])
-        # (decoupled: draft_cost is what drafting a miss on the critical path costs, and a miss is re-planned)
-        budgets, _ = plan(geometric(rates, self.k), len(req_ids), self.step_cost, self.draft_cost,
-                          explore=explore, unseen=unseen)
+        # decoupled: as if drafting were free, since prepared drafts cost the engine nothing; a miss is re-planned
+        # with what drafting it on the critical path costs (`_worth_drafting_now`)
+        budgets, _ = plan(geometric(rates, self.k), len(req_ids), self.step_cost,
+                          self.draft_cost if self.ahead is None else None, explore=explore, unseen=unseen)
         return budgets, explore
 
     def _requests(self, req_ids: list[str], rows: list[int], budgets: list[int], lengths: list[int],
@@ -342,8 +345,9 @@ class DrafterBridge:
         return len(request.token_ids) - self.shown.get(request.request_id, 0)
 
     def _prepare_ahead(self, requests: list[tuple[int, DraftRequest]], drafts: list[list[int]]) -> None:
-        """The drafter, on its thread, proposes from the history each request's drafts make if all are accepted."""
-        asked, drafter, k = ahead(requests, drafts, self.k + 1), self.drafter, self.k + 1
+        """The drafter, on its thread, proposes from the history each request's drafts make in the outcomes
+        `_outcomes` picks."""
+        asked, drafter, k = ahead(self._outcomes(requests, drafts), self.k + 1), self.drafter, self.k + 1
 
         def propose():
             with guarded(drafter):
@@ -351,6 +355,24 @@ class DrafterBridge:
                 return proposals, confidences, drafter.sources() if isinstance(drafter, CompositeDrafter) else None
 
         self.ahead.launch(asked, propose)
+
+    def _outcomes(self, requests: list[tuple[int, DraftRequest]], drafts: list[list[int]]
+                  ) -> list[tuple[DraftRequest, list[int], int]]:
+        """The outcomes of this step to prepare drafts for, as (request, its drafts, drafts accepted): each asked
+        request's all-accepted one (no drafts: the plain step's) and, from a drafter that prepares rejections, the
+        likeliest outcomes where a draft is rejected (at acceptance rate `a`, the first `j` accepted and the next
+        rejected: `a**j * (1 - a)`), as many as the thread's fitted cost keeps within the engine's predicted step
+        (all before either is measured)."""
+        chains = [(r, drafts[row], len(drafts[row])) for row, r in requests]
+        if not self.drafter.prepares_rejections or not chains:
+            return chains
+        rates = self.acceptance.rates([r.request_id for r, _, _ in chains])
+        likely = sorted(((a**j * (1 - a), n, j) for n, ((_, d, _), a) in enumerate(zip(chains, rates))
+                         for j in range(len(d))), reverse=True)
+        rows = np.arange(len(chains), len(chains) + len(likely) + 1)
+        thread = self.ahead.cost.predict(np.full(len(rows), self.k + 1), rows * (self.k + 1))
+        fits = int(np.searchsorted(thread > self.predicted, True)) if self.predicted > 0 else len(rows)
+        return chains + [(chains[n][0], chains[n][1], j) for _, n, j in likely[: max(fits - 1, 0)]]
 
 
 def remember_outputs(worker, outputs: list[tuple[list[int], list[int], int]]) -> None:

@@ -307,7 +307,8 @@ def take_records(worker, req_ids: list[str]) -> dict[str, RequestRecord]:
 def profile(worker) -> dict[str, float]:
     """Seconds spent so far in the coupled sampler, in the drafter bridge (ids, acceptance, the planner) and in the
     drafter plugin itself (its proposals, commits and removals), and the history tokens the drafter was shown for
-    the first time (its catch-up); zeros for hooks that are not installed."""
+    the first time (its catch-up); decoupled, the drafter's thread's seconds, the engine's wait for it, the outcomes
+    it prepared and the prepared drafts taken past a rejected draft; zeros for hooks that are not installed."""
     runner = worker.model_runner
     bridge = getattr(runner, "drafter", None)
     drafting = isinstance(bridge, DrafterBridge)
@@ -316,7 +317,8 @@ def profile(worker) -> dict[str, float]:
             "bridge_s": bridge.seconds - bridge.drafter_seconds if drafting else 0.0,
             "drafter_s": bridge.drafter_seconds if drafting else 0.0,
             "unseen_tokens": bridge.unseen_total if drafting else 0,
-            **({"ahead_thread_s": ahead.seconds, "ahead_waited_s": bridge.waited_total} if ahead else {})}
+            **({"ahead_thread_s": ahead.seconds, "ahead_waited_s": bridge.waited_total,
+                "ahead_outcomes": ahead.outcomes, "ahead_rejection_hits": ahead.rejection_hits} if ahead else {})}
 
 
 def coupled_calls(worker) -> int:

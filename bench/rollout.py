@@ -204,8 +204,13 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
             records = llm.collective_rpc(take_records, args=(request_ids,))[0].values() if coupled else []
             spec = total(r.stats for r in records)
             verify, accepted = spec.verify_steps, spec.accepted_tokens
-            if spec.prepared_steps:  # decoupled: drafting steps whose drafts were ready
+            if spec.prepared_steps:  # decoupled: drafting steps whose drafts were ready, outcomes prepared a step,
+                # and the share of the ready ones prepared past a rejected draft
                 run["prepared_hit_rate"] = round(spec.prepared_steps / max(verify, 1), 3)
+                outcomes = after["ahead_outcomes"] - before["ahead_outcomes"]
+                run["prepared_outcomes_per_step"] = round(outcomes / steps, 2)
+                run["rejection_hit_share"] = round((after["ahead_rejection_hits"] - before["ahead_rejection_hits"])
+                                                   / spec.prepared_steps, 3)
             if spec.planned_steps:  # the draft planner: tokens it allowed per request and step, its step-cost error
                 run["planner"] = {"planned_tokens": round(spec.planned_tokens / spec.planned_steps, 3),
                                   "cost_error": round(spec.cost_error / spec.planned_steps, 3)}
@@ -339,7 +344,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "makespans_s": [round(m, 3) for m in makespans], **paired(vanilla_s, makespans),
                          "tokens": first["tokens"], "acceptance_length": first["acceptance_length"],
                          "verify_steps": first["verify_steps"], "engine_steps": first["steps"]}
-        for key in ("profile_ms_per_step", "planner", "choice_shares", "member_token_acceptance", "prepared_hit_rate"):
+        for key in ("profile_ms_per_step", "planner", "choice_shares", "member_token_acceptance", "prepared_hit_rate",
+                    "prepared_outcomes_per_step", "rejection_hit_share"):
             if key in first:
                 systems[name][key] = first[key]
         if name in ("vanilla", "oracle", "specactor"):

@@ -47,6 +47,8 @@ class DraftRequest:
     # sets it per request, and a drafter that honours it saves work (the engine truncates longer proposals anyway)
     unverified: int = 0  # `propose_ahead` only: the last this many of token_ids are not committed yet (drafts being
     # verified, and a guess of the target's next token)
+    rejected: int | None = None  # `propose_ahead` only (to a drafter that `prepares_rejections`): the outcome where
+    # the draft after token_ids is rejected, so the target's token there is known not to be this one
 
     def budget(self, k: int) -> int:
         """How many drafts this request may get from a call for `k`: `k`, or `max_tokens` if smaller."""
@@ -54,6 +56,10 @@ class DraftRequest:
 
 
 class Drafter(ABC):
+    # `propose_ahead` takes several requests with one id in a call, one per outcome of the verify step under way (all
+    # drafts accepted; the first j accepted and the next `rejected`), and guesses past a rejected token
+    prepares_rejections: bool = False
+
     @abstractmethod
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
         """One list of at most `k` draft tokens per request, in the order given (an empty list: no draft)."""
@@ -71,7 +77,9 @@ class Drafter(ABC):
         what is committed (the drafts the engine is verifying meanwhile, then a guess of the target's next token),
         called on a thread of its own while the engine verifies; never at the same time as another call of this
         drafter. It must leave the drafter as the committed history left it (count nothing unverified); its
-        `confidences()` afterwards are these proposals'. None (the default): not supported, drafting stays serial."""
+        `confidences()` afterwards are these proposals'. None (the default): not supported, drafting stays serial.
+        A drafter with `prepares_rejections` also gets the outcomes where a draft is rejected: a request may then come
+        several times, with `rejected` set where the proposal's first token must guess past that token."""
         return None
 
     def swap_weights(self, weights: list[tuple[str, Any]]) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -33,6 +34,10 @@ class _State:
     slot: int
     fed: list[int] = field(default_factory=list)  # tokens whose keys/values are in the slot, in order
     verified: int = 0  # fed[:verified] equals the request's history (the rest are drafts, maybe rejected)
+    # an outcome of `propose_ahead` drafted beside its request (a scratch slot): the keys and values of fed[:shared]
+    # are read from the request's own state's slot, nothing copied
+    parent: _State | None = None
+    shared: int = 0
 
 
 class SlotCache:
@@ -90,6 +95,8 @@ class _Layer:
 
 
 class DraftLM(Drafter):
+    prepares_rejections = True
+
     def __init__(self, model: str = "builtin:draft", dtype: str = "float32", device: str = "cpu"):
         """`device`: where its weights, slot cache and drafting live (built by the engine: the engine's device, a
         GPU's when the engine runs on one; a config may name another, e.g. a drafter GPU of its own)."""
@@ -167,14 +174,40 @@ class DraftLM(Drafter):
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
+        return self._propose(requests, k, scratch=None)
+
+    @torch.inference_mode()
+    def propose_ahead(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
+        """As `propose` (the slot cache rolls back to the committed prefix at the next proposal: only what is committed
+        counts as verified). Several requests with one id are outcomes of the verify step under way: the first is
+        drafted in the request's slot, each other one in a scratch slot that reads the keys and values it shares with
+        the first from the request's slot (nothing copied), given back when the call ends. An outcome whose draft was
+        rejected (`DraftRequest.rejected`) guesses the target's token there as the draft's best other token under the
+        same noise: where the target's own noisy winner is not the draft's, it is most often the draft's runner-up."""
+        scratch: list[_State] = []
+        try:
+            return self._propose(requests, k, scratch)
+        finally:
+            for state in scratch:
+                self.cache.give_back(state.slot)
+
+    def _propose(self, requests: list[DraftRequest], k: int, scratch: list[_State] | None) -> list[list[int]]:
+        """Drafts for `requests`; `scratch` (ahead only): where states made for a request's further outcomes go."""
         budgets = [r.budget(k) for r in requests]
         drafts: list[list[int]] = [[] for _ in requests]
         self.last_confidences = [[] for _ in requests]
-        active, chunks = [], []
+        active, chunks, states, first = [], [], [], {}
         for i, request in enumerate(requests):
             if budgets[i] > 0 and 0 < len(request.token_ids) <= self.cache.max_len - budgets[i]:
                 active.append(i)
-                chunks.append(self._catch_up(request))
+                if scratch is not None and request.request_id in first:
+                    state, chunk = self._branch(request, first[request.request_id])
+                    scratch.append(state)
+                else:
+                    chunk = self._catch_up(request)
+                    state = first[request.request_id] = self.states[request.request_id]
+                chunks.append(chunk)
+                states.append(state)
         if not active:
             return drafts
         rows = [requests[i] for i in active]
@@ -192,8 +225,12 @@ class DraftLM(Drafter):
             noise = gumbel(seeds.repeat_interleave(passes), (positions[:, None] + offsets).flatten(), vocab)
             noise = noise.view(len(rows), passes, vocab)
         live = torch.arange(len(rows), **on)  # the rows still drafting
+        excluded = [(n, r.rejected) for n, r in enumerate(rows)
+                    if r.rejected is not None and 0 <= r.rejected < vocab]
         for j in range(passes):
-            logits = self._forward([self.states[requests[i].request_id] for i in active], chunks)
+            logits = self._forward([states[n] for n in live.tolist()], chunks)
+            if j == 0 and excluded:  # an outcome with a rejected draft: the target's token there is another one
+                logits[[n for n, _ in excluded], [t for _, t in excluded]] = float("-inf")
             tokens, margins = coupled_draft(
                 logits, seeds[live], positions[live] + j, temperature[live],
                 None if top_k is None else top_k[live], None if top_p is None else top_p[live],
@@ -206,11 +243,6 @@ class DraftLM(Drafter):
                 active, live = [active[n] for n in going], live[going]
             chunks = [drafts[i][-1:] for i in active]
         return drafts
-
-    def propose_ahead(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
-        """As `propose`: the slot cache rolls back to the committed prefix at the next proposal (only what is
-        committed counts as verified)."""
-        return self.propose(requests, k)
 
     def confidences(self) -> list[list[float]]:
         """`1 - exp(-margin)` per draft token: the target samples the same token unless its log-probabilities differ
@@ -234,6 +266,17 @@ class DraftLM(Drafter):
         state.verified = len(history) - request.unverified
         return [int(t) for t in history[keep:]]
 
+    def _branch(self, request: DraftRequest, parent: _State) -> tuple[_State, list[int]]:
+        """A scratch state for another outcome of `parent`'s request: it shares the longest prefix of `parent`'s
+        fed tokens that its history starts with (at least its last token is its own), and the history tokens past
+        that to feed."""
+        history = request.token_ids
+        limit = min(len(parent.fed), len(history) - 1)
+        same = np.asarray(parent.fed[:limit]) == np.asarray(history[:limit])
+        shared = limit if same.all() else int(same.argmin())
+        state = _State(self.cache.take(), fed=parent.fed[:shared], parent=parent, shared=shared)
+        return state, [int(t) for t in history[shared:]]
+
     def _forward(self, states: list[_State], chunks: list[list[int]]) -> torch.Tensor:
         """Feeds each state its chunk (appending keys/values to its slot) and returns each one's last logits."""
         m, lengths = len(chunks), [len(c) for c in chunks]
@@ -251,6 +294,11 @@ class DraftLM(Drafter):
             written = (slots[rows], positions[rows, cols])
         span = max(len(s.fed) + n for s, n in zip(states, lengths))
         self.cache.reserve(span)
+        reading = slots[:, None], torch.arange(span, **on)[None]  # per row and position: which slot holds its keys
+        if any(s.parent is not None for s in states):  # an outcome's shared prefix is in its request's slot
+            shared = torch.tensor([s.shared for s in states], **on)[:, None]
+            source = torch.tensor([s.slot if s.parent is None else s.parent.slot for s in states], **on)[:, None]
+            reading = torch.where(reading[1] < shared, source, slots[:, None]), reading[1]
         mask = (torch.arange(span, **on) <= positions[:, :, None]).unsqueeze(1)  # [m, 1, q, span]
         cos, sin = self._angles(span)
         # a short chunk's padding runs past its row's last position, and can run past `span` (a long history fed one
@@ -266,7 +314,7 @@ class DraftLM(Drafter):
             qk = qk * cos + torch.cat((-qk[..., hd // 2 :], qk[..., : hd // 2]), dim=-1) * sin
             new = torch.cat((qk[:, :, heads:], qkv[:, :, heads + kv_heads :]), dim=2)  # keys, values [m, q, 2kv, hd]
             cache[written] = new[:, 0] if q == 1 else new[rows, cols]
-            past = cache[slots, :span].transpose(1, 2)  # [m, 2 kv_heads, span, head_dim]
+            past = cache[reading].transpose(1, 2)  # [m, 2 kv_heads, span, head_dim]
             out = F.scaled_dot_product_attention(qk[:, :, :heads].transpose(1, 2), past[:, :kv_heads],
                                                  past[:, kv_heads:], attn_mask=mask, scale=layer.scaling,
                                                  enable_gqa=True)

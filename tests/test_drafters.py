@@ -42,6 +42,30 @@ def test_batched_forward_matches_the_model_over_chunks_and_rollbacks(draft_lm):
         draft_lm.cache.give_back(state.slot)
 
 
+def test_outcomes_ahead_read_their_shared_prefix_from_the_requests_slot_and_guess_past_a_rejection(draft_lm):
+    """`propose_ahead` with every outcome of a verify step in one call (the request's own slot for all drafts
+    accepted, scratch slots reading the prefix they share with it for the others): each outcome's proposal is the
+    one a drafter with no shared slots makes for that history alone, a rejected draft is never guessed again, and the
+    request's slot is left as the committed history left it."""
+    rng = random.Random(4)
+    history = [rng.randrange(3, 60) for _ in range(30)]
+
+    def ask(tokens, position, **kw):
+        return DraftRequest("a", seed=5, position=position, token_ids=np.array(tokens), temperature=1.0, **kw)
+
+    drafts = draft_lm.propose([ask(history, 20)], 4)[0]
+    assert len(drafts) == 4
+    outcomes = [ask(history + drafts, 24, unverified=4, max_tokens=5)]  # every draft accepted
+    outcomes += [ask(history + drafts[:j], 20 + j, unverified=j, rejected=drafts[j], max_tokens=5) for j in range(4)]
+    free = len(draft_lm.cache.free)
+    ahead = draft_lm.propose_ahead(outcomes, 5)
+    assert len(draft_lm.cache.free) == free  # the scratch slots were given back
+    alone = DraftLM()
+    assert ahead == [alone.propose([outcome], 5)[0] for outcome in outcomes]
+    assert all(proposal[0] != drafts[j] for j, proposal in enumerate(ahead[1:]))  # past a rejection: another token
+    assert draft_lm.propose([ask(history, 20)], 4)[0] == drafts  # the committed history's proposal is unchanged
+
+
 def test_a_long_history_fed_one_token_beside_a_new_prompt():
     """The ragged batch whose padding runs past every real position (and once past the rotary table: IndexError in
     a long-tail rollout): a request 251 tokens in, fed its next token, beside a new request's 10-token prompt."""
