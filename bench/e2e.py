@@ -277,6 +277,9 @@ def main(argv: list[str] | None = None) -> dict:
                if "replayed_acceptance_by_step" in first else {}),
             "heldout_reward": statistics.median(r["heldout_reward"] for r in runs[name]),
             "speedup_over_sync": paired([r["step_s"] for r in runs["sync"]], [r["step_s"] for r in runs[name]]),
+            # the asynchronous loop without speculation, paired: what turning speculation on does to the main job
+            **({"speedup_over_async": paired([r["step_s"] for r in runs["async"]], [r["step_s"] for r in runs[name]])}
+               if "async" in runs and name not in ("sync", "oracle") else {}),
             "runs": runs[name],
         }
     result = {"systems": systems,
@@ -287,13 +290,14 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.write_text(json.dumps(result, indent=2))
     plot(result, args.out.with_suffix(".png"))
     print("| system | s/step | rollout s/step | train s | learner wait s | actor idle s | speed-up over sync | "
-          "mean acceptance | held-out reward |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "over async | mean acceptance | held-out reward |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, s in systems.items():
         acceptance = statistics.fmean(s["acceptance_by_step"]) if s["acceptance_by_step"] else 1.0
         p = s["profile"]
         print(f"| {name} | {s['step_s']:.2f} | {s['rollout_s']:.2f} | {p['train_s']:.2f} | {p['learner_wait_s']:.2f} "
-              f"| {p['actor_idle_s']:.2f} | {s['speedup_over_sync']['speedup']:.2f} | {acceptance:.2f} | "
+              f"| {p['actor_idle_s']:.2f} | {s['speedup_over_sync']['speedup']:.2f} | "
+              f"{s['speedup_over_async']['speedup'] if 'speedup_over_async' in s else '-'} | {acceptance:.2f} | "
               f"{s['heldout_reward']:.3f} |")
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return result

@@ -148,6 +148,10 @@ class DistillConfig:
                            "only when cluster.device is cuda)", between(0, 1, "[)", "a share of rank 0's GPU"))
     max_restarts: int = knob(3, "a distiller that dies is replaced (from the newest draft version) this often per "
                              "run", at_least(0))
+    zero_advantage_rows: bool = knob(False, "also teach from the rows the GRPO step does not train (zero advantage): "
+                                     "rank 0 forwards them for the distiller after publishing each step (under ZeRO-3 "
+                                     "every rank, every step), a forward of its own; false: the distiller learns from "
+                                     "the forwards the step makes anyway")
 
 
 @dataclass
@@ -163,9 +167,10 @@ class SpeculationConfig:
                          "drafts per request every step from measured step and drafting costs and each request's "
                          "acceptance; false: always the full k")
     decoupled: bool = knob(False, "drafts for the next engine step are prepared on a thread of their own while this "
-                           "step verifies, for the outcome where every draft is accepted (actor/draft_ahead.py); a "
-                           "request whose outcome it was takes them, one that missed drafts now only where the cost "
-                           "model says it pays. Drafters with propose_ahead: draft_lm, suffix, ngram")
+                           "step verifies, for the outcome where every draft is accepted and, from the draft LM, the "
+                           "likeliest ones where a draft is rejected (actor/draft_ahead.py); a request whose outcome "
+                           "it was takes them, one that missed drafts now only where the cost model says it pays. "
+                           "Every built-in drafter (fastest_of_n races its members' preparations)")
     max_batch: int = knob(0, "never draft while more than this many requests run (0: no bound)",
                           at_least(0, "0: no limit"))
     options: Dict[str, Any] = knob({}, "keyword arguments of the drafter's constructor, checked by the drafter at "

@@ -18,9 +18,11 @@ It runs in a Ray actor of its own on rank 0's node (`RemoteDistiller`), reservin
 it shares no GIL with the learner's loop. A step that begins or ends while it is still busy is skipped
 (`draft/skipped_steps`; one that begins so gets no forward or top-k for it either: on the e2e benchmark's runs it
 was busy at 44% of steps, whose teacher forwards took half of the learner's step): distillation never holds the
-learner back, and on a host with no CPU to spare it learns from fewer steps. The rows the GRPO pass skips (zero
-advantage) are forwarded for it only after the step's weights went out (`defer`, then `start`, from `publish`), with
-those weights, so the actors never wait for that forward. Its scalars come a step or more late. One that dies is
+learner back, and on a host with no CPU to spare it learns from fewer steps. It learns from the policy's
+distributions the GRPO pass computes anyway; the rows that pass skips (zero advantage) are forwarded for it only with
+`speculation.distill.zero_advantage_rows`, after the step's weights went out (`defer`, then `start`, from `publish`),
+with those weights, so the actors never wait for that forward (on a host whose learner shares the actors' cores, it
+slows the actors all the same). Its scalars come a step or more late. One that dies is
 replaced, from the newest draft version it handed out (its optimizer's moments start afresh), up to `max_restarts`
 times; then the run goes on without it. With
 `num_gpus` > 0 (GPU clusters) it takes that share of rank 0's GPU (rank 0 asks for the rest of it) and distils

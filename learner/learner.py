@@ -149,10 +149,12 @@ class Learner(RankCheckpoints):
         """Every rank: one GRPO step on its share of the collected groups: plan the rows -> forward the distiller's
         -> descend -> metrics (rank 0's; {} on the others)."""
         groups = self.groups if self.world == 1 else broadcast_groups(self.groups, self.rank, self.engine.device)
-        # the distiller (rank 0) learns from the step when it is free to take it (a busy one skips it); under
-        # ZeRO-3 a forward gathers the weights from every rank, so there every rank forwards its share, every step
+        # the distiller (rank 0) learns from the step when it is free to take it (a busy one skips it), and from
+        # the rows without a gradient only if asked (`zero_advantage_rows`); under ZeRO-3 a forward gathers the
+        # weights from every rank, so there every rank forwards its share of those, every step
         learning, zero3 = self.distiller is not None and self.distiller.ready(), self.cfg.learner.zero_stage == 3
-        teach = learning or (self.cfg.speculation.distill.every_versions > 0 and zero3)
+        distill = self.cfg.speculation.distill
+        teach = distill.zero_advantage_rows and (learning or (distill.every_versions > 0 and zero3))
         rows = plan_step(groups, self.cfg.algorithm, self.rank, self.world, self.micro, teach)
         self.engine.train()
         lr = self.engine.get_lr()[0]  # this step's (the scheduler moves on with the optimizer step)

@@ -159,11 +159,13 @@ def test_rows_with_zero_advantage_are_not_forwarded_and_the_step_is_unchanged(ag
     assert any(not torch.equal(p.detach(), before[n]) for n, p in learner.engine.module.named_parameters())
 
 
-def test_the_distiller_still_learns_from_rows_with_zero_advantage(monkeypatch):
-    """With distillation on, the rows the GRPO step skips still get a forward (no backward): the draft LM's
-    teacher sees every row of the step once, with the policy's distributions at the rollout temperature; those rows
-    are forwarded only after the new weights went out (`publish`), so the actors never wait for them. A step that a
-    busy distiller would skip forwards nothing for it and hands it nothing."""
+@pytest.mark.parametrize("zero_advantage_rows", [True, False])
+def test_the_distiller_learns_from_rows_with_zero_advantage_only_if_asked(monkeypatch, zero_advantage_rows):
+    """With `speculation.distill.zero_advantage_rows`, the rows the GRPO step skips still get a forward (no backward):
+    the draft LM's teacher sees every row of the step once, with the policy's distributions at the rollout
+    temperature; those rows are forwarded only after the new weights went out (`publish`), so the actors never wait
+    for them. Without it (the default) the distiller sees the trained rows only, and nothing is forwarded for it
+    alone. A step that a busy distiller would skip forwards nothing for it and hands it nothing."""
     import learner.learner as module
     from learner.learner import Learner
 
@@ -207,7 +209,8 @@ def test_the_distiller_still_learns_from_rows_with_zero_advantage(monkeypatch):
     learner = Learner(load_config("grpo_tiny", overrides), model_dir, model_dir, CursorPlan(0, 1, 3))
     learner.start()
     learner.cfg = load_config("grpo_tiny", [*overrides, "speculation.method=draft_lm",
-                                            "speculation.distill.every_versions=1"])
+                                            "speculation.distill.every_versions=1",
+                                            f"speculation.distill.zero_advantage_rows={str(zero_advantage_rows).lower()}"])
     learner.distiller = Distiller()
     groups = make_groups(learner.engine.module, transformers.AutoTokenizer.from_pretrained(model_dir), texts)
     groups[2] = [replace(t, reward=0.0) for t in groups[2]]
@@ -216,13 +219,16 @@ def test_the_distiller_still_learns_from_rows_with_zero_advantage(monkeypatch):
     assert metrics["rl/zero_advantage_fraction"] == pytest.approx(1 / 3) and metrics["rl/grad_norm"] > 0
     assert {g for g, _, _ in learner.distiller.seen} == {0, 1} and forwards == []  # group 2 waits for publish
     learner.publish()
-    assert sorted((g, i) for g, i, _ in learner.distiller.seen) == [(g, i) for g in range(3) for i in range(4)]
-    assert {(g, grad) for g, _, grad in learner.distiller.seen} == {(0, True), (1, True), (2, False)}
-    assert forwards == [1, 1] and learner.distiller.started == [1]  # group 2's four rows, two to a micro-batch
+    taught = range(3) if zero_advantage_rows else range(2)
+    assert sorted((g, i) for g, i, _ in learner.distiller.seen) == [(g, i) for g in taught for i in range(4)]
+    assert {(g, grad) for g, _, grad in learner.distiller.seen} == {(0, True), (1, True), (2, False)}.intersection(
+        (g, g < 2) for g in taught)
+    expected = [1, 1] if zero_advantage_rows else []  # group 2's four rows, two to a micro-batch
+    assert forwards == expected and learner.distiller.started == [1]
     learner.distiller.free, learner.distiller.seen = False, []  # busy with the last step's rows
     assert learner.train()["rl/grad_norm"] > 0 and learner.distiller.seen == [] and learner.distiller.deferred == []
     learner.publish()
-    assert learner.distiller.seen == [] and forwards == [1, 1]
+    assert learner.distiller.seen == [] and forwards == expected
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1])  # the plain optimizer (the learner skips) and ZeRO's (DeepSpeed does)
