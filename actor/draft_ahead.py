@@ -47,7 +47,10 @@ class DraftsAhead:
         self.prepared: dict[str, list[Prepared]] = {}
         self.cost = DraftCost()
         self.seconds = 0.0  # time the thread spent preparing (off the critical path)
-        self.outcomes = self.rejection_hits = 0  # outcomes prepared; prepared drafts taken past a rejected draft
+        self.outcomes = 0  # outcomes prepared
+        # per kind (all drafts accepted, a draft rejected): prepared outcomes that came about, and of those the ones
+        # whose guess was the target's token (their drafts taken)
+        self.reached, self.hits = {False: 0, True: 0}, {False: 0, True: 0}
 
     def settle(self) -> float:
         """Waits for the preparation in flight (its error is raised here); returns the seconds waited."""
@@ -64,11 +67,15 @@ class DraftsAhead:
         for prepared in self.prepared.pop(request_id, ()):
             if not prepared.proposal or len(history) != prepared.length + 1:
                 continue
-            expected = (*prepared.tail, prepared.proposal[0])
-            if all(int(a) == b for a, b in zip(history[prepared.length - len(prepared.tail):], expected)):
-                self.rejection_hits += prepared.rejection
-                return (prepared.proposal[1:], None if prepared.confidences is None else prepared.confidences[1:],
-                        prepared.source)
+            start = prepared.length - len(prepared.tail)
+            if any(int(a) != b for a, b in zip(history[start : prepared.length], prepared.tail)):
+                continue  # another outcome came about
+            self.reached[prepared.rejection] += 1
+            if int(history[prepared.length]) != prepared.proposal[0]:
+                return None  # the outcome it was prepared for, but the target sampled another token than the guess
+            self.hits[prepared.rejection] += 1
+            return (prepared.proposal[1:], None if prepared.confidences is None else prepared.confidences[1:],
+                    prepared.source)
         return None
 
     def launch(self, requests: list[DraftRequest], propose: Callable[[], tuple[list, list | None, list | None]]
@@ -108,3 +115,20 @@ def ahead(outcomes: list[tuple[DraftRequest, list[int], int]], k: int) -> list[D
                     token_ids=np.concatenate([np.asarray(r.token_ids, dtype=np.int64),
                                               np.asarray(drafts[:j], dtype=np.int64)]))
             for r, drafts, j in outcomes]
+
+
+def outcomes(chains: list[tuple[DraftRequest, list[int], int]], rates: np.ndarray | None, cost: DraftCost,
+             step_s: float, tokens: int) -> list[tuple[DraftRequest, list[int], int]]:
+    """The outcomes of a verify step to prepare drafts for, as (request, its drafts, drafts accepted): every request's
+    all-accepted one (`chains`; no drafts: the plain step's) and, given the requests' acceptance `rates` (None: the
+    drafter does not prepare rejections), the likeliest outcomes where a draft is rejected (at rate `a`, the first `j`
+    accepted and the next rejected: `a**j * (1 - a)`), as many as the thread's fitted `cost` of asking `tokens` for
+    each keeps within `step_s`, the engine's predicted step (all before either is measured)."""
+    if rates is None or not chains:
+        return chains
+    likely = sorted(((a**j * (1 - a), n, j) for n, ((_, d, _), a) in enumerate(zip(chains, rates))
+                     for j in range(len(d))), reverse=True)
+    rows = np.arange(len(chains), len(chains) + len(likely) + 1)
+    thread = cost.predict(np.full(len(rows), tokens), rows * tokens)
+    fits = int(np.searchsorted(thread > step_s, True)) if step_s > 0 else len(rows)
+    return chains + [(chains[n][0], chains[n][1], j) for _, n, j in likely[: max(fits - 1, 0)]]

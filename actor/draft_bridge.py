@@ -20,9 +20,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
 
-from actor.draft_ahead import DraftsAhead, ahead
+from actor.draft_ahead import DraftsAhead, ahead, outcomes
 from actor.drafter_checks import confidences_for, guarded, token_ids_within
 from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, StepCost, geometric, plan
 from drafters.base import CompositeDrafter, Drafter, DraftRequest
@@ -306,7 +305,8 @@ class DrafterBridge:
         prepared = set(found)
         asked = [(j, r) for j, r in enumerate(requests) if j not in found]
         if self.ahead is not None and asked:
-            asked = self._worth_drafting_now(asked, base_tokens + sum(len(p) for p, _, _ in found.values()))
+            ready = [(requests[j].request_id, len(p)) for j, (p, _, _) in found.items()]
+            asked = self._worth_drafting_now(asked, base_tokens, ready)
         start = time.perf_counter()
         if asked:
             with guarded(self.drafter):
@@ -330,14 +330,18 @@ class DrafterBridge:
         sources = [str(s) for *_, s in triples] if isinstance(self.drafter, CompositeDrafter) else None
         return proposals, confidences if any_rated else None, sources, prepared
 
-    def _worth_drafting_now(self, asked: list[tuple[int, DraftRequest]], base_tokens: int
-                            ) -> list[tuple[int, DraftRequest]]:
+    def _worth_drafting_now(self, asked: list[tuple[int, DraftRequest]], base_tokens: int,
+                            ready: list[tuple[str, int]]) -> list[tuple[int, DraftRequest]]:
         """Decoupled: the requests whose drafts were not prepared, with the budgets the cost model gives drafting them
-        now, on the critical path (0: they decode plainly this step, and get drafts prepared for the next)."""
+        now, on the critical path (0: they decode plainly this step, and get drafts prepared for the next), weighed
+        against the whole step: drafting them delays the tokens of every request of the step, the `ready` ones' (their
+        ids and prepared drafts) too."""
         rates = self.acceptance.rates([r.request_id for _, r in asked])
         gains = [list(g[: r.max_tokens]) for g, (_, r) in zip(geometric(rates, self.k), asked)]
-        budgets, _ = plan(gains, base_tokens, self.step_cost, self.draft_cost,
-                          unseen=[self._unseen(r) for _, r in asked])
+        ready_gains = geometric(self.acceptance.rates([rid for rid, _ in ready]), self.k)
+        elsewhere = base_tokens - len(asked) + sum(float(g[:n].sum()) for g, (_, n) in zip(ready_gains, ready))
+        budgets, _ = plan(gains, base_tokens + sum(n for _, n in ready), self.step_cost, self.draft_cost,
+                          unseen=[self._unseen(r) for _, r in asked], elsewhere=elsewhere)
         return [(j, replace(r, max_tokens=b)) for (j, r), b in zip(asked, budgets) if b > 0]
 
     def _unseen(self, request: DraftRequest) -> int:
@@ -346,8 +350,12 @@ class DrafterBridge:
 
     def _prepare_ahead(self, requests: list[tuple[int, DraftRequest]], drafts: list[list[int]]) -> None:
         """The drafter, on its thread, proposes from the history each request's drafts make in the outcomes
-        `_outcomes` picks."""
-        asked, drafter, k = ahead(self._outcomes(requests, drafts), self.k + 1), self.drafter, self.k + 1
+        `outcomes` picks (all-accepted ones only from a drafter that does not prepare rejections)."""
+        chains = [(r, drafts[row], len(drafts[row])) for row, r in requests]
+        rates = self.acceptance.rates([r.request_id for r, _, _ in chains]) if self.drafter.prepares_rejections \
+            else None
+        picked = outcomes(chains, rates, self.ahead.cost, self.predicted, self.k + 1)
+        asked, drafter, k = ahead(picked, self.k + 1), self.drafter, self.k + 1
 
         def propose():
             with guarded(drafter):
@@ -355,24 +363,6 @@ class DrafterBridge:
                 return proposals, confidences, drafter.sources() if isinstance(drafter, CompositeDrafter) else None
 
         self.ahead.launch(asked, propose)
-
-    def _outcomes(self, requests: list[tuple[int, DraftRequest]], drafts: list[list[int]]
-                  ) -> list[tuple[DraftRequest, list[int], int]]:
-        """The outcomes of this step to prepare drafts for, as (request, its drafts, drafts accepted): each asked
-        request's all-accepted one (no drafts: the plain step's) and, from a drafter that prepares rejections, the
-        likeliest outcomes where a draft is rejected (at acceptance rate `a`, the first `j` accepted and the next
-        rejected: `a**j * (1 - a)`), as many as the thread's fitted cost keeps within the engine's predicted step
-        (all before either is measured)."""
-        chains = [(r, drafts[row], len(drafts[row])) for row, r in requests]
-        if not self.drafter.prepares_rejections or not chains:
-            return chains
-        rates = self.acceptance.rates([r.request_id for r, _, _ in chains])
-        likely = sorted(((a**j * (1 - a), n, j) for n, ((_, d, _), a) in enumerate(zip(chains, rates))
-                         for j in range(len(d))), reverse=True)
-        rows = np.arange(len(chains), len(chains) + len(likely) + 1)
-        thread = self.ahead.cost.predict(np.full(len(rows), self.k + 1), rows * (self.k + 1))
-        fits = int(np.searchsorted(thread > self.predicted, True)) if self.predicted > 0 else len(rows)
-        return chains + [(chains[n][0], chains[n][1], j) for _, n, j in likely[: max(fits - 1, 0)]]
 
 
 def remember_outputs(worker, outputs: list[tuple[list[int], list[int], int]]) -> None:

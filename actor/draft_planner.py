@@ -170,7 +170,7 @@ def geometric(rates: np.ndarray, k: int) -> np.ndarray:
 
 
 def plan(gains: list[list[float]] | np.ndarray, base_tokens: int, step: StepCost, draft: DraftCost | None,
-         explore: bool = False, unseen: list[int] | None = None) -> tuple[list[int], float]:
+         explore: bool = False, unseen: list[int] | None = None, elsewhere: float = 0.0) -> tuple[list[int], float]:
     """Draft tokens per request maximising expected committed tokens per second, and the predicted step seconds of
     that plan (engine step only). `gains[i][j]`: the expected committed tokens the `j+1`-th draft token of request `i`
     adds (the probability that it and every one before it are accepted; never rising in `j`), so request `i` gets at
@@ -180,12 +180,14 @@ def plan(gains: list[list[float]] | np.ndarray, base_tokens: int, step: StepCost
     tokens the drafter would see for the first time if it drafted (its catch-up, paid with the request's first draft
     token; zeros if not given). `explore`: where no drafting pays, the request most likely to accept drafts gets all
     of its tokens anyway, so that a planner that stopped drafting keeps measuring what drafting gives (acceptance and
-    costs drift with the policy and the batch); its caller decides how rarely."""
+    costs drift with the policy and the batch); its caller decides how rarely. `elsewhere`: the tokens the step is
+    expected to commit for requests not in `gains` (decoupled: those whose drafts were prepared), which drafting for
+    these delays too."""
     n = len(gains)
     if not step.seen.any():  # nothing measured yet: draft fully, and learn what verifying costs
         return [len(g) for g in gains], 0.0
     if explore and n:
-        chosen, engine = plan(gains, base_tokens, step, draft, unseen=unseen)
+        chosen, engine = plan(gains, base_tokens, step, draft, unseen=unseen, elsewhere=elsewhere)
         if not any(chosen):
             likeliest = int(np.argmax([g[0] if len(g) else 0.0 for g in gains]))
             chosen[likeliest] = len(gains[likeliest])
@@ -210,7 +212,7 @@ def plan(gains: list[list[float]] | np.ndarray, base_tokens: int, step: StepCost
     drafted = np.arange(len(order) + 1)
     passes = np.concatenate([[0], np.maximum.accumulate(place)]) if len(order) else np.zeros(1)
     caught_up = np.concatenate([[0.0], np.cumsum(np.where(place == 1, unseen[owner], 0.0))])
-    committed = n + np.concatenate([[0.0], np.cumsum(flat[order])])
+    committed = n + elsewhere + np.concatenate([[0.0], np.cumsum(flat[order])])
     engine = step.predict(base_tokens + drafted)
     seconds = engine + (draft.predict(passes, drafted, caught_up) if draft is not None else 0.0)
     best = int(np.argmax(committed / np.maximum(seconds, 1e-9)))

@@ -308,7 +308,8 @@ def profile(worker) -> dict[str, float]:
     """Seconds spent so far in the coupled sampler, in the drafter bridge (ids, acceptance, the planner) and in the
     drafter plugin itself (its proposals, commits and removals), and the history tokens the drafter was shown for
     the first time (its catch-up); decoupled, the drafter's thread's seconds, the engine's wait for it, the outcomes
-    it prepared and the prepared drafts taken past a rejected draft; zeros for hooks that are not installed."""
+    it prepared, and per kind (all drafts accepted; one rejected) the prepared outcomes that came about and those
+    whose guess was the target's token; zeros for hooks that are not installed."""
     runner = worker.model_runner
     bridge = getattr(runner, "drafter", None)
     drafting = isinstance(bridge, DrafterBridge)
@@ -318,7 +319,9 @@ def profile(worker) -> dict[str, float]:
             "drafter_s": bridge.drafter_seconds if drafting else 0.0,
             "unseen_tokens": bridge.unseen_total if drafting else 0,
             **({"ahead_thread_s": ahead.seconds, "ahead_waited_s": bridge.waited_total,
-                "ahead_outcomes": ahead.outcomes, "ahead_rejection_hits": ahead.rejection_hits} if ahead else {})}
+                "ahead_outcomes": ahead.outcomes, "ahead_chain_reached": ahead.reached[False],
+                "ahead_chain_hits": ahead.hits[False], "ahead_rejection_reached": ahead.reached[True],
+                "ahead_rejection_hits": ahead.hits[True]} if ahead else {})}
 
 
 def coupled_calls(worker) -> int:

@@ -205,12 +205,13 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
             spec = total(r.stats for r in records)
             verify, accepted = spec.verify_steps, spec.accepted_tokens
             if spec.prepared_steps:  # decoupled: drafting steps whose drafts were ready, outcomes prepared a step,
-                # and the share of the ready ones prepared past a rejected draft
+                # and per kind the share of prepared outcomes that came about whose guess was the target's token
                 run["prepared_hit_rate"] = round(spec.prepared_steps / max(verify, 1), 3)
-                outcomes = after["ahead_outcomes"] - before["ahead_outcomes"]
-                run["prepared_outcomes_per_step"] = round(outcomes / steps, 2)
-                run["rejection_hit_share"] = round((after["ahead_rejection_hits"] - before["ahead_rejection_hits"])
-                                                   / spec.prepared_steps, 3)
+                grew = {k: after[k] - before[k] for k in after if k.startswith("ahead_") and not k.endswith("_s")}
+                run["prepared_outcomes_per_step"] = round(grew["ahead_outcomes"] / steps, 2)
+                kinds = ("chain", "rejection")
+                run["guess_accuracy"] = {kind: round(grew[f"ahead_{kind}_hits"] / max(grew[f"ahead_{kind}_reached"], 1),
+                                                     3) for kind in kinds}
             if spec.planned_steps:  # the draft planner: tokens it allowed per request and step, its step-cost error
                 run["planner"] = {"planned_tokens": round(spec.planned_tokens / spec.planned_steps, 3),
                                   "cost_error": round(spec.cost_error / spec.planned_steps, 3)}
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "tokens": first["tokens"], "acceptance_length": first["acceptance_length"],
                          "verify_steps": first["verify_steps"], "engine_steps": first["steps"]}
         for key in ("profile_ms_per_step", "planner", "choice_shares", "member_token_acceptance", "prepared_hit_rate",
-                    "prepared_outcomes_per_step", "rejection_hit_share"):
+                    "prepared_outcomes_per_step", "guess_accuracy"):
             if key in first:
                 systems[name][key] = first[key]
         if name in ("vanilla", "oracle", "specactor"):

@@ -24,10 +24,12 @@ it computes plus drafting's seconds (serial), or only the drafting the engine wa
   function of mean acceptance length (drafts accepted at a fixed per-token rate), from which a user reads what a
   drafter must reach.
 
-Decoupled drafting: drafts for step t+1 are prepared while step t verifies. Two bounds: `decoupled_chain`, where a
-request finds its drafts ready only if all its last ones were accepted (prepared from its own chain; the others
-wait for drafting as in the serial mode), and `decoupled_every_outcome`, where drafts were prepared for every
-outcome of the verify step, so the engine waits only for drafting that outlasts the verify step.
+Decoupled drafting: drafts for step t+1 are prepared while step t verifies. `decoupled_chain`: a request finds its
+drafts ready only if all its last ones were accepted and the drafter's next token was the target's (the others wait
+for drafting as in the serial mode); `decoupled_outcomes` (with `--past-rejection P`): as built for the draft LM,
+also where a draft was rejected and the drafter's guess past it was right, at the measured rate P; and the bound
+`decoupled_every_outcome`: drafts prepared for every outcome, so the engine waits only for drafting that outlasts
+the verify step.
 """
 
 from __future__ import annotations
@@ -121,12 +123,15 @@ def fit_costs(trace: dict, drafter: str | None) -> Costs:
 
 def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k: int, drafting: bool,
              decoupled: str | None = None, confidence: list[list[list[float]]] | None = None,
-             prompts: list[int] | None = None) -> dict:
+             prompts: list[int] | None = None, past_rejection: float = 0.0) -> dict:
     """Makespan and batch curve of one rollout: `lengths` tokens per request, drafts accepted by `match` (None: the
     oracle, every draft), drafting decided by the real planner when `drafting`. `decoupled`: None (drafting on the
-    critical path), "chain" (as built: a request finds drafts prepared when its drafts were all accepted and the
-    drafter's next token was the target's; one that missed is drafted now only where the cost model says it pays) or
-    "every_outcome" (drafts prepared for every outcome of the verify step: always ready). `confidence`: the drafter's
+    critical path), "chain" (a request finds drafts prepared when its drafts were all accepted and the drafter's next
+    token was the target's; one that missed is drafted now only where the cost model says it pays), "outcomes" (as
+    built for the draft LM: also where a draft was rejected and the drafter's guess past it was the target's token,
+    which happens with probability `past_rejection`, a measured rate; its preparation is taken to fit beside the
+    verify step, as the bridge sizes it) or "every_outcome" (drafts prepared for every outcome of the verify step:
+    always ready). `confidence`: the drafter's
     per token, where it gives them: as the bridge, each proposal is then verified only as far as its calibrated
     gains pay (drafters/calibration.py, learned from the simulated outcomes). `prompts`: each request's prompt tokens,
     which a drafter catches up on the first time it drafts for it, as what a request committed while not drafting
@@ -137,6 +142,7 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
     clock, curve, waited = costs.prefill_s, [], 0.0
     step_cost, draft_cost, acceptance, calibration = StepCost(), DraftCost(), Acceptance(), Calibration()
     ready = [False] * n  # decoupled: this request's next drafts were prepared during the last step
+    guesses = random.Random(0)  # "outcomes": which guesses past a rejected draft were right, the same every run
     undrafted = 0
     while True:
         running = [i for i in range(n) if position[i] < lengths[i]]
@@ -147,14 +153,19 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
         unseen = [prompt[i] + position[i] - shown[i] for i in running]  # what drafting now would catch up on
         if drafting:
             gains = geometric(acceptance.rates(ids), k)
-            budgets, _ = plan(gains, len(running), step_cost, None if decoupled == "every_outcome" else draft_cost,
+            # decoupled: planned as if drafting were free (prepared drafts are), misses re-planned below, as the bridge
+            budgets, _ = plan(gains, len(running), step_cost, None if decoupled else draft_cost,
                               explore=undrafted >= EXPLORE_EVERY, unseen=unseen)
             drafts = [min(b, lengths[i] - position[i] - 1) for b, i in zip(budgets, running)]
-        missed = [m for m, i in enumerate(running) if drafts[m] and not ready[i]] if decoupled == "chain" else []
-        if missed:  # as the bridge: drafted now only where it pays at the serial cost, else plainly this step
+        missed = [m for m, i in enumerate(running) if drafts[m] and not ready[i]] \
+            if decoupled in ("chain", "outcomes") else []
+        if missed:  # as the bridge: drafted now only where it pays at the serial cost over the whole step, else
+            # plainly this step
+            ready_now = [m for m in range(len(running)) if m not in set(missed)]
+            elsewhere = len(running) - len(missed) + sum(float(gains[m][: drafts[m]].sum()) for m in ready_now)
             budgets, _ = plan([list(gains[m][: drafts[m]]) for m in missed],
                               len(running) + sum(drafts) - sum(drafts[m] for m in missed), step_cost, draft_cost,
-                              unseen=[unseen[m] for m in missed])
+                              unseen=[unseen[m] for m in missed], elsewhere=elsewhere)
             for m, b in zip(missed, budgets):
                 drafts[m] = b
         asked = list(drafts)  # what the drafter proposes (and is paid for); `drafts`: what the engine verifies
@@ -165,7 +176,7 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
         total, passes = sum(drafts), max(asked, default=0)
         unseen_asked = sum(u for u, a in zip(unseen, asked) if a)  # what the drafter catches up on this step
         engine = costs.engine(len(running), total)
-        if decoupled == "chain":  # drafted on the critical path: the misses the planner drafts now
+        if decoupled in ("chain", "outcomes"):  # drafted on the critical path: the misses the planner drafts now
             now = [asked[m] for m in missed if asked[m]]
             unseen_now = sum(unseen[m] for m in missed if asked[m])
         else:
@@ -188,6 +199,8 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
                 calibration.observe(confidence[i][position[i]][:labels], [0] * labels,
                                     [0 if j < reach else 1 for j in range(labels)])
             ready[i] = reach > d  # every draft accepted, and the drafter's next token the target's
+            if decoupled == "outcomes" and reach < d:  # a draft rejected: the guess past it the target's token
+                ready[i] = guesses.random() < past_rejection
             position[i] = min(lengths[i], position[i] + accepted + 1)
             if d:
                 acceptance.observe(rid, d, accepted)
@@ -255,9 +268,11 @@ def attention_curve(step_cost_file: Path, shape: str, context: int):
     return seconds
 
 
-def project(trace: dict, costs_file: Path, shape: str, context: int, gpu_draft_s_per_pass: float) -> dict:
-    """Projected speed-ups over vanilla on `costs_file`'s device, per system and drafting placement, and the
-    speed-up against mean acceptance length."""
+def project(trace: dict, costs_file: Path, shape: str, context: int, gpu_draft_s_per_pass: float,
+            past_rejection: float | None = None) -> dict:
+    """Projected speed-ups over vanilla on `costs_file`'s device, per system and drafting placement (decoupled
+    "outcomes" where `past_rejection`, a measured guess accuracy past a rejected draft, is given), and the speed-up
+    against mean acceptance length."""
     k, requests = trace["config"]["num_speculative_tokens"], trace["requests"]
     lengths, prompts = [r["tokens"] for r in requests], [r["prompt_tokens"] for r in requests]
     engine = attention_curve(costs_file, shape, context)
@@ -271,10 +286,10 @@ def project(trace: dict, costs_file: Path, shape: str, context: int, gpu_draft_s
     vanilla = simulate(lengths, None, Costs(engine, prefill), k, drafting=False)
     systems = {"vanilla": vanilla, "oracle": simulate(lengths, None, Costs(engine, prefill), k, drafting=True)}
     for where, costs in placements.items():
-        for decoupled in (None, "chain", "every_outcome"):
+        for decoupled in (None, "chain", *(["outcomes"] if past_rejection is not None else []), "every_outcome"):
             name = f"specactor_{where}" + (f"_decoupled_{decoupled}" if decoupled else "")
             systems[name] = simulate(lengths, trace["match"]["draft_lm"], costs, k, True, decoupled,
-                                     trace.get("confidence", {}).get("draft_lm"), prompts)
+                                     trace.get("confidence", {}).get("draft_lm"), prompts, past_rejection or 0.0)
     out = {"systems": {name: {"makespan_s": round(r["makespan_s"], 4),
                               "speedup": round(vanilla["makespan_s"] / r["makespan_s"], 3),
                               "drafting_waited_share": round(r["drafting_waited_s"] / r["makespan_s"], 4)}
@@ -334,10 +349,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--gpu-draft-ms-per-pass", type=float, default=1.5,
                         help="drafting on the GPU: ms per sequential draft pass (an estimate: an eager draft LM of "
                              "28 layers is launch-bound at about 12 kernels x 5 us a layer)")
+    parser.add_argument("--past-rejection", type=float, default=None,
+                        help="projects decoupled drafting as built for the draft LM (`outcomes`): the share of "
+                             "prepared outcomes with a rejected draft whose guess was the target's token, as a "
+                             "decoupled bench.rollout run measures it (guess_accuracy.rejection)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/simulate.json"))
     args = parser.parse_args(argv)
     if not args.validate and args.costs is None:
         parser.error("say what to do: --validate, --costs FILE, or both")
+    if args.past_rejection is not None and not 0 <= args.past_rejection <= 1:
+        parser.error(f"--past-rejection {args.past_rejection}: a share, in [0, 1]")
     trace = json.loads(args.trace.read_text())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result: dict = {"trace": str(args.trace), "preset": trace["config"].get("preset")}
@@ -351,8 +372,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.costs is not None:
         result["projection"] = {"costs": str(args.costs), "shape": args.shape, "context": args.context,
                                 "gpu_draft_ms_per_pass": args.gpu_draft_ms_per_pass,
+                                "past_rejection": args.past_rejection,
                                 **project(trace, args.costs, args.shape, args.context,
-                                          args.gpu_draft_ms_per_pass / 1e3)}
+                                          args.gpu_draft_ms_per_pass / 1e3, args.past_rejection)}
         for name, row in result["projection"]["systems"].items():
             print(f"{name:30s} {row['speedup']:5.2f}x  drafting waited {row['drafting_waited_share']:.1%}"
                   + (f"  {row['share_of_oracle_gain']:.0%} of the oracle's gain" if "share_of_oracle_gain" in row

@@ -5,7 +5,8 @@ waits for it. That no token changes is the exactness tests' (tests/test_speculat
 import numpy as np
 import pytest
 
-from actor.draft_ahead import DraftsAhead, ahead
+from actor.draft_ahead import DraftsAhead, ahead, outcomes
+from actor.draft_planner import DraftCost
 from drafters.base import DraftRequest
 
 
@@ -39,7 +40,9 @@ def test_prepared_drafts_are_taken_only_by_the_outcome_they_were_prepared_for(hi
     drafts = prepared()
     assert drafts.take("a", np.array(history)) == taken
     assert drafts.take("a", np.array(history)) is None  # once
-    assert drafts.rejection_hits == (taken is not None and len(history) < 6)
+    rejection = len(history) < 6
+    assert drafts.hits[rejection] == (taken is not None) and drafts.hits[not rejection] == 0
+    assert drafts.reached[rejection] == (len(history) < 7) and drafts.reached[not rejection] == 0
 
 
 def test_a_drafter_that_prepares_nothing_this_time_leaves_no_prepared_drafts():
@@ -60,3 +63,16 @@ def test_a_drafter_that_raises_on_its_thread_raises_when_the_engine_waits():
     with pytest.raises(RuntimeError, match="drafter broke"):
         drafts.settle()
     assert drafts.settle() == 0.0  # nothing in flight any more
+
+
+def test_the_likeliest_rejection_outcomes_are_prepared_as_far_as_the_threads_cost_fits_the_step():
+    a, b = (DraftRequest(rid, seed=1, position=5, token_ids=np.arange(8)) for rid in ("a-x", "b-y"))
+    chains = [(a, [1, 2], 2), (b, [3], 1)]  # drafts being verified, all accepted
+    cost = DraftCost()
+    cost.coef = np.array([0.0, 0.0, 1.0, 0.0])  # learned: a second per drafted token (k + 1 = 5 a request)
+    picked = outcomes(chains, np.array([0.5, 0.5]), cost, 15.5, 5)  # the step verifying: time for 3 requests' worth
+    assert [(r.request_id, j) for r, _, j in picked] == [("a-x", 2), ("b-y", 1), ("b-y", 0)]  # the likeliest: the
+    # first draft rejected (at acceptance 0.5: 0.5 against 0.25 for the second), b's before a's on a tie
+    assert outcomes(chains, np.array([0.5, 0.5]), cost, 5.0, 5) == chains  # not even these fit: nothing more
+    assert len(outcomes(chains, np.array([0.5, 0.5]), cost, 0.0, 5)) == 5  # nothing measured yet: every outcome
+    assert outcomes(chains, None, cost, 0.0, 5) == chains  # a drafter that does not prepare rejections

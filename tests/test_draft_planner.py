@@ -153,6 +153,18 @@ def test_plan_counts_the_drafting_cost():
     assert drafts == [0, 0, 0, 0]
 
 
+def test_drafting_a_few_requests_is_weighed_against_everything_the_step_commits():
+    """Decoupled: drafting the requests whose drafts were not prepared delays every request of the step. A pass that
+    pays for one request alone (its tokens against a small step) does not when 60 prepared requests' tokens wait."""
+    cost = DraftCost()
+    for passes in range(1, 5):
+        for tokens in (1, 2, 4):
+            cost.observe(passes, tokens, 0, 0.01 * passes)  # a draft pass: a fifth of a step
+    step = learned(weight_bound)
+    assert plan(rated([0.9], 4), 1, step, cost)[0] == [4]  # alone in the step: worth it
+    assert plan(rated([0.9], 4), 61 + 4 * 60, step, cost, elsewhere=60 * 3.0)[0] == [0]
+
+
 def test_plan_before_any_measurement_drafts_everything_it_may():
     assert plan(rated([0.5, 0.01], 3), 2, StepCost(), DraftCost())[0] == [3, 3]
     assert plan(rated([], 4), 0, StepCost(), DraftCost())[0] == []

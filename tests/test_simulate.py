@@ -47,6 +47,19 @@ def test_decoupled_drafting_hides_what_the_verify_step_covers():
     assert hidden["makespan_s"] < chain["makespan_s"] <= serial["makespan_s"]
 
 
+def test_decoupled_outcomes_find_drafts_ready_past_a_rejection_as_often_as_the_guess_is_right():
+    lengths, match = [60] * 8, [[2] * 60 for _ in range(8)]  # 2 of 4 drafts accepted: every step a rejection
+    costs = flat(0.01, draft_per_pass=0.002)
+    chain = simulate(lengths, match, costs, k=4, drafting=True, decoupled="chain")
+    never = simulate(lengths, match, costs, k=4, drafting=True, decoupled="outcomes", past_rejection=0.0)
+    always = simulate(lengths, match, costs, k=4, drafting=True, decoupled="outcomes", past_rejection=1.0)
+    hidden = simulate(lengths, match, costs, k=4, drafting=True, decoupled="every_outcome")
+    assert never["makespan_s"] == chain["makespan_s"]  # no guess right: as the chain alone
+    # every guess right: every outcome ready, but for the first step's (nothing prepared yet: 4 passes drafted now)
+    assert always["makespan_s"] - hidden["makespan_s"] == pytest.approx(4 * 0.002)
+    assert always["makespan_s"] < chain["makespan_s"]
+
+
 def test_a_drafter_catches_up_on_each_prompt_once_and_then_on_what_was_committed():
     """As the bridge charges a draft model's catch-up (history it has not been shown): the first drafting step for a
     request pays for its prompt, later ones for the tokens committed since; the schedule is the same here."""

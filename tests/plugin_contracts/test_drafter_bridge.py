@@ -14,7 +14,7 @@ import pytest
 from actor.draft_bridge import DrafterBridge, new_policy_version, remember_outputs, swap_draft_weights
 from actor.drafter_checks import confidences_for
 from actor.vllm_hooks import CoupledSampling, RequestRecord, caller_id
-from drafters.base import CompositeDrafter, Drafter, DraftRequest
+from drafters.base import CompositeDrafter, Drafter
 from drafters.calibration import EDGES
 
 VOCAB = 100
@@ -330,7 +330,7 @@ def test_decoupled_drafts_are_prepared_on_a_thread_and_no_other_call_overlaps_it
     assert drafter.ahead_calls == 2 and drafter.overlaps and not any(busy for _, busy in drafter.overlaps)
 
 
-def test_outcomes_with_a_rejected_draft_are_prepared_as_far_as_the_threads_cost_fits_the_step():
+def test_a_drafter_that_prepares_rejections_is_asked_for_the_outcomes_with_a_rejected_draft():
     class Outcomes(Ahead):
         prepares_rejections = True
 
@@ -344,21 +344,7 @@ def test_outcomes_with_a_rejected_draft_are_prepared_as_far_as_the_threads_cost_
     b.settle()
     chains = [("a-x", 2, None), ("b-y", 1, None)]  # every draft accepted: always asked for
     assert drafter.asked[:2] == chains and sorted(drafter.asked[2:]) == [("a-x", 0, 1), ("a-x", 1, 2), ("b-y", 0, 3)]
-    requests = [(0, request_of("a-x")), (1, request_of("b-y"))]
-    b.ahead.cost.coef = np.array([0.0, 0.0, 1.0, 0.0])  # learned: a second per drafted token (k + 1 = 5 a request)
-    b.predicted = 15.5  # the step being verified: time for 3 requests' preparation
-    outcomes = b._outcomes(requests, [[1, 2], [3]])
-    assert [(r.request_id, j) for r, _, j in outcomes][:2] == [("a-x", 2), ("b-y", 1)] and len(outcomes) == 3
-    assert outcomes[2][2] == 0  # the likeliest rejection: the first draft's (at acceptance 0.5: 0.5 against 0.25)
-    b.predicted = 5.0  # not even the chains fit: they are still prepared, nothing more
-    assert len(b._outcomes(requests, [[1, 2], [3]])) == 2
-    drafter.prepares_rejections = False
-    b.predicted = 0.0
-    assert len(b._outcomes(requests, [[1, 2], [3]])) == 2  # a drafter that does not prepare rejections: chains only
-
-
-def request_of(request_id: str) -> DraftRequest:
-    return DraftRequest(request_id, seed=1, position=5, token_ids=np.arange(8))
+    assert b.ahead.cost.coef.any()  # the thread's cost, learned from its calls
 
 
 def test_a_composites_prepared_drafts_count_for_the_member_that_prepared_them():
