@@ -1,34 +1,33 @@
 """Rollout benchmark: the same GRPO groups, seeds and cores, every system in one run, paired and interleaved.
 
-    python -m bench.rollout [--preset smoke|full|longtail|gpu|policy] [--epochs-before N] [--out PATH]
+    python -m bench.rollout [--preset smoke|full|longtail|gpu|policy] [--epochs-before N] [--warm-up] [--out PATH]
 
 Systems (fixed before the run; `specactor` is the configured default, never the best of several afterwards)
 - `vllm`: plain vLLM with its own sampler, no speculation, unseeded requests: what RL frameworks run today;
 - `vanilla`: vLLM with SpecActor's coupled sampler, no speculation (the tokens every coupled system must equal);
 - `vllm_spec_draft`, `vllm_spec_ngram`: vLLM's own speculative decoding as a user would configure it;
-- `oracle`: coupled speculation with a drafter that replays vanilla's tokens at no cost (same planner): the
-  ceiling here;
+- `oracle`: coupled speculation with a drafter that replays vanilla's tokens at no cost (same planner): the ceiling;
 - `specactor`: coupled speculation as configured by default (draft LM, the cost-model draft planner);
-- `specactor_decoupled`: the same with `speculation.decoupled` (drafts prepared while the engine verifies);
 - `specactor_ngram`, `specactor_suffix`, `specactor_fastest`: the same with the n-gram drafter, the history
-  (suffix) drafter, fastest-of-N over suffix and the draft LM (listed, not chosen); `specactor_fastest_decoupled`:
-  fastest-of-N with `speculation.decoupled`.
+  (suffix) drafter, fastest-of-N over suffix and the draft LM (listed, not chosen); `specactor_decoupled`,
+  `specactor_fastest_decoupled`: the draft LM, fastest-of-N with `speculation.decoupled`.
 The target is a cost-padded copy of the trained policy (bench/padded_target.py): 70.8M parameters of cost in fp32 on
 CPU presets; for `gpu` (the long-tail workload on one CUDA GPU, bf16, CUDA graphs as vLLM uses them by default)
 ~1.41B with Qwen3-1.7B's matmul shapes, so that decoding is memory-bound as on real rollout GPUs (the preset refuses
 to start without CUDA); `policy` runs the end-to-end benchmark's own rollout, the unpadded 0.8M policy on
 grpo_tiny's prompt mix. Every repeat runs every system in a rotating order (vanilla first in the first repeat); a
-system's speed-up is the median over repeats of vanilla's makespan over its own in the same repeat, with a 95% t-interval of that
-paired ratio (`vllm` samples other tokens, so compare it with vanilla in tokens/s). The JSON also holds the
-workload's shape (length quantiles, the share of the makespan taken by the last 10% of requests, running batch over
-time), a per-step profile (engine forward + scheduler, coupled sampler, drafter bridge, drafter), the draft
-planner's choices (tokens allowed per request and step, its relative error on step seconds), for fastest-of-N each
-member's share of the drafts and its token acceptance on every proposal it made, and the speed-up at fixed batch
-sizes (the sweep: the preset's hardest prompt, `SWEEP_TOKENS` tokens per request); a PNG sits beside it, the
-engines' logs in the same name with .log. The stored results and how to read them: docs/benchmarks.md.
+system's speed-up is the median over repeats of vanilla's makespan over its own in the same repeat, with a 95%
+t-interval of that paired ratio (`vllm` samples other tokens: compare it with vanilla in tokens/s). The JSON also
+holds the workload's shape (length quantiles, the last 10% of requests' share of the makespan, running batch over
+time), a per-step profile (engine forward + scheduler, coupled sampler, drafter bridge, drafter; decoupled: the
+drafter's thread, the outcomes it prepared, its guesses' accuracy), the draft planner's choices (tokens allowed per
+request and step, its relative error on step seconds), for fastest-of-N each member's share of the drafts and its
+token acceptance on every proposal it made, and the speed-up at fixed batch sizes (the sweep: the preset's hardest
+prompt, `SWEEP_TOKENS` tokens per request); a PNG beside it, the engines' logs in the same name with .log.
 `--epochs-before N` measures a later epoch of training, as GRPO revisits its prompts: every engine first generates
 the same prompts N times with the seeds of the earlier epochs, unmeasured, so the history (suffix) drafter holds each
-prompt's earlier outputs (the policy does not change between epochs here: the best case for history).
+prompt's earlier outputs (the policy does not change between epochs here: the best case for history). `--warm-up`
+first generates another draw of the workload, unmeasured, so every planner (the oracle's too) starts warm.
 """
 
 from __future__ import annotations
@@ -160,7 +159,7 @@ def generate(llm, prompt_ids: list[list[int]], params: list, records: list | Non
 
 
 def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: list[int], max_tokens: int,
-               oracle: Path | None, sweep: list[int], device: str, earlier: list[list[int]], k: int,
+               oracle: Path | None, sweep: list[int], device: str, earlier: list[tuple[list[str], list[int]]], k: int,
                trace: bool = False) -> dict:
     from vllm import SamplingParams
 
@@ -179,9 +178,10 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
                                    detokenize=False) for s in epoch_seeds]
 
         request_ids = [f"r{i}" for i in range(len(seeds))]  # as `generate` names them
-        earlier_sequences = []  # earlier epochs, unmeasured: the engine (its drafter's history) has seen them
-        for epoch_seeds in earlier:
-            earlier_sequences += generate(llm, prompt_ids, sampling(epoch_seeds))["sequences"]
+        earlier_sequences = []  # earlier batches, unmeasured: the engine (its planner, its drafter's history) saw them
+        for batch_prompts, batch_seeds in earlier:
+            batch = [tokenizer(p, add_special_tokens=False).input_ids for p in batch_prompts]
+            earlier_sequences += generate(llm, batch, sampling(batch_seeds))["sequences"]
             if coupled:
                 llm.collective_rpc(take_records, args=(request_ids,))
         before = llm.collective_rpc(profile)[0] if coupled else {}
@@ -272,8 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--speculative-tokens", type=int, default=SPECULATIVE_TOKENS,
                         help="k: the most draft tokens per request and step of every speculating system")
     parser.add_argument("--no-sweep", action="store_true", help="skip the fixed-batch sweep")
-    parser.add_argument("--trace", type=Path, help="also write the run's trace here (bench/trace.py), which "
-                        "bench.simulate replays")
+    parser.add_argument("--trace", type=Path, help="also write the run's trace (bench/trace.py) here")
     parser.add_argument("--preload", nargs="+", type=Path, default=[], metavar="LIB",
                         help="measure preloading: every system runs without the library the actors' engines preload "
                              "(actor/engine.py engine_preload), and vanilla+preload, specactor+preload with these "
@@ -281,6 +280,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--epochs-before", type=int, default=0,
                         help="measure epoch N+1: each engine first generates the same prompts N times with the "
                              "seeds of earlier epochs, unmeasured (the history a training run's drafters hold)")
+    parser.add_argument("--warm-up", action="store_true",
+                        help="each engine first generates the workload drawn with another task seed (other prompts "
+                             "and seeds), unmeasured: its planner is warm, as a training actor's after its first steps")
     args = parser.parse_args(argv)
     if args.epochs_before < 0:
         parser.error(f"--epochs-before must be 0 or more, got {args.epochs_before}")
@@ -302,7 +304,9 @@ def main(argv: list[str] | None = None) -> dict:
     preset = dict(PRESETS[args.preset], repeats=args.repeats or PRESETS[args.preset]["repeats"])
     policy, draft = resolve("builtin:dense"), resolve("builtin:draft")
     prompts, seeds = workload(preset, args.seed, epoch=args.epochs_before)
-    earlier = [workload(preset, args.seed, epoch=e)[1] for e in range(args.epochs_before)]
+    earlier = [(prompts, workload(preset, args.seed, epoch=e)[1]) for e in range(args.epochs_before)]
+    if args.warm_up:  # first of all: another draw of the workload (the task's seed + 1 draws other prompts)
+        earlier.insert(0, workload(preset, args.seed + 1))
     others = [n for n in SYSTEMS if n in args.systems and n != "vanilla"]
     engine_libs = [Path(lib) for lib in [engine_preload(Device(device))] if lib]  # as a rollout actor's engine
     sweep = [] if args.no_sweep else preset["sweep"]
@@ -326,8 +330,9 @@ def main(argv: list[str] | None = None) -> dict:
                                            seeds, preset["max_tokens"], oracle,
                                            sweep if name in ("vanilla", "specactor") else [], device, earlier,
                                            args.speculative_tokens, args.trace is not None)
-                if name == "vanilla" and repeat == 0:  # the oracle replays every epoch it sees
-                    replay = zip([*sum(earlier, []), *seeds], [*run["earlier_sequences"], *run["sequences"]])
+                if name == "vanilla" and repeat == 0:  # the oracle replays every batch it sees
+                    replay = zip([*(s for _, batch in earlier for s in batch), *seeds],
+                                 [*run["earlier_sequences"], *run["sequences"]])
                     oracle.write_text(json.dumps({s: t for s, t in replay}))
                 if name != "vllm" and runs.get(name) and run["sequences"] != runs[name][0]["sequences"]:
                     raise RuntimeError(f"{name}: repeat {repeat + 1} generated other tokens than repeat 1")
@@ -366,7 +371,7 @@ def main(argv: list[str] | None = None) -> dict:
     result["config"] = {
         "preset": args.preset, **preset, "sequences": len(reference), "temperature": TEMPERATURE, "seed": args.seed,
         "engine_preload": [] if args.preload else [lib.name for lib in engine_libs],  # LD_PRELOAD of every engine
-        "epochs_before": args.epochs_before,
+        "epochs_before": args.epochs_before, "warm_up": args.warm_up,
         "num_speculative_tokens": args.speculative_tokens, "specactor": "draft_lm, cost-model draft planner",
         "target": (f"cost-padded built-in policy: {TARGETS[device]['zero_layers']} zero-output layers in front of "
                    f"the 4 trained ones, widened to {TARGETS[device]['num_heads']} heads / "

@@ -49,3 +49,16 @@ def test_a_later_epoch_gives_the_history_drafter_the_prompts_earlier_outputs(tmp
     assert second["identical_fraction"]["specactor_suffix"] == 1.0
     assert (second["systems"]["specactor_suffix"]["acceptance_length"]
             > first["systems"]["specactor_suffix"]["acceptance_length"])
+
+
+def test_a_warm_up_on_other_prompts_warms_the_planner_and_gives_history_nothing(tmp_path):
+    """`--warm-up`: each engine first generates another draw of the workload, unmeasured. The oracle replays it too
+    (every draft of the measured run is accepted), the tokens are still vanilla's, and the history drafter, which
+    holds only other prompts' outputs, gains nothing like what the same prompts' earlier epoch gives it."""
+    run = ["--preset", "smoke", "--systems", "oracle", "specactor_suffix", "--no-sweep"]
+    warm = main([*run, "--warm-up", "--out", str(tmp_path / "warm.json")])
+    again = main([*run, "--epochs-before", "1", "--out", str(tmp_path / "again.json")])
+    assert warm["config"]["warm_up"] and warm["identical_fraction"]["specactor_suffix"] == 1.0
+    assert warm["systems"]["oracle"]["acceptance_length"] > 4.5
+    assert (warm["systems"]["specactor_suffix"]["acceptance_length"]
+            < again["systems"]["specactor_suffix"]["acceptance_length"])
