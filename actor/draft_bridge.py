@@ -305,7 +305,7 @@ class DrafterBridge:
         prepared = set(found)
         asked = [(j, r) for j, r in enumerate(requests) if j not in found]
         if self.ahead is not None and asked:
-            ready = [(requests[j].request_id, len(p)) for j, (p, _, _) in found.items()]
+            ready = [(requests[j].request_id, min(len(p), requests[j].max_tokens)) for j, (p, _, _) in found.items()]
             asked = self._worth_drafting_now(asked, base_tokens, ready)
         start = time.perf_counter()
         if asked:

@@ -195,7 +195,9 @@ class FastestOfN(CompositeDrafter):
         if prepared is None or len(committed) <= len(tail) or tuple(committed[: len(tail)]) != tail:
             return  # a draft was rejected: the history the members prepared for never happened
         target = committed[len(tail)]
-        guesses = {m: (p[:1], own[:1]) for m, (p, own) in prepared.items() if p}
+        # a member whose proposal of this step reached past the drafts verified has had that position labelled there
+        covered = {m for m, (p, _) in (last or {}).items() if len(p) > len(tail)}
+        guesses = {m: (p[:1], own[:1]) for m, (p, own) in prepared.items() if p and m not in covered}
         if guesses:
             self._label(request_id, guesses, [target])
         rest = {m: (p[1:], own[1:]) for m, (p, own) in prepared.items() if p and p[0] == target}

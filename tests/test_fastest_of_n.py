@@ -185,6 +185,13 @@ def test_proposals_ahead_race_the_members_that_prepare_and_are_labelled_when_the
     fon.remove("a")  # forgets what it held for a
     fon.commit("a", [8, 9, 3])
     assert fon.member_labels() == {}
+    # a proposal of the step that reached past the drafts verified (only 2 of its 4 tokens were) labels that
+    # position itself: the guess for it is not labelled a second time
+    fon = FastestOfN([ahead, twos])  # nothing measured: OnesAhead is asked first
+    fon.propose([DraftRequest("d", seed=0, position=2, token_ids=[5, 6])], 4)
+    fon.propose_ahead([unverified("d")], 4)
+    fon.commit("d", [8, 9, 3])
+    assert fon.member_labels()["d"][ahead] == (0, 1)  # its [1, 1, 1, 1] rejected at once; its guess, 3, unlabelled
 
 
 class Remembering(Ones):
