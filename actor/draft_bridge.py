@@ -20,11 +20,10 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-
 from actor.draft_ahead import DraftsAhead, ahead, outcomes
 from actor.drafter_checks import confidences_for, guarded, token_ids_within
 from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, StepCost, geometric, plan
-from drafters.base import CompositeDrafter, Drafter, DraftRequest
+from drafters.base import CompositeDrafter, Drafter, DraftRequest, prepares_ahead
 from drafters.calibration import Calibration
 from transport.messages import MAX_FAILURE, add_labels
 
@@ -62,7 +61,7 @@ class DrafterBridge:
 
     def bind(self, runner, drafter: Drafter, max_batch: int, planning: bool, decoupled: bool = False) -> None:
         self.runner, self.drafter, self.max_batch, self.planning = runner, drafter, max_batch, planning
-        if decoupled and type(drafter).propose_ahead is not Drafter.propose_ahead:
+        if decoupled and prepares_ahead(drafter):
             self.ahead = DraftsAhead()
             sys.setswitchinterval(SWITCH_S)  # the engine's thread takes the GIL back from the drafter's sooner
         elif decoupled:
@@ -354,8 +353,8 @@ class DrafterBridge:
         chains = [(r, drafts[row], len(drafts[row])) for row, r in requests]
         rates = self.acceptance.rates([r.request_id for r, _, _ in chains]) if self.drafter.prepares_rejections \
             else None
-        picked = outcomes(chains, rates, self.ahead.cost, self.predicted, self.k + 1)
-        asked, drafter, k = ahead(picked, self.k + 1), self.drafter, self.k + 1
+        drafter, k = self.drafter, self.k + 1  # k + 1: the guess of the target's next token, then k drafts
+        asked = ahead(outcomes(chains, rates, self.ahead.cost, self.predicted, k), k)
 
         def propose():
             with guarded(drafter):

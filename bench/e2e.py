@@ -297,7 +297,8 @@ def main(argv: list[str] | None = None) -> dict:
         p = s["profile"]
         print(f"| {name} | {s['step_s']:.2f} | {s['rollout_s']:.2f} | {p['train_s']:.2f} | {p['learner_wait_s']:.2f} "
               f"| {p['actor_idle_s']:.2f} | {s['speedup_over_sync']['speedup']:.2f} | "
-              f"{s['speedup_over_async']['speedup'] if 'speedup_over_async' in s else '-'} | {acceptance:.2f} | "
+              f"{format(s['speedup_over_async']['speedup'], '.2f') if 'speedup_over_async' in s else '-'} | "
+              f"{acceptance:.2f} | "
               f"{s['heldout_reward']:.3f} |")
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return result

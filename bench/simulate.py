@@ -131,11 +131,10 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
     built for the draft LM: also where a draft was rejected and the drafter's guess past it was the target's token,
     which happens with probability `past_rejection`, a measured rate; its preparation is taken to fit beside the
     verify step, as the bridge sizes it) or "every_outcome" (drafts prepared for every outcome of the verify step:
-    always ready). `confidence`: the drafter's
-    per token, where it gives them: as the bridge, each proposal is then verified only as far as its calibrated
-    gains pay (drafters/calibration.py, learned from the simulated outcomes). `prompts`: each request's prompt tokens,
-    which a drafter catches up on the first time it drafts for it, as what a request committed while not drafting
-    (the planner weighs that catch-up as the bridge does; None: no catch-up)."""
+    always ready). `confidence`: the drafter's per token, where it gives them: as the bridge, each proposal is then
+    verified only as far as its calibrated gains pay (drafters/calibration.py, learned from the simulated outcomes).
+    `prompts`: each request's prompt tokens, which a drafter catches up on the first time it drafts for it, as what
+    a request committed while not drafting (the planner weighs that catch-up as the bridge does; None: no catch-up)."""
     n = len(lengths)
     prompt, shown = prompts or [0] * n, [0] * n  # shown: history tokens the drafter has seen, per request
     position = [1] * n  # the prefill samples every request's first token
@@ -161,7 +160,7 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
             if decoupled in ("chain", "outcomes") else []
         if missed:  # as the bridge: drafted now only where it pays at the serial cost over the whole step, else
             # plainly this step
-            ready_now = [m for m in range(len(running)) if m not in set(missed)]
+            ready_now = set(range(len(running))) - set(missed)
             elsewhere = len(running) - len(missed) + sum(float(gains[m][: drafts[m]].sum()) for m in ready_now)
             budgets, _ = plan([list(gains[m][: drafts[m]]) for m in missed],
                               len(running) + sum(drafts) - sum(drafts[m] for m in missed), step_cost, draft_cost,

@@ -143,6 +143,11 @@ class CompositeDrafter(Drafter):
         reported as choice shares (`spec/choice/<name>`)."""
 
 
+def prepares_ahead(drafter: Drafter) -> bool:
+    """Whether `drafter` implements `propose_ahead` (decoupled speculation), rather than inheriting the default."""
+    return type(drafter).propose_ahead is not Drafter.propose_ahead
+
+
 def _is(value: Any, kind: type) -> bool:
     if isinstance(value, bool) or kind is bool:  # a YAML `true` is no count, and a count no switch
         return isinstance(value, bool) and kind is bool

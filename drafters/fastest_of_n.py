@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from drafters.base import CompositeDrafter, Drafter, DraftRequest, load_drafter
+from drafters.base import CompositeDrafter, Drafter, DraftRequest, load_drafter, prepares_ahead
 from drafters.calibration import Calibration
 
 MAX_PROMPTS = 4096  # prompts whose members' labels are kept (the least recently labelled forgotten first)
@@ -66,30 +66,28 @@ class FastestOfN(CompositeDrafter):
 
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
         mine, best = self._race(requests, k, lambda member, asked: member.propose(asked, k), self.members)
-        out, self.choices, self.chosen = [], [], []
-        for request, proposals, m in zip(requests, mine, best):  # the first member on answered every request
+        for request, proposals in zip(requests, mine):
             self.last[request.request_id] = proposals
-            self.choices.append(self.names[m] if m >= 0 else "")
-            self.chosen.append(self.tables[m].rates(proposals[m][1]) if m >= 0 else [])
-            out.append(proposals[m][0] if m >= 0 else [])
-        return out
+        return self._chosen(mine, best)
 
     def propose_ahead(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
         """The same race among the members that prepare ahead (the others sit it out: a request only they would
         draft gets no prepared drafts). Every member's proposal is held until the verifier commits: if the drafts
         being verified are all accepted, its first token (its guess) is labelled on the target's token, and if that
         is the target's, the rest is labelled on the next commit as a proposal of that step, taken or not."""
-        ready = [member if type(member).propose_ahead is not Drafter.propose_ahead else None
-                 for member in self.members]
+        ready = [member if prepares_ahead(member) else None for member in self.members]
         mine, best = self._race(requests, k, lambda member, asked: member.propose_ahead(asked, k), ready)
-        out, self.choices, self.chosen = [], [], []
-        for request, proposals, m in zip(requests, mine, best):
+        for request, proposals in zip(requests, mine):
             tail = tuple(int(t) for t in request.token_ids[len(request.token_ids) - request.unverified:])
             self.ahead[request.request_id] = (tail, proposals)
-            self.choices.append(self.names[m] if m >= 0 else "")
-            self.chosen.append(self.tables[m].rates(proposals[m][1]) if m >= 0 else [])
-            out.append(proposals[m][0] if m >= 0 else [])
-        return out
+        return self._chosen(mine, best)
+
+    def _chosen(self, mine: list[dict[int, tuple[list[int], list[float]]]], best: list[int]) -> list[list[int]]:
+        """Per request, the proposal of the member `_race` chose ([] where none answered), that member's name
+        (`sources`) and its calibrated rates (`confidences`)."""
+        self.choices = [self.names[m] if m >= 0 else "" for m in best]
+        self.chosen = [self.tables[m].rates(proposals[m][1]) if m >= 0 else [] for proposals, m in zip(mine, best)]
+        return [proposals[m][0] if m >= 0 else [] for proposals, m in zip(mine, best)]
 
     def _race(self, requests: list[DraftRequest], k: int, ask: Callable[[Drafter, list[DraftRequest]], Any],
               members: list[Drafter | None]) -> tuple[list[dict[int, tuple[list[int], list[float]]]], list[int]]:
