@@ -22,7 +22,7 @@ from typing import Any
 
 from actor.draft_ahead import DraftsAhead, ahead, outcomes
 from actor.drafter_checks import confidences_for, guarded, token_ids_within
-from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, StepCost, geometric, plan
+from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, StepCost, Survival, geometric, plan
 from drafters.base import CompositeDrafter, Drafter, DraftRequest, prepares_ahead
 from drafters.calibration import Calibration
 from transport.messages import MAX_FAILURE, add_labels
@@ -46,6 +46,7 @@ class DrafterBridge:
         # per request drafted last step: the tokens handed to the engine, its whole proposal and its confidences
         self.verifying: dict[str, tuple[int, list[int], list[float] | None]] = {}
         self.shown: dict[str, int] = {}  # per request, the history length in its last proposal (the drafter's view)
+        self.positions: dict[str, int] = {}  # per request, its output tokens as of its last step (for `survival`)
         self.predicted, self.undrafted_steps = 0.0, 0  # the planner's engine seconds for this step; steps undrafted
         self.step_end: float | None = None  # when the last propose() returned: the next step's engine time starts
         # in propose(), and of that in the drafter's propose(), commit() and remove() (a benchmark's profile)
@@ -69,6 +70,7 @@ class DrafterBridge:
                         "on the engine's critical path", type(drafter).__name__)
         self.vocab_size = runner.model_config.get_vocab_size()
         self.max_model_len = runner.model_config.max_model_len
+        self.survival = Survival(self.max_model_len)
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
         start = time.perf_counter()
@@ -93,6 +95,8 @@ class DrafterBridge:
         if self.failure or (self.max_batch and len(req_ids) > self.max_batch):  # no drafting above the bound
             rows = []
         lengths = num_tokens_no_spec[: len(req_ids)].tolist()  # plain ints: a numpy scalar per request costs more
+        prompt_lengths = batch.num_prompt_tokens[: len(req_ids)].tolist()
+        self.positions.update(zip(req_ids, (n - p for n, p in zip(lengths, prompt_lengths))))
         budgets, explore = self._plan(req_ids, rows, lengths)
         requests = self._requests(req_ids, rows, budgets, lengths, token_ids_cpu)
         drafts: list[list[int]] = [[] for _ in req_ids]
@@ -115,6 +119,9 @@ class DrafterBridge:
         for req_id in gone:
             self.acceptance.remove(req_id)
             self.shown.pop(req_id, None)
+            position = self.positions.pop(req_id, -1)
+            if position >= 0:  # it ended (or was aborted) after its last step: at least a token on
+                self.survival.ended(position + 1)
             self.known.discard(req_id)
         self.live = set(req_ids)
         return gone
@@ -138,9 +145,10 @@ class DrafterBridge:
             return [self.k] * len(rows), explore
         unseen = [lengths[row] - self.shown.get(req_ids[row], 0) for row in rows]
         rates = self.acceptance.rates([req_ids[row] for row in rows])
+        gains = geometric(rates, self.k) * self.survival.factors([self.positions[req_ids[row]] for row in rows], self.k)
         # decoupled: as if drafting were free, since prepared drafts cost the engine nothing; a miss is re-planned
         # with what drafting it on the critical path costs (`_worth_drafting_now`)
-        budgets, _ = plan(geometric(rates, self.k), len(req_ids), self.step_cost,
+        budgets, _ = plan(gains, len(req_ids), self.step_cost,
                           self.draft_cost if self.ahead is None else None, explore=explore, unseen=unseen)
         return budgets, explore
 
@@ -150,7 +158,7 @@ class DrafterBridge:
         view of the history."""
         runner, sampler = self.runner, self.runner._sample
         requests, prompt_lengths = [], runner.input_batch.num_prompt_tokens[: len(req_ids)].tolist()
-        for row, budget in zip(rows, budgets):
+        for row, budget in ((row, budget) for row, budget in zip(rows, budgets) if budget > 0):
             length, req_id = lengths[row], req_ids[row]
             params = runner.requests[req_id].sampling_params
             position = length - prompt_lengths[row]
@@ -241,13 +249,16 @@ class DrafterBridge:
             self.calibration.observe(confidences, proposal, committed)
 
     def _observe_step(self, start: float, req_ids: list[str]) -> None:
-        """Teaches the step cost the step that just ran if it continued the last batch; charges the plan's error."""
+        """Teaches the step cost the step that just ran if the whole last batch ran on (after requests left, its time
+        also holds vLLM's work on them, paid once per request: 1.4 ms of a 2-6 ms step on the 0.8M policy, which as a
+        cost of every step would overstate what a step that drafting saves is worth); charges the plan's error."""
         continuing = self.live.intersection(req_ids)
         if self.step_end is None or not continuing or not self.runner._sample.step_tokens:
             return
         measured = start - self.step_end
         error = abs(self.predicted - measured) / measured if self.step_cost.seen.any() and measured > 0 else 0.0
-        self.step_cost.observe(self.runner._sample.step_tokens, measured)
+        if len(continuing) == len(self.live):
+            self.step_cost.observe(self.runner._sample.step_tokens, measured)
         for req_id in continuing:
             self.runner._sample.stats_for(req_id).cost_error += error
 
@@ -279,8 +290,9 @@ class DrafterBridge:
             made.append((row, request.request_id, valid, rated))
         keep = [len(valid) for _, _, valid, _ in made]
         if self.rated and not verify_all:
-            keep, _ = plan([self.calibration.gains(rated) if rated is not None else [] for *_, rated in made],
-                           base_tokens, self.step_cost, None)
+            survive = self.survival.factors([r.position for _, r in requests], self.k)
+            keep, _ = plan([self.calibration.gains(rated) * survive[j, : len(rated)] if rated is not None else []
+                            for j, (*_, rated) in enumerate(made)], base_tokens, self.step_cost, None)
         for j, ((row, req_id, valid, rated), n) in enumerate(zip(made, keep)):
             drafts[row] = valid[:n]
             self.verifying[req_id] = (n, valid, rated)
@@ -336,8 +348,10 @@ class DrafterBridge:
         against the whole step: drafting them delays the tokens of every request of the step, the `ready` ones' (their
         ids and prepared drafts) too."""
         rates = self.acceptance.rates([r.request_id for _, r in asked])
-        gains = [list(g[: r.max_tokens]) for g, (_, r) in zip(geometric(rates, self.k), asked)]
-        ready_gains = geometric(self.acceptance.rates([rid for rid, _ in ready]), self.k)
+        survive = self.survival.factors([r.position for _, r in asked], self.k)
+        gains = [list(g[: r.max_tokens]) for g, (_, r) in zip(geometric(rates, self.k) * survive, asked)]
+        ready_gains = geometric(self.acceptance.rates([rid for rid, _ in ready]), self.k) * \
+            self.survival.factors([self.positions[rid] for rid, _ in ready], self.k)
         elsewhere = base_tokens - len(asked) + sum(float(g[:n].sum()) for g, (_, n) in zip(ready_gains, ready))
         budgets, _ = plan(gains, base_tokens + sum(n for _, n in ready), self.step_cost, self.draft_cost,
                           unseen=[self._unseen(r) for _, r in asked], elsewhere=elsewhere)

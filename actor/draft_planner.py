@@ -6,12 +6,14 @@ drafter, so the planner learns it online from the engine's own steps instead of 
 - `StepCost`: engine step seconds as a function of the tokens the step computes (piecewise linear over
   geometric buckets of exponentially averaged observations, monotone, extrapolated along its trend);
 - `DraftCost`: drafting's seconds as a linear function of its draft passes, drafted tokens and catch-up tokens;
-- `Acceptance`: each request's per-token acceptance probability, shrunk towards the drafter's running average.
-With acceptance `a`, the `j`-th draft token of a request adds `a**j` expected committed tokens; a drafter that
-rates its tokens (`Drafter.confidences`, calibrated in drafters/calibration.py) gives each token's own gain once it
-has drafted. `plan` takes draft tokens in order of gain and keeps the prefix that maximises expected committed
-tokens per second `(n + sum of gains) / (step(n + drafted) + draft(passes, drafted))`; 0 everywhere when no
-drafting pays (but for a rare exploring step, so the estimates never freeze where drafting stopped).
+- `Acceptance`: each request's per-token acceptance probability, shrunk towards the drafter's running average;
+- `Survival`: the chance that a request is still running a few tokens on, from the lengths of those that ended.
+With acceptance `a`, the `j`-th draft token of a request adds `a**j` expected committed tokens (times its
+survival); a drafter that rates its tokens (`Drafter.confidences`, calibrated in drafters/calibration.py) gives each
+token's own gain once it has drafted. `plan` takes draft tokens in order of gain and keeps the prefix that maximises
+expected committed tokens per second `(n + sum of gains) / (step(n + drafted) + draft(passes, drafted))`; 0
+everywhere when no drafting pays (but for a rare exploring step, so the estimates never freeze where drafting
+stopped).
 Correctness never depends on it: drafts only change how fast the coupled sampler's tokens come out.
 """
 
@@ -161,6 +163,31 @@ class Acceptance:
     def remove(self, request_id: str) -> None:
         self.accepted.pop(request_id, None)
         self.rejected.pop(request_id, None)
+
+
+class Survival:
+    """How likely a running request is to still be running `j` tokens on, from the output lengths of the requests that
+    ended (counted, forgetting), with one pseudo-request that runs to `max_len`, so that a request longer than every
+    one that ended is given no end. A draft past a request's end commits nothing: the planner weighs each draft's gain
+    by it, so that in a batch of short answers the drafts of requests about to end count for what they commit."""
+
+    def __init__(self, max_len: int, decay: float = 0.998):
+        self.decay = decay
+        self.ended_at = np.zeros(max_len + 2)  # per output length, the requests that ended there
+        self.ended_at[-1] = 1.0  # the pseudo-request, never forgotten
+
+    def ended(self, length: int) -> None:
+        self.ended_at[:-1] *= self.decay
+        self.ended_at[min(max(length, 0), len(self.ended_at) - 2)] += 1.0
+
+    def factors(self, positions: list[int], k: int) -> np.ndarray:
+        """Per running request with `p` tokens output (so it ends at `p + 1` or later), the probability that it
+        outputs `p + 1 + j` or more, i.e. that the token its `j`-th accepted draft adds is inside it, j = 1..k
+        (one row per request)."""
+        beyond = np.cumsum(self.ended_at[::-1])[::-1]  # beyond[x]: requests that ended at length x or later
+        at = np.minimum(np.asarray(positions, dtype=int)[:, None] + 1 + np.arange(k + 1), len(beyond) - 1)
+        alive = beyond[at]
+        return alive[:, 1:] / alive[:, :1]
 
 
 def geometric(rates: np.ndarray, k: int) -> np.ndarray:

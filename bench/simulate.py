@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, StepCost, geometric, plan
+from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, StepCost, Survival, geometric, plan
 from drafters.calibration import Calibration
 
 
@@ -140,6 +140,7 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
     position = [1] * n  # the prefill samples every request's first token
     clock, curve, waited = costs.prefill_s, [], 0.0
     step_cost, draft_cost, acceptance, calibration = StepCost(), DraftCost(), Acceptance(), Calibration()
+    survival = Survival(2 * max(lengths, default=0) + k)  # as the bridge's, whose longest is the model's length
     ready = [False] * n  # decoupled: this request's next drafts were prepared during the last step
     guesses = random.Random(0)  # "outcomes": which guesses past a rejected draft were right, the same every run
     undrafted = 0
@@ -151,7 +152,8 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
         drafts = [0] * len(running)
         unseen = [prompt[i] + position[i] - shown[i] for i in running]  # what drafting now would catch up on
         if drafting:
-            gains = geometric(acceptance.rates(ids), k)
+            survive = survival.factors([position[i] for i in running], k)
+            gains = geometric(acceptance.rates(ids), k) * survive
             # decoupled: planned as if drafting were free (prepared drafts are), misses re-planned below, as the bridge
             budgets, _ = plan(gains, len(running), step_cost, None if decoupled else draft_cost,
                               explore=undrafted >= EXPLORE_EVERY, unseen=unseen)
@@ -170,7 +172,8 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
         asked = list(drafts)  # what the drafter proposes (and is paid for); `drafts`: what the engine verifies
         if confidence is not None and any(drafts):
             rated = [confidence[i][position[i]][:d] for d, i in zip(drafts, running)]
-            keep, _ = plan([calibration.gains(c) for c in rated], len(running), step_cost, None)
+            keep, _ = plan([calibration.gains(c) * survive[m, : len(c)] for m, c in enumerate(rated)], len(running),
+                           step_cost, None)
             drafts = [min(d, kept) for d, kept in zip(drafts, keep)]
         total, passes = sum(drafts), max(asked, default=0)
         unseen_asked = sum(u for u, a in zip(unseen, asked) if a)  # what the drafter catches up on this step
@@ -201,6 +204,8 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
             if decoupled == "outcomes" and reach < d:  # a draft rejected: the guess past it the target's token
                 ready[i] = guesses.random() < past_rejection
             position[i] = min(lengths[i], position[i] + accepted + 1)
+            if position[i] == lengths[i]:
+                survival.ended(lengths[i])
             if d:
                 acceptance.observe(rid, d, accepted)
         step_cost.observe(len(running) + total, engine)

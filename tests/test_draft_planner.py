@@ -4,7 +4,7 @@ observations, tracks acceptance per request, and drafts where verifying pays and
 import numpy as np
 import pytest
 
-from actor.draft_planner import Acceptance, DraftCost, StepCost, geometric, plan
+from actor.draft_planner import Acceptance, DraftCost, StepCost, Survival, geometric, plan
 
 
 def rated(rates: list[float], k: int) -> np.ndarray:
@@ -112,6 +112,16 @@ def test_acceptance_per_request_shrinks_towards_the_drafter_average():
     assert 0.1 < acc.rates(["new"])[0] < 0.9  # never seen: the average over every request
     acc.remove("good")
     assert acc.rates(["good"])[0] == acc.rates(["new"])[0]
+
+
+def test_survival_is_the_chance_that_a_draft_lands_inside_the_request():
+    survival = Survival(max_len=100)
+    for _ in range(50):  # every request so far ended with 10 tokens
+        survival.ended(10)
+    near, beyond = survival.factors([8, 60], 4)
+    # 8 tokens out: the 9th is certain; a first accepted draft adds the 10th, a second the 11th, which no request had
+    assert near[0] == pytest.approx(1.0) and near[1] < 0.05 and near[3] <= near[2] <= near[1]
+    assert beyond == pytest.approx([1.0] * 4)  # longer than every request that ended: no end known
 
 
 def test_plan_drafts_fully_where_verifying_is_nearly_free():

@@ -84,6 +84,43 @@ def test_planner_learns_acceptance_from_commits_and_withholds_drafts_that_cannot
     assert drafter.commits[-2:] == [("a-1", [7]), ("b-1", [7])]  # commits still reach the drafter
 
 
+def test_the_step_cost_learns_only_from_steps_that_ran_the_whole_last_batch_on():
+    """A step after which requests left also holds vLLM's work on the leaving ones (their blocks freed, their last
+    outputs): learned as a cost of every step of the smaller batch, it would make each step drafting saves look
+    dearer than it is."""
+    b, runner = bridge(Recording([[], []]), ["a-1", "b-1"])
+    runner._sample.step_tokens = 2
+    propose(b, [[5], [6]])
+    propose(b, [[5], [6]])  # the batch ran on: learned (1 token a request: the 2-token bucket)
+    assert b.step_cost.seen.tolist().index(True) == 2 and b.step_cost.seen.sum() == 1
+    runner.input_batch.req_ids, runner.input_batch.num_reqs, runner._sample.step_tokens = ["a-1"], 1, 1
+    propose(b, [[7]])  # b-1 left after the last step: not learned
+    assert b.step_cost.seen.sum() == 1
+    propose(b, [[8]])  # a-1 ran on alone: learned
+    assert b.step_cost.seen[0] and b.step_cost.seen.sum() == 2
+
+
+def test_the_planner_drafts_nothing_past_where_requests_end():
+    """A draft past a request's end commits nothing: once requests have ended after 6 tokens, a request with 5 out
+    gets no drafts (its next token is its last), where a bridge that has seen no request end drafts."""
+    ended, fresh = (bridge(Recording([[1, 2, 3, 4]]), ["a-1"])[0] for _ in range(2))
+    for b in (ended, fresh):  # a step costs the same whatever it verifies; a draft pass a tenth of a step
+        for tokens in range(1, 64):
+            b.step_cost.observe(tokens, 0.01)
+        for passes in (1, 2, 3, 4, 1, 2, 3, 4):
+            b.draft_cost.observe(passes, passes, 0, 0.001 * passes)
+    for _ in range(30):
+        ended.survival.ended(6)
+    assert propose(fresh, [[5]])[0]  # 8 tokens in the engine, 3 of them the prompt: 5 out
+    assert propose(ended, [[5]]) == [[]]
+    b, runner = bridge(Recording([[1]] * 2), ["a-1", "b-1"])
+    propose(b, [[5], [6]])
+    runner.input_batch.req_ids, runner.input_batch.num_reqs = ["a-1"], 1
+    del runner.requests["b-1"]  # b-1 ended after that step: 5 tokens out then, at least one more since
+    propose(b, [[7]])
+    assert b.survival.ended_at[6] == 1.0 and b.survival.ended_at[:-1].sum() == 1.0
+
+
 def test_without_the_planner_every_request_gets_k():
     b, _ = bridge(Recording([[1, 2, 3, 4, 5, 6]] * 2), ["a-1", "b-1"], planning=False)
     for tokens in range(1, 64):
