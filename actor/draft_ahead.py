@@ -5,8 +5,10 @@ from the history those drafts make if all are accepted: the proposal's first tok
 token (under the coupled sampler's noise, the target's likeliest token there), the rest the drafts that would follow
 it. A drafter that `prepares_rejections` (the draft LM) is also asked for the likeliest outcomes where a draft is
 rejected, from the history of the drafts before it, guessing the target's token past the rejected one: as many as
-the thread's learned cost fits in the verify step the engine is predicted to take. When the verify step ends, a
-request whose committed tokens are exactly one outcome's drafts and guess takes the rest as its drafts. One that
+the thread's learned cost fits in the verify step the engine is predicted to take; one that `prepares_guesses` also
+prepares the likeliest outcomes under its second guess of the target's token, ranked with the rest by how often
+each guess has been right. When the verify step ends, a request whose committed tokens are exactly one outcome's
+drafts and one of its guesses takes the rest as its drafts. One that
 missed is drafted at once only where the cost model says it pays (else it decodes plainly this step): only the
 waiting for the thread and that drafting are on the engine's critical path. Drafts only: every token is still the
 target's coupled sample.
@@ -35,6 +37,7 @@ class Prepared(NamedTuple):
     confidences: list[float] | None
     source: str  # a composite drafter's member that proposed it ("": not a composite)
     rejection: bool  # prepared for an outcome where a draft is rejected
+    guess: int  # the drafter's guess (0: its best) of the target's token it starts from
 
 
 class DraftsAhead:
@@ -49,8 +52,9 @@ class DraftsAhead:
         self.seconds = 0.0  # time the thread spent preparing (off the critical path)
         self.outcomes = 0  # outcomes prepared
         # per kind (all drafts accepted, a draft rejected): prepared outcomes that came about, and of those the ones
-        # whose guess was the target's token (their drafts taken)
+        # where a guess was the target's token (their drafts taken); per kind and guess, the outcomes it was right in
         self.reached, self.hits = {False: 0, True: 0}, {False: 0, True: 0}
+        self.right = {(kind, guess): 0 for kind in (False, True) for guess in (0, 1)}
 
     def settle(self) -> float:
         """Waits for the preparation in flight (its error is raised here); returns the seconds waited."""
@@ -64,19 +68,28 @@ class DraftsAhead:
     def take(self, request_id: str, history) -> tuple[list[int], list[float] | None, str] | None:
         """The drafts (with their confidences and source) prepared for `request_id` for the outcome `history` is:
         its drafts accepted up to the one the outcome assumed rejected, if any, then the guessed token."""
+        reached = None  # the kind of the outcome that came about, once one of its guesses is found
         for prepared in self.prepared.pop(request_id, ()):
             if not prepared.proposal or len(history) != prepared.length + 1:
                 continue
             start = prepared.length - len(prepared.tail)
             if any(int(a) != b for a, b in zip(history[start : prepared.length], prepared.tail)):
                 continue  # another outcome came about
-            self.reached[prepared.rejection] += 1
-            if int(history[prepared.length]) != prepared.proposal[0]:
-                return None  # the outcome it was prepared for, but the target sampled another token than the guess
-            self.hits[prepared.rejection] += 1
-            return (prepared.proposal[1:], None if prepared.confidences is None else prepared.confidences[1:],
-                    prepared.source)
+            if reached is None:
+                reached = prepared.rejection
+                self.reached[reached] += 1
+            if int(history[prepared.length]) == prepared.proposal[0]:  # the target's token was this guess
+                self.hits[reached] += 1
+                self.right[reached, min(prepared.guess, 1)] += 1
+                return (prepared.proposal[1:], None if prepared.confidences is None else prepared.confidences[1:],
+                        prepared.source)
         return None
+
+    def guess_rates(self) -> dict[tuple[bool, int], float]:
+        """Per kind of outcome (a draft rejected or not) and guess (0: the drafter's best, 1: its second), how often
+        it was the target's token where that outcome came about (a prior of 2 outcomes at 0.6 / 0.15 before then)."""
+        return {(kind, guess): (self.right[kind, guess] + 2 * (0.6, 0.15)[guess]) / (self.reached[kind] + 2)
+                for kind, guess in self.right}
 
     def launch(self, requests: list[DraftRequest], propose: Callable[[], tuple[list, list | None, list | None]]
                ) -> None:
@@ -96,7 +109,7 @@ class DraftsAhead:
                                       sources or [""] * len(requests)):
                     tail = tuple(int(t) for t in r.token_ids[len(r.token_ids) - r.unverified:])
                     prepared.setdefault(r.request_id, []).append(Prepared(
-                        len(r.token_ids), tail, [int(t) for t in p], c, str(s), r.rejected is not None))
+                        len(r.token_ids), tail, [int(t) for t in p], c, str(s), r.rejected is not None, r.guess))
                 lengths = [len(p) for ps in prepared.values() for p in ps]
                 self.cost.observe(max(lengths, default=0), sum(lengths), 0, time.perf_counter() - start)
                 return prepared
@@ -106,29 +119,36 @@ class DraftsAhead:
         self.future = self.pool.submit(work)
 
 
-def ahead(outcomes: list[tuple[DraftRequest, list[int], int]], k: int) -> list[DraftRequest]:
-    """Each (request, its drafts, how many of them an outcome accepts) as the request stands in that outcome, asking
-    for `k` tokens: its guess of the target's next token (past the rejected draft, where one is), then the drafts
-    after it (its history copied: the engine's buffer changes while the thread reads it)."""
-    return [replace(r, position=r.position + j, max_tokens=k, unverified=j,
+def ahead(outcomes: list[tuple[DraftRequest, list[int], int, int]], k: int) -> list[DraftRequest]:
+    """Each (request, its drafts, how many of them an outcome accepts, which guess) as the request stands in that
+    outcome, asking for `k` tokens: its guess of the target's next token (past the rejected draft, where one is),
+    then the drafts after it (its history copied: the engine's buffer changes while the thread reads it)."""
+    return [replace(r, position=r.position + j, max_tokens=k, unverified=j, guess=g,
                     rejected=int(drafts[j]) if j < len(drafts) else None,
                     token_ids=np.concatenate([np.asarray(r.token_ids, dtype=np.int64),
                                               np.asarray(drafts[:j], dtype=np.int64)]))
-            for r, drafts, j in outcomes]
+            for r, drafts, j, g in outcomes]
 
 
 def outcomes(chains: list[tuple[DraftRequest, list[int], int]], rates: np.ndarray | None, cost: DraftCost,
-             step_s: float, tokens: int) -> list[tuple[DraftRequest, list[int], int]]:
-    """The outcomes of a verify step to prepare drafts for, as (request, its drafts, drafts accepted): every request's
-    all-accepted one (`chains`; no drafts: the plain step's) and, given the requests' acceptance `rates` (None: the
-    drafter does not prepare rejections), the likeliest outcomes where a draft is rejected (at rate `a`, the first `j`
-    accepted and the next rejected: `a**j * (1 - a)`), as many as the thread's fitted `cost` of asking `tokens` for
-    each keeps within `step_s`, the engine's predicted step (all before either is measured)."""
+             step_s: float, tokens: int, rejections: bool = True,
+             guesses: dict[tuple[bool, int], float] | None = None) -> list[tuple[DraftRequest, list[int], int, int]]:
+    """The outcomes of a verify step to prepare drafts for, as (request, its drafts, drafts accepted, guess): every
+    request's all-accepted one under its best guess (`chains`; no drafts: the plain step's) and, given the requests'
+    acceptance `rates` (None: nothing more), the likeliest other ones: where a draft is rejected (`rejections`; at
+    rate `a`, the first `j` accepted and the next rejected: `a**j * (1 - a)`) and, with `guesses` (how often each
+    guess has been right, per kind of outcome), under the second guess too; ranked by the chance that they are taken
+    (the outcome's times its guess's), as many as the thread's fitted `cost` of asking `tokens` for each keeps within
+    `step_s`, the engine's predicted step (all before either is measured)."""
+    first = [(r, d, j, 0) for r, d, j in chains]
     if rates is None or not chains:
-        return chains
-    likely = sorted(((a**j * (1 - a), n, j) for n, ((_, d, _), a) in enumerate(zip(chains, rates))
-                     for j in range(len(d))), reverse=True)
+        return first
+    right = guesses or {(kind, 0): 1.0 for kind in (False, True)}
+    likely = sorted(((a**j * (1 - a if j < len(d) else 1) * right[j < len(d), g], n, j, g)
+                     for n, ((_, d, _), a) in enumerate(zip(chains, rates))
+                     for j in range(0 if rejections else len(d), len(d) + 1) for g in range(2 if guesses else 1)
+                     if (j, g) != (len(d), 0)), reverse=True)
     rows = np.arange(len(chains), len(chains) + len(likely) + 1)
     thread = cost.predict(np.full(len(rows), tokens), rows * tokens)
     fits = int(np.searchsorted(thread > step_s, True)) if step_s > 0 else len(rows)
-    return chains + [(chains[n][0], chains[n][1], j) for _, n, j in likely[: max(fits - 1, 0)]]
+    return first + [(chains[n][0], chains[n][1], j, g) for _, n, j, g in likely[: max(fits - 1, 0)]]

@@ -362,13 +362,13 @@ class DrafterBridge:
         return len(request.token_ids) - self.shown.get(request.request_id, 0)
 
     def _prepare_ahead(self, requests: list[tuple[int, DraftRequest]], drafts: list[list[int]]) -> None:
-        """The drafter, on its thread, proposes from the history each request's drafts make in the outcomes
-        `outcomes` picks (all-accepted ones only from a drafter that does not prepare rejections)."""
+        """The drafter, on its thread, proposes from the histories of the outcomes `outcomes` picks for each request."""
         chains = [(r, drafts[row], len(drafts[row])) for row, r in requests]
-        rates = self.acceptance.rates([r.request_id for r, _, _ in chains]) if self.drafter.prepares_rejections \
-            else None
         drafter, k = self.drafter, self.k + 1  # k + 1: the guess of the target's next token, then k drafts
-        asked = ahead(outcomes(chains, rates, self.ahead.cost, self.predicted, k), k)
+        more = drafter.prepares_rejections or drafter.prepares_guesses
+        rates = self.acceptance.rates([r.request_id for r, _, _ in chains]) if more else None
+        asked = ahead(outcomes(chains, rates, self.ahead.cost, self.predicted, k, drafter.prepares_rejections,
+                               self.ahead.guess_rates() if drafter.prepares_guesses else None), k)
 
         def propose():
             with guarded(drafter):

@@ -309,7 +309,7 @@ def profile(worker) -> dict[str, float]:
     drafter plugin itself (its proposals, commits and removals), and the history tokens the drafter was shown for
     the first time (its catch-up); decoupled, the drafter's thread's seconds, the engine's wait for it, the outcomes
     it prepared, and per kind (all drafts accepted; one rejected) the prepared outcomes that came about and those
-    whose guess was the target's token; zeros for hooks that are not installed."""
+    where a guess was the target's token (`_second`: the drafter's second guess); zeros for hooks not installed."""
     runner = worker.model_runner
     bridge = getattr(runner, "drafter", None)
     drafting = isinstance(bridge, DrafterBridge)
@@ -319,9 +319,12 @@ def profile(worker) -> dict[str, float]:
             "drafter_s": bridge.drafter_seconds if drafting else 0.0,
             "unseen_tokens": bridge.unseen_total if drafting else 0,
             **({"ahead_thread_s": ahead.seconds, "ahead_waited_s": bridge.waited_total,
-                "ahead_outcomes": ahead.outcomes, "ahead_chain_reached": ahead.reached[False],
-                "ahead_chain_hits": ahead.hits[False], "ahead_rejection_reached": ahead.reached[True],
-                "ahead_rejection_hits": ahead.hits[True]} if ahead else {})}
+                "ahead_outcomes": ahead.outcomes,
+                **{f"ahead_{name}{second}_{count}": value for rejection, name in ((False, "chain"), (True, "rejection"))
+                   for second, count, value in (("", "reached", ahead.reached[rejection]),
+                                                ("", "hits", ahead.hits[rejection]),
+                                                ("_second", "reached", ahead.reached[rejection]),
+                                                ("_second", "hits", ahead.right[rejection, 1]))}} if ahead else {})}
 
 
 def coupled_calls(worker) -> int:

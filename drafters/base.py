@@ -49,6 +49,8 @@ class DraftRequest:
     # verified, and a guess of the target's next token)
     rejected: int | None = None  # `propose_ahead` only (to a drafter that `prepares_rejections`): the outcome where
     # the draft after token_ids is rejected, so the target's token there is known not to be this one
+    guess: int = 0  # `propose_ahead` only (to a drafter that `prepares_guesses`): the proposal's first token is the
+    # drafter's `guess`-th likeliest for the target's next token (0: its best), one outcome prepared under several
 
     def budget(self, k: int) -> int:
         """How many drafts this request may get from a call for `k`: `k`, or `max_tokens` if smaller."""
@@ -59,6 +61,8 @@ class Drafter(ABC):
     # `propose_ahead` takes several requests with one id in a call, one per outcome of the verify step under way (all
     # drafts accepted; the first j accepted and the next `rejected`), and guesses past a rejected token
     prepares_rejections: bool = False
+    # `propose_ahead` honours `DraftRequest.guess`: an outcome may also come with its first token's runner-up guessed
+    prepares_guesses: bool = False
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
@@ -79,7 +83,8 @@ class Drafter(ABC):
         drafter. It must leave the drafter as the committed history left it (count nothing unverified); its
         `confidences()` afterwards are these proposals'. None (the default): not supported, drafting stays serial.
         A drafter with `prepares_rejections` also gets the outcomes where a draft is rejected: a request may then come
-        several times, with `rejected` set where the proposal's first token must guess past that token."""
+        several times, with `rejected` set where the proposal's first token must guess past that token; one with
+        `prepares_guesses`, an outcome again with `guess` = 1, where the first token is its second-likeliest."""
         return None
 
     def swap_weights(self, weights: list[tuple[str, Any]]) -> bool:

@@ -95,7 +95,7 @@ class _Layer:
 
 
 class DraftLM(Drafter):
-    prepares_rejections = True
+    prepares_rejections = prepares_guesses = True
 
     def __init__(self, model: str = "builtin:draft", dtype: str = "float32", device: str = "cpu"):
         """`device`: where its weights, slot cache and drafting live (built by the engine: the engine's device, a
@@ -183,7 +183,8 @@ class DraftLM(Drafter):
         drafted in the request's slot, each other one in a scratch slot that reads the keys and values it shares with
         the first from the request's slot (nothing copied), given back when the call ends. An outcome whose draft was
         rejected (`DraftRequest.rejected`) guesses the target's token there as the draft's best other token under the
-        same noise: where the target's own noisy winner is not the draft's, it is most often the draft's runner-up."""
+        same noise: where the target's own noisy winner is not the draft's, it is most often the draft's runner-up;
+        an outcome with `guess` = g starts from the token left winning once the g likeliest are set aside."""
         scratch: list[_State] = []
         try:
             return self._propose(requests, k, scratch)
@@ -231,6 +232,12 @@ class DraftLM(Drafter):
             logits = self._forward([states[n] for n in live.tolist()], chunks)
             if j == 0 and excluded:  # an outcome with a rejected draft: the target's token there is another one
                 logits[[n for n, _ in excluded], [t for _, t in excluded]] = float("-inf")
+            for g in range(max(r.guess for r in rows) if j == 0 else 0):  # set aside the guess-th likeliest first
+                n = torch.tensor([n for n, r in enumerate(rows) if r.guess > g], **on)
+                winners, _ = coupled_draft(logits[n], seeds[n], positions[n], temperature[n],
+                                           None if top_k is None else top_k[n], None if top_p is None else top_p[n],
+                                           noise=None if noise is None else noise[n, 0])
+                logits[n, winners] = float("-inf")
             tokens, margins = coupled_draft(
                 logits, seeds[live], positions[live] + j, temperature[live],
                 None if top_k is None else top_k[live], None if top_p is None else top_p[live],

@@ -15,10 +15,10 @@ def prepared() -> DraftsAhead:
     4 past 8) and the first rejected (guess 5 past 7)."""
     history = np.array([1, 2, 3])
     request = DraftRequest("a", seed=1, position=5, token_ids=history, temperature=1.0)
-    asked = ahead([(request, [7, 8], 2), (request, [7, 8], 1), (request, [7, 8], 0)], k=5)
+    asked = ahead([(request, [7, 8], 2, 0), (request, [7, 8], 1, 0), (request, [7, 8], 0, 0)], k=5)
     assert [list(r.token_ids) for r in asked] == [[1, 2, 3, 7, 8], [1, 2, 3, 7], [1, 2, 3]]
-    assert [(r.unverified, r.rejected, r.position, r.max_tokens) for r in asked] == [
-        (2, None, 7, 5), (1, 8, 6, 5), (0, 7, 5, 5)]
+    assert [(r.unverified, r.rejected, r.position, r.max_tokens, r.guess) for r in asked] == [
+        (2, None, 7, 5, 0), (1, 8, 6, 5, 0), (0, 7, 5, 5, 0)]
     history[0] = 99  # the engine's buffer moves on: the request holds a copy
     assert asked[0].token_ids[0] == 1
     drafts = DraftsAhead()
@@ -71,8 +71,35 @@ def test_the_likeliest_rejection_outcomes_are_prepared_as_far_as_the_threads_cos
     cost = DraftCost()
     cost.coef = np.array([0.0, 0.0, 1.0, 0.0])  # learned: a second per drafted token (k + 1 = 5 a request)
     picked = outcomes(chains, np.array([0.5, 0.5]), cost, 15.5, 5)  # the step verifying: time for 3 requests' worth
-    assert [(r.request_id, j) for r, _, j in picked] == [("a-x", 2), ("b-y", 1), ("b-y", 0)]  # the likeliest: the
-    # first draft rejected (at acceptance 0.5: 0.5 against 0.25 for the second), b's before a's on a tie
-    assert outcomes(chains, np.array([0.5, 0.5]), cost, 5.0, 5) == chains  # not even these fit: nothing more
+    assert [(r.request_id, j, g) for r, _, j, g in picked] == [("a-x", 2, 0), ("b-y", 1, 0), ("b-y", 0, 0)]  # the
+    # likeliest: the first draft rejected (at acceptance 0.5: 0.5 against 0.25 for the second), b's before a's on a tie
+    best = [(r, d, j, 0) for r, d, j in chains]
+    assert outcomes(chains, np.array([0.5, 0.5]), cost, 5.0, 5) == best  # not even these fit: nothing more
     assert len(outcomes(chains, np.array([0.5, 0.5]), cost, 0.0, 5)) == 5  # nothing measured yet: every outcome
-    assert outcomes(chains, None, cost, 0.0, 5) == chains  # a drafter that does not prepare rejections
+    assert outcomes(chains, None, cost, 0.0, 5) == best  # a drafter that prepares only the all-accepted outcome
+
+
+def test_second_guesses_are_ranked_with_the_rest_by_the_chance_that_they_are_taken():
+    a, b = (DraftRequest(rid, seed=1, position=5, token_ids=np.arange(8)) for rid in ("a-x", "b-y"))
+    chains = [(a, [1, 2], 2), (b, [], 0)]  # b drafted nothing: its plain step's outcome is certain
+    cost = DraftCost()
+    cost.coef = np.array([0.0, 0.0, 1.0, 0.0])
+    right = {(False, 0): 0.6, (False, 1): 0.3, (True, 0): 0.5, (True, 1): 0.1}  # per kind (a draft rejected), guess
+    picked = outcomes(chains, np.array([0.5, 0.5]), cost, 25.5, 5, guesses=right)  # 3 outcomes past the chains
+    # b's second guess 1 x 0.3; a's first draft rejected 0.5 x 0.5, its second 0.25 x 0.5; (a's second guess past
+    # both accepted 0.25 x 0.3 next)
+    assert [(r.request_id, j, g) for r, _, j, g in picked[2:]] == [("b-y", 0, 1), ("a-x", 0, 0), ("a-x", 1, 0)]
+    only_guesses = outcomes(chains, np.array([0.5, 0.5]), cost, 0.0, 5, rejections=False, guesses=right)
+    assert [(r.request_id, j, g) for r, _, j, g in only_guesses[2:]] == [("b-y", 0, 1), ("a-x", 2, 1)]
+
+
+def test_a_second_guess_is_taken_where_the_first_was_not_the_targets_token():
+    history = np.array([1, 2, 3])
+    request = DraftRequest("a", seed=1, position=5, token_ids=history, temperature=1.0)
+    drafts = DraftsAhead()
+    drafts.launch(ahead([(request, [7], 1, 0), (request, [7], 1, 1)], k=3), lambda: ([[9, 10], [6, 11]], None, None))
+    drafts.settle()
+    assert drafts.take("a", np.array([1, 2, 3, 7, 6])) == ([11], None, "")
+    assert drafts.reached[False] == drafts.hits[False] == 1 and drafts.right[False, 1] == 1  # the outcome counted once
+    rates = drafts.guess_rates()
+    assert rates[False, 1] > rates[True, 1] and rates[False, 0] < rates[True, 0]  # from the prior, moved by it

@@ -4,6 +4,8 @@ exactly what a scan of the whole history would."""
 
 import random
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -57,12 +59,17 @@ def test_outcomes_ahead_read_their_shared_prefix_from_the_requests_slot_and_gues
     assert len(drafts) == 4
     outcomes = [ask(history + drafts, 24, unverified=4, max_tokens=5)]  # every draft accepted
     outcomes += [ask(history + drafts[:j], 20 + j, unverified=j, rejected=drafts[j], max_tokens=5) for j in range(4)]
+    outcomes += [ask(history + drafts, 24, unverified=4, max_tokens=5, guess=1),  # second guesses
+                 ask(history + drafts[:1], 21, unverified=1, rejected=drafts[1], max_tokens=5, guess=1)]
     free = len(draft_lm.cache.free)
     ahead = draft_lm.propose_ahead(outcomes, 5)
     assert len(draft_lm.cache.free) == free  # the scratch slots were given back
     alone = DraftLM()
     assert ahead == [alone.propose([outcome], 5)[0] for outcome in outcomes]
-    assert all(proposal[0] != drafts[j] for j, proposal in enumerate(ahead[1:]))  # past a rejection: another token
+    assert all(proposal[0] != drafts[j] for j, proposal in enumerate(ahead[1:5]))  # past a rejection: another token
+    # a second guess is the winner once the first is set aside, as if the first were the rejected draft
+    assert ahead[5] == alone.propose([replace(outcomes[5], guess=0, rejected=ahead[0][0])], 5)[0]
+    assert ahead[6][0] not in (ahead[2][0], drafts[1])
     assert draft_lm.propose([ask(history, 20)], 4)[0] == drafts  # the committed history's proposal is unchanged
 
 
