@@ -280,7 +280,6 @@ class DrafterBridge:
             self.shown[request.request_id] = len(request.token_ids)
             stats = sampler.stats_for(request.request_id)
             stats.draft_seconds += (elapsed + self.waited) / len(requests)  # what the engine waited for
-            stats.prepared_steps += j in prepared
             valid = token_ids_within(proposal[: request.max_tokens], self.vocab_size)
             if valid is None:  # a plugin's bad ids must not reach the engine: no draft this step, counted
                 stats.invalid_drafts += 1
@@ -296,11 +295,12 @@ class DrafterBridge:
         for j, ((row, req_id, valid, rated), n) in enumerate(zip(made, keep)):
             drafts[row] = valid[:n]
             self.verifying[req_id] = (n, valid, rated)
-            if n and sources:
-                choices = sampler.stats_for(req_id).drafter_choices
-                choices[sources[j]] = choices.get(sources[j], 0) + 1
-        # what drafting cost this step: the drafter's call and the bridge's work on its proposals (on the 0.8M policy
-        # the second is as large as the first: bench.rollout --preset policy)
+            if n:  # a verify step: were its drafts prepared, and (a composite) whose are they
+                stats = sampler.stats_for(req_id)
+                stats.prepared_steps += j in prepared
+                if sources:
+                    stats.drafter_choices[sources[j]] = stats.drafter_choices.get(sources[j], 0) + 1
+        # what drafting cost this step: the drafter's call and the bridge's work on its proposals
         if self.ahead is None:  # (decoupled: _proposals learns what drafting a miss costs)
             self.draft_cost.observe(max(len(valid) for _, _, valid, _ in made),
                                     sum(len(valid) for _, _, valid, _ in made), unseen, time.perf_counter() - start)

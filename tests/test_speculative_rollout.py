@@ -80,6 +80,7 @@ def test_speculative_rollouts_equal_plain_decoding(plain, drafter):
         assert drafted > 0 and accepted > 0, f"{setting}: drafted {drafted}, accepted {accepted}: nothing verified"
     if drafter.endswith("+decoupled"):  # drafts prepared ahead were taken (and, above, changed no token)
         assert sum(c.prepared_steps for c in stats) > 0
+        assert all(c.prepared_steps <= c.verify_steps for c in stats)  # counted where they were verified
 
 
 def test_the_actor_decodes_a_finished_completion_as_vllms_detokenizer_does(plain):
