@@ -27,7 +27,9 @@ it computes plus drafting's seconds (serial), or only the drafting the engine wa
 Decoupled drafting: drafts for step t+1 are prepared while step t verifies. `decoupled_chain`: a request finds its
 drafts ready only if all its last ones were accepted and the drafter's next token was the target's (the others wait
 for drafting as in the serial mode); `decoupled_outcomes` (with `--past-rejection P`): as built for the draft LM,
-also where a draft was rejected and the drafter's guess past it was right, at the measured rate P; and the bound
+also where a draft was rejected and one of the drafter's guesses past it was right, at the measured rate P, and
+(`--chain-second-guess Q`) where all were accepted and the next token was the drafter's second guess, at the
+measured rate Q of those whose first guess missed; and the bound
 `decoupled_every_outcome`: drafts prepared for every outcome, so the engine waits only for drafting that outlasts
 the verify step.
 """
@@ -123,13 +125,14 @@ def fit_costs(trace: dict, drafter: str | None) -> Costs:
 
 def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k: int, drafting: bool,
              decoupled: str | None = None, confidence: list[list[list[float]]] | None = None,
-             prompts: list[int] | None = None, past_rejection: float = 0.0) -> dict:
+             prompts: list[int] | None = None, past_rejection: float = 0.0, chain_second: float = 0.0) -> dict:
     """Makespan and batch curve of one rollout: `lengths` tokens per request, drafts accepted by `match` (None: the
     oracle, every draft), drafting decided by the real planner when `drafting`. `decoupled`: None (drafting on the
     critical path), "chain" (a request finds drafts prepared when its drafts were all accepted and the drafter's next
     token was the target's; one that missed is drafted now only where the cost model says it pays), "outcomes" (as
-    built for the draft LM: also where a draft was rejected and the drafter's guess past it was the target's token,
-    which happens with probability `past_rejection`, a measured rate; its preparation is taken to fit beside the
+    built for the draft LM: also where a draft was rejected and a guess past it was the target's token, with
+    probability `past_rejection`, and where every draft was accepted and the next token was not the drafter's first
+    guess but its second, with probability `chain_second`, both measured rates; its preparation taken to fit beside the
     verify step, as the bridge sizes it) or "every_outcome" (drafts prepared for every outcome of the verify step:
     always ready). `confidence`: the drafter's per token, where it gives them: as the bridge, each proposal is then
     verified only as far as its calibrated gains pay (drafters/calibration.py, learned from the simulated outcomes).
@@ -201,8 +204,10 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
                 calibration.observe(confidence[i][position[i]][:labels], [0] * labels,
                                     [0 if j < reach else 1 for j in range(labels)])
             ready[i] = reach > d  # every draft accepted, and the drafter's next token the target's
-            if decoupled == "outcomes" and reach < d:  # a draft rejected: the guess past it the target's token
+            if decoupled == "outcomes" and reach < d:  # a draft rejected: a guess past it the target's token
                 ready[i] = guesses.random() < past_rejection
+            elif decoupled == "outcomes" and reach == d:  # all accepted, the first guess not the target's token
+                ready[i] = guesses.random() < chain_second
             position[i] = min(lengths[i], position[i] + accepted + 1)
             if position[i] == lengths[i]:
                 survival.ended(lengths[i])
@@ -273,15 +278,15 @@ def attention_curve(step_cost_file: Path, shape: str, context: int):
 
 
 def project(trace: dict, costs_file: Path, shape: str, context: int, gpu_draft_s_per_pass: float,
-            past_rejection: float | None = None) -> dict:
+            past_rejection: float | None = None, chain_second: float = 0.0) -> dict:
     """Projected speed-ups over vanilla on `costs_file`'s device, per system and drafting placement (decoupled
-    "outcomes" where `past_rejection`, a measured guess accuracy past a rejected draft, is given), and the speed-up
-    against mean acceptance length."""
+    "outcomes" where `past_rejection`, a measured guess accuracy past a rejected draft, is given, with `chain_second`
+    the second guess's past every accepted draft), and the speed-up against mean acceptance length."""
     k, requests = trace["config"]["num_speculative_tokens"], trace["requests"]
     lengths, prompts = [r["tokens"] for r in requests], [r["prompt_tokens"] for r in requests]
     engine = attention_curve(costs_file, shape, context)
     by_tokens = json.loads(costs_file.read_text())["shapes"][shape]["ms_by_tokens"]
-    prefill = monotone_curve({int(t): ms / 1e3 for t, ms in by_tokens.items()})(sum(r["prompt_tokens"] for r in requests))
+    prefill = monotone_curve({int(t): ms / 1e3 for t, ms in by_tokens.items()})(sum(prompts))
     host = fit_costs(trace, "specactor")  # the draft LM's drafting as measured on this CPU
     placements = {
         "host_cpu": Costs(engine, prefill, host.draft_fixed, host.draft_per_request, 0.0, host.draft_per_token,
@@ -293,7 +298,8 @@ def project(trace: dict, costs_file: Path, shape: str, context: int, gpu_draft_s
         for decoupled in (None, "chain", *(["outcomes"] if past_rejection is not None else []), "every_outcome"):
             name = f"specactor_{where}" + (f"_decoupled_{decoupled}" if decoupled else "")
             systems[name] = simulate(lengths, trace["match"]["draft_lm"], costs, k, True, decoupled,
-                                     trace.get("confidence", {}).get("draft_lm"), prompts, past_rejection or 0.0)
+                                     trace.get("confidence", {}).get("draft_lm"), prompts, past_rejection or 0.0,
+                                     chain_second)
     out = {"systems": {name: {"makespan_s": round(r["makespan_s"], 4),
                               "speedup": round(vanilla["makespan_s"] / r["makespan_s"], 3),
                               "drafting_waited_share": round(r["drafting_waited_s"] / r["makespan_s"], 4)}
@@ -305,7 +311,8 @@ def project(trace: dict, costs_file: Path, shape: str, context: int, gpu_draft_s
     out["sensitivity"] = []
     for rate in (0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95):
         match = matches_at_rate(lengths, k, rate)
-        row = {"token_acceptance": rate, "mean_acceptance_length": round(1 + sum(rate ** j for j in range(1, k + 1)), 3)}
+        row = {"token_acceptance": rate,
+               "mean_acceptance_length": round(1 + sum(rate ** j for j in range(1, k + 1)), 3)}
         for decoupled in (None, "every_outcome"):
             r = simulate(lengths, match, placements["gpu"], k, True, decoupled)
             row["speedup" + ("_decoupled" if decoupled else "")] = round(vanilla["makespan_s"] / r["makespan_s"], 3)
@@ -357,12 +364,17 @@ def main(argv: list[str] | None = None) -> dict:
                         help="projects decoupled drafting as built for the draft LM (`outcomes`): the share of "
                              "prepared outcomes with a rejected draft whose guess was the target's token, as a "
                              "decoupled bench.rollout run measures it (guess_accuracy.rejection)")
+    parser.add_argument("--chain-second-guess", type=float, default=0.0,
+                        help="with --past-rejection: of the prepared outcomes with every draft accepted whose first "
+                             "guess was not the target's token, the share whose second guess was (from a decoupled "
+                             "bench.rollout run's guess_accuracy: chain_second / (1 - chain + chain_second))")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/simulate.json"))
     args = parser.parse_args(argv)
     if not args.validate and args.costs is None:
         parser.error("say what to do: --validate, --costs FILE, or both")
-    if args.past_rejection is not None and not 0 <= args.past_rejection <= 1:
-        parser.error(f"--past-rejection {args.past_rejection}: a share, in [0, 1]")
+    for flag, value in (("--past-rejection", args.past_rejection), ("--chain-second-guess", args.chain_second_guess)):
+        if value is not None and not 0 <= value <= 1:
+            parser.error(f"{flag} {value}: a share, in [0, 1]")
     trace = json.loads(args.trace.read_text())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result: dict = {"trace": str(args.trace), "preset": trace["config"].get("preset")}
@@ -376,9 +388,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.costs is not None:
         result["projection"] = {"costs": str(args.costs), "shape": args.shape, "context": args.context,
                                 "gpu_draft_ms_per_pass": args.gpu_draft_ms_per_pass,
-                                "past_rejection": args.past_rejection,
+                                "past_rejection": args.past_rejection, "chain_second_guess": args.chain_second_guess,
                                 **project(trace, args.costs, args.shape, args.context,
-                                          args.gpu_draft_ms_per_pass / 1e3, args.past_rejection)}
+                                          args.gpu_draft_ms_per_pass / 1e3, args.past_rejection,
+                                          args.chain_second_guess)}
         for name, row in result["projection"]["systems"].items():
             print(f"{name:30s} {row['speedup']:5.2f}x  drafting waited {row['drafting_waited_share']:.1%}"
                   + (f"  {row['share_of_oracle_gain']:.0%} of the oracle's gain" if "share_of_oracle_gain" in row

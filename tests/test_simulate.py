@@ -60,6 +60,18 @@ def test_decoupled_outcomes_find_drafts_ready_past_a_rejection_as_often_as_the_g
     assert always["makespan_s"] < chain["makespan_s"]
 
 
+def test_decoupled_outcomes_find_drafts_ready_past_accepted_drafts_as_often_as_the_second_guess_is_right():
+    lengths, match = [60] * 8, [[4] * 60 for _ in range(8)]  # 4 drafts accepted, the drafter's next token never
+    costs = flat(0.01, draft_per_pass=0.002)
+    chain = simulate(lengths, match, costs, k=4, drafting=True, decoupled="chain")
+    first_only = simulate(lengths, match, costs, k=4, drafting=True, decoupled="outcomes")
+    second = simulate(lengths, match, costs, k=4, drafting=True, decoupled="outcomes", chain_second=1.0)
+    hidden = simulate(lengths, match, costs, k=4, drafting=True, decoupled="every_outcome")
+    assert first_only["makespan_s"] == chain["makespan_s"]
+    assert second["makespan_s"] - hidden["makespan_s"] == pytest.approx(4 * 0.002)  # all ready after the first step
+    assert second["makespan_s"] < chain["makespan_s"]
+
+
 def test_a_drafter_catches_up_on_each_prompt_once_and_then_on_what_was_committed():
     """As the bridge charges a draft model's catch-up (history it has not been shown): the first drafting step for a
     request pays for its prompt, later ones for the tokens committed since; the schedule is the same here."""
