@@ -208,9 +208,9 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
                 ready[i] = guesses.random() < past_rejection
             elif decoupled == "outcomes" and reach == d:  # all accepted, the first guess not the target's token
                 ready[i] = guesses.random() < chain_second
+            if position[i] + accepted + 1 >= lengths[i]:  # it ends: as the bridge, which saw it a step before
+                survival.ended(position[i] + 1)
             position[i] = min(lengths[i], position[i] + accepted + 1)
-            if position[i] == lengths[i]:
-                survival.ended(lengths[i])
             if d:
                 acceptance.observe(rid, d, accepted)
         step_cost.observe(len(running) + total, engine)

@@ -164,11 +164,12 @@ class SpeculationConfig:
     num_speculative_tokens: int = knob(4, "k: the most draft tokens proposed per request and engine step",
                                        at_least(1))
     planner: bool = knob(True, "the cost-model planner (actor/draft_planner.py) chooses 0..num_speculative_tokens "
-                         "drafts per request every step from measured step and drafting costs and each request's "
-                         "acceptance; false: always the full k")
+                         "drafts per request every step from measured step and drafting costs, each request's "
+                         "acceptance and how likely it is to run on (where requests ended); false: always the full k")
     decoupled: bool = knob(False, "drafts for the next engine step are prepared on a thread of their own while this "
                            "step verifies, for the outcome where every draft is accepted and, from the draft LM, the "
-                           "likeliest ones where a draft is rejected (actor/draft_ahead.py); a request whose outcome "
+                           "likeliest ones where a draft is rejected or its first guess is wrong "
+                           "(actor/draft_ahead.py); a request whose outcome "
                            "it was takes them, one that missed drafts now only where the cost model says it pays. "
                            "Every built-in drafter (fastest_of_n races its members' preparations)")
     max_batch: int = knob(0, "never draft while more than this many requests run (0: no bound)",
