@@ -84,22 +84,6 @@ def test_planner_learns_acceptance_from_commits_and_withholds_drafts_that_cannot
     assert drafter.commits[-2:] == [("a-1", [7]), ("b-1", [7])]  # commits still reach the drafter
 
 
-def test_the_step_cost_learns_only_from_steps_that_ran_the_whole_last_batch_on():
-    """A step after which requests left also holds vLLM's work on the leaving ones (their blocks freed, their last
-    outputs): learned as a cost of every step of the smaller batch, it would make each step drafting saves look
-    dearer than it is."""
-    b, runner = bridge(Recording([[], []]), ["a-1", "b-1"])
-    runner._sample.step_tokens = 2
-    propose(b, [[5], [6]])
-    propose(b, [[5], [6]])  # the batch ran on: learned (1 token a request: the 2-token bucket)
-    assert b.step_cost.seen.tolist().index(True) == 2 and b.step_cost.seen.sum() == 1
-    runner.input_batch.req_ids, runner.input_batch.num_reqs, runner._sample.step_tokens = ["a-1"], 1, 1
-    propose(b, [[7]])  # b-1 left after the last step: not learned
-    assert b.step_cost.seen.sum() == 1
-    propose(b, [[8]])  # a-1 ran on alone: learned
-    assert b.step_cost.seen[0] and b.step_cost.seen.sum() == 2
-
-
 def test_the_planner_drafts_nothing_past_where_requests_end():
     """A draft past a request's end commits nothing: once requests have ended after 6 tokens, a request with 5 out
     gets no drafts (its next token is its last), where a bridge that has seen no request end drafts."""
