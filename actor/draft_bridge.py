@@ -3,12 +3,13 @@ vllm 0.32.0's V1 model runner, like actor/vllm_hooks.py, which binds it).
 
 Each step it tells the `Drafter` plugin what each verify step committed, drops requests that left the batch, and
 asks the draft planner (actor/draft_planner.py) how many tokens each request may draft, learning the step and
-drafting costs, each request's acceptance and where requests end as it goes. A drafter that rates its tokens
-(`Drafter.confidences`) is asked for the tokens that pay at the request's acceptance so far (as any drafter), and its
-proposals are verified only as far as each token's calibrated gain pays: drafting is paid by then, verifying a
-rejected token still costs a step's share. Every verify step labels the proposals it checked (drafters/calibration.py).
-The drafter sees ids, seeds, positions and views of the requests' histories, never copies. A drafter that raises or
-breaks its contract is switched off for the engine's life (`switch_off`): the engine decodes on without it."""
+drafting costs and each request's acceptance as it goes. A drafter that rates its tokens (`Drafter.confidences`)
+is asked for the tokens that pay at the request's acceptance so far (as any drafter), and its proposals are then
+verified only as far as each token's calibrated gain pays: drafting is paid by then, verifying a token that is
+rejected still costs a step's share on the verifier. Every verify step labels the
+proposals it checked (drafters/calibration.py). The drafter sees ids, seeds, positions and views of the requests'
+histories, never copies. A drafter that raises or breaks its contract is switched off for the engine's life
+(`switch_off`): drafts only ever save time, so the engine decodes on without them, tokens unchanged."""
 
 from __future__ import annotations
 
@@ -47,7 +48,6 @@ class DrafterBridge:
         self.shown: dict[str, int] = {}  # per request, the history length in its last proposal (the drafter's view)
         self.positions: dict[str, int] = {}  # per request, its output tokens as of its last step (for `survival`)
         self.predicted, self.undrafted_steps = 0.0, 0  # the planner's engine seconds for this step; steps undrafted
-        self.leave_cost = 0.0  # seconds of vLLM's work on a request that left the batch (`_observe_step`)
         self.step_end: float | None = None  # when the last propose() returned: the next step's engine time starts
         # in propose(), and of that in the drafter's propose(), commit() and remove() (a benchmark's profile)
         self.seconds = self.drafter_seconds = 0.0
@@ -208,8 +208,9 @@ class DrafterBridge:
 
     def switch_off(self, error: Exception) -> None:
         """The drafter raised or broke its contract: no more calls to it in this engine, whose steps go on without
-        drafts (the same tokens). Said once in the log, with the traceback, and on every request's stats from then on
-        (`SpecStats.drafter_failure`: TensorBoard's spec/drafter_failed and spec/alarm)."""
+        drafts (the same tokens, at plain decoding's speed). Said once in the log, with the traceback, and on every
+        request's stats from then on (`SpecStats.drafter_failure`: TensorBoard's spec/drafter_failed and
+        spec/alarm)."""
         self.failure = f"drafter {type(self.drafter).__name__} switched off: {type(error).__name__}: {error}"
         self.verifying = {}
         log.error("%s; this engine decodes on without drafts", self.failure, exc_info=error)
@@ -248,20 +249,13 @@ class DrafterBridge:
             self.calibration.observe(confidences, proposal, committed)
 
     def _observe_step(self, start: float, req_ids: list[str]) -> None:
-        """Teaches the step cost the step that just ran if it continued the last batch, less vLLM's work on requests
-        that left after the last one (`leave_cost` each, learnt from how far such steps run over the curve: paid once a
-        request however it was drafted, 1.4 ms on the 0.8M policy); charges the plan's error."""
+        """Teaches the step cost the step that just ran if it continued the last batch; charges the plan's error."""
         continuing = self.live.intersection(req_ids)
         if self.step_end is None or not continuing or not self.runner._sample.step_tokens:
             return
-        measured, tokens = start - self.step_end, self.runner._sample.step_tokens
+        measured = start - self.step_end
         error = abs(self.predicted - measured) / measured if self.step_cost.seen.any() and measured > 0 else 0.0
-        left = len(self.live) - len(continuing)
-        if left and self.step_cost.seen.any():
-            over = (measured - float(self.step_cost.predict(tokens))) / left
-            self.leave_cost = max(0.0, self.leave_cost + 0.1 * (over - self.leave_cost))
-            measured -= min(left * self.leave_cost, measured / 2)
-        self.step_cost.observe(tokens, measured)
+        self.step_cost.observe(self.runner._sample.step_tokens, measured)
         for req_id in continuing:
             self.runner._sample.stats_for(req_id).cost_error += error
 
@@ -303,15 +297,17 @@ class DrafterBridge:
                 stats.prepared_steps += j in prepared
                 if sources:
                     stats.drafter_choices[sources[j]] = stats.drafter_choices.get(sources[j], 0) + 1
-        if self.ahead is None:  # drafting's cost: the call and this work on it (decoupled: `_proposals` learns it)
+        # what drafting cost this step: the drafter's call and the bridge's work on its proposals
+        if self.ahead is None:  # (decoupled: _proposals learns what drafting a miss costs)
             self.draft_cost.observe(max(len(valid) for _, _, valid, _ in made),
                                     sum(len(valid) for _, _, valid, _ in made), unseen, time.perf_counter() - start)
 
     def _proposals(self, requests: list[DraftRequest], base_tokens: int
                    ) -> tuple[list, list | None, list[str] | None, set[int]]:
-        """Each request's proposal and confidences: prepared during the last step for the outcome that came about
-        (decoupled), else asked of the drafter now in one call (decoupled: only where the cost model says that pays);
-        a composite's member per request ("": none; None for a plain drafter), and which were prepared."""
+        """Each request's proposal and confidences: prepared during the last step where its outcome was the one
+        prepared for (decoupled), else asked of the drafter now in one call (decoupled: only where the cost model
+        says drafting it now pays, else no drafts this step); a composite's member per request ("": none; None for a
+        plain drafter), and which were prepared."""
         taken = ((j, self.ahead.take(r.request_id, r.token_ids)) for j, r in enumerate(requests)) if self.ahead else ()
         found = {j: got for j, got in taken if got is not None}  # j -> (proposal, confidences, source)
         prepared = set(found)
@@ -337,16 +333,17 @@ class DrafterBridge:
             found.update((j, (p, c, s)) for (j, _), p, c, s in zip(
                 asked, fresh, rated or [None] * len(asked), sources or [""] * len(asked)))
         triples = [found.get(j, ([], None, "")) for j in range(len(requests))]  # skipped misses: no drafts
-        confidences = [c for _, c, _ in triples]
+        proposals, confidences = [p for p, _, _ in triples], [c for _, c, _ in triples]
+        any_rated = any(c is not None for c in confidences)
         sources = [str(s) for *_, s in triples] if isinstance(self.drafter, CompositeDrafter) else None
-        rated = any(c is not None for c in confidences)
-        return [p for p, _, _ in triples], confidences if rated else None, sources, prepared
+        return proposals, confidences if any_rated else None, sources, prepared
 
     def _worth_drafting_now(self, asked: list[tuple[int, DraftRequest]], base_tokens: int,
                             ready: list[tuple[str, int]]) -> list[tuple[int, DraftRequest]]:
         """Decoupled: the requests whose drafts were not prepared, with the budgets the cost model gives drafting them
-        now (0: they decode plainly this step, drafts prepared for the next), weighed against the whole step: drafting
-        them delays every request's tokens, the `ready` ones' (their ids and prepared drafts) too."""
+        now, on the critical path (0: they decode plainly this step, and get drafts prepared for the next), weighed
+        against the whole step: drafting them delays the tokens of every request of the step, the `ready` ones' (their
+        ids and prepared drafts) too."""
         rates = self.acceptance.rates([r.request_id for _, r in asked])
         survive = self.survival.factors([r.position for _, r in asked], self.k)
         gains = [list(g[: r.max_tokens]) for g, (_, r) in zip(geometric(rates, self.k) * survive, asked)]

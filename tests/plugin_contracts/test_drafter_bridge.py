@@ -105,25 +105,6 @@ def test_the_planner_drafts_nothing_past_where_requests_end():
     assert b.survival.ended_at[6] == 1.0 and b.survival.ended_at[:-1].sum() == 1.0
 
 
-def test_the_step_cost_learns_steps_after_requests_left_less_their_leaving():
-    """vLLM's work on requests that left the batch lands in the next step's time, once per request however it was
-    drafted: learnt apart (`leave_cost`) and taken out, the step cost keeps what a step costs, and learns from every
-    step (in continuous batching requests leave at nearly every step)."""
-    b, runner = bridge(Recording([[], []]), ["a-1", "b-1"])
-    propose(b, [[5], [6]])
-    runner._sample.step_tokens = 2
-
-    def step(seconds: float, left: int) -> None:  # a step of a-1 and b-1, after `left` others left the batch
-        b.live, b.step_end = {"a-1", "b-1", *(f"gone-{i}" for i in range(left))}, 0.0
-        b._observe_step(seconds, ["a-1", "b-1"])
-
-    for _ in range(60):  # a 10 ms step, and each request that left before it 5 ms more
-        step(0.010, left=0)
-        step(0.010 + 0.005 * 2, left=2)
-    assert b.leave_cost == pytest.approx(0.005, rel=0.1)
-    assert float(b.step_cost.predict(2)) == pytest.approx(0.010, rel=0.1)
-
-
 def test_without_the_planner_every_request_gets_k():
     b, _ = bridge(Recording([[1, 2, 3, 4, 5, 6]] * 2), ["a-1", "b-1"], planning=False)
     for tokens in range(1, 64):
