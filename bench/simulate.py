@@ -26,12 +26,11 @@ it computes plus drafting's seconds (serial), or only the drafting the engine wa
 
 Decoupled drafting: drafts for step t+1 are prepared while step t verifies. `decoupled_chain`: a request finds its
 drafts ready only if all its last ones were accepted and the drafter's next token was the target's (the others wait
-for drafting as in the serial mode); `decoupled_outcomes` (with `--past-rejection P`): as built for the draft LM,
-also where a draft was rejected and one of the drafter's guesses past it was right, at the measured rate P, and
-(`--chain-second-guess Q`) where all were accepted and the next token was the drafter's second guess, at the
-measured rate Q of those whose first guess missed; and the bound
-`decoupled_every_outcome`: drafts prepared for every outcome, so the engine waits only for drafting that outlasts
-the verify step.
+for drafting as in the serial mode); `decoupled_outcomes` (`--past-rejection P`): as built for the draft LM, also
+where a draft was rejected and a guess past it was right (at the measured rate P), and (`--chain-second-guess Q`)
+where all were accepted and the drafter's second guess was right (at the measured rate Q of first-guess misses);
+the bound `decoupled_every_outcome`: drafts ready for every outcome, the engine waiting only for drafting that
+outlasts the verify step.
 """
 
 from __future__ import annotations
@@ -127,17 +126,12 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
              decoupled: str | None = None, confidence: list[list[list[float]]] | None = None,
              prompts: list[int] | None = None, past_rejection: float = 0.0, chain_second: float = 0.0) -> dict:
     """Makespan and batch curve of one rollout: `lengths` tokens per request, drafts accepted by `match` (None: the
-    oracle, every draft), drafting decided by the real planner when `drafting`. `decoupled`: None (drafting on the
-    critical path), "chain" (a request finds drafts prepared when its drafts were all accepted and the drafter's next
-    token was the target's; one that missed is drafted now only where the cost model says it pays), "outcomes" (as
-    built for the draft LM: also where a draft was rejected and a guess past it was the target's token, with
-    probability `past_rejection`, and where every draft was accepted and the next token was not the drafter's first
-    guess but its second, with probability `chain_second`, both measured rates; its preparation taken to fit beside the
-    verify step, as the bridge sizes it) or "every_outcome" (drafts prepared for every outcome of the verify step:
-    always ready). `confidence`: the drafter's per token, where it gives them: as the bridge, each proposal is then
-    verified only as far as its calibrated gains pay (drafters/calibration.py, learned from the simulated outcomes).
-    `prompts`: each request's prompt tokens, which a drafter catches up on the first time it drafts for it, as what
-    a request committed while not drafting (the planner weighs that catch-up as the bridge does; None: no catch-up)."""
+    oracle, every draft), drafting decided by the real planner when `drafting`. `decoupled` (None: serial): "chain",
+    "outcomes" (at the measured rates `past_rejection` and `chain_second`) or "every_outcome", as the module says; a
+    miss is drafted now only where the cost model says it pays, and preparing fits beside the verify step, as the
+    bridge sizes it. `confidence`: the drafter's per token, where it gives them: each proposal is then verified only as
+    far as its calibrated gains pay (learned from the simulated outcomes). `prompts`: each request's prompt tokens,
+    which a drafter catches up on the first time it drafts for it, as the bridge weighs it (None: no catch-up)."""
     n = len(lengths)
     prompt, shown = prompts or [0] * n, [0] * n  # shown: history tokens the drafter has seen, per request
     position = [1] * n  # the prefill samples every request's first token
@@ -280,8 +274,7 @@ def attention_curve(step_cost_file: Path, shape: str, context: int):
 def project(trace: dict, costs_file: Path, shape: str, context: int, gpu_draft_s_per_pass: float,
             past_rejection: float | None = None, chain_second: float = 0.0) -> dict:
     """Projected speed-ups over vanilla on `costs_file`'s device, per system and drafting placement (decoupled
-    "outcomes" where `past_rejection`, a measured guess accuracy past a rejected draft, is given, with `chain_second`
-    the second guess's past every accepted draft), and the speed-up against mean acceptance length."""
+    "outcomes" where `past_rejection` is given), and the speed-up against mean acceptance length."""
     k, requests = trace["config"]["num_speculative_tokens"], trace["requests"]
     lengths, prompts = [r["tokens"] for r in requests], [r["prompt_tokens"] for r in requests]
     engine = attention_curve(costs_file, shape, context)
@@ -361,13 +354,11 @@ def main(argv: list[str] | None = None) -> dict:
                         help="drafting on the GPU: ms per sequential draft pass (an estimate: an eager draft LM of "
                              "28 layers is launch-bound at about 12 kernels x 5 us a layer)")
     parser.add_argument("--past-rejection", type=float, default=None,
-                        help="projects decoupled drafting as built for the draft LM (`outcomes`): the share of "
-                             "prepared outcomes with a rejected draft whose guess was the target's token, as a "
-                             "decoupled bench.rollout run measures it (guess_accuracy.rejection)")
+                        help="projects decoupled drafting as built (`outcomes`): the share of prepared outcomes "
+                             "with a rejected draft where a guess was right (guess_accuracy.rejection)")
     parser.add_argument("--chain-second-guess", type=float, default=0.0,
-                        help="with --past-rejection: of the prepared outcomes with every draft accepted whose first "
-                             "guess was not the target's token, the share whose second guess was (from a decoupled "
-                             "bench.rollout run's guess_accuracy: chain_second / (1 - chain + chain_second))")
+                        help="with --past-rejection: the share of first-guess misses past every accepted draft "
+                             "the second guess covered (guess_accuracy: chain_second / (1 - chain + chain_second))")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/simulate.json"))
     args = parser.parse_args(argv)
     if not args.validate and args.costs is None:
