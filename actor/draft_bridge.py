@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
+
 from actor.draft_ahead import DraftsAhead, ahead, outcomes
 from actor.drafter_checks import confidences_for, guarded, token_ids_within
 from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, StepCost, Survival, geometric, plan
@@ -144,8 +146,7 @@ class DrafterBridge:
         if not self.planning:
             return [self.k] * len(rows), explore
         unseen = [lengths[row] - self.shown.get(req_ids[row], 0) for row in rows]
-        rates = self.acceptance.rates([req_ids[row] for row in rows])
-        gains = geometric(rates, self.k) * self.survival.factors([self.positions[req_ids[row]] for row in rows], self.k)
+        gains = self._gains([req_ids[row] for row in rows])
         # decoupled: as if drafting were free, since prepared drafts cost the engine nothing; a miss is re-planned
         # with what drafting it on the critical path costs (`_worth_drafting_now`)
         budgets, _ = plan(gains, len(req_ids), self.step_cost,
@@ -156,12 +157,11 @@ class DrafterBridge:
                   token_ids_cpu) -> list[tuple[int, DraftRequest]]:
         """What the drafter is asked, per row with a budget: ids, seed, position, sampling settings and a read-only
         view of the history."""
-        runner, sampler = self.runner, self.runner._sample
-        requests, prompt_lengths = [], runner.input_batch.num_prompt_tokens[: len(req_ids)].tolist()
+        runner, sampler, requests = self.runner, self.runner._sample, []
         for row, budget in ((row, budget) for row, budget in zip(rows, budgets) if budget > 0):
             length, req_id = lengths[row], req_ids[row]
             params = runner.requests[req_id].sampling_params
-            position = length - prompt_lengths[row]
+            position = self.positions[req_id]
             # a verify step emits up to drafts + 1 tokens: drafts past the request's last token are never verified
             last = self.max_model_len - length if params.max_tokens is None else \
                 min(self.max_model_len - length, params.max_tokens - position)
@@ -344,15 +344,18 @@ class DrafterBridge:
         now, on the critical path (0: they decode plainly this step, and get drafts prepared for the next), weighed
         against the whole step: drafting them delays the tokens of every request of the step, the `ready` ones' (their
         ids and prepared drafts) too."""
-        rates = self.acceptance.rates([r.request_id for _, r in asked])
-        survive = self.survival.factors([r.position for _, r in asked], self.k)
-        gains = [list(g[: r.max_tokens]) for g, (_, r) in zip(geometric(rates, self.k) * survive, asked)]
-        ready_gains = geometric(self.acceptance.rates([rid for rid, _ in ready]), self.k) * \
-            self.survival.factors([self.positions[rid] for rid, _ in ready], self.k)
+        gains = [list(g[: r.max_tokens]) for g, (_, r) in zip(self._gains([r.request_id for _, r in asked]), asked)]
+        ready_gains = self._gains([rid for rid, _ in ready])
         elsewhere = base_tokens - len(asked) + sum(float(g[:n].sum()) for g, (_, n) in zip(ready_gains, ready))
         budgets, _ = plan(gains, base_tokens + sum(n for _, n in ready), self.step_cost, self.draft_cost,
                           unseen=[self._unseen(r) for _, r in asked], elsewhere=elsewhere)
         return [(j, replace(r, max_tokens=b)) for (j, r), b in zip(asked, budgets) if b > 0]
+
+    def _gains(self, req_ids: list[str]) -> np.ndarray:
+        """Per request (this step's), the expected committed tokens each of k draft tokens adds: reached and accepted
+        at its acceptance rate, and inside the request (`Survival`)."""
+        positions = [self.positions[r] for r in req_ids]
+        return geometric(self.acceptance.rates(req_ids), self.k) * self.survival.factors(positions, self.k)
 
     def _unseen(self, request: DraftRequest) -> int:
         """History tokens the drafter would see for the first time (its catch-up) if `request` drafted now."""

@@ -175,18 +175,21 @@ class Survival:
         self.decay = decay
         self.ended_at = np.zeros(max_len + 2)  # per output length, the requests that ended there
         self.ended_at[-1] = 1.0  # the pseudo-request, never forgotten
+        self.beyond: np.ndarray | None = None  # per length x, the requests that ended at x or later (until one ends)
 
     def ended(self, length: int) -> None:
         self.ended_at[:-1] *= self.decay
         self.ended_at[min(max(length, 0), len(self.ended_at) - 2)] += 1.0
+        self.beyond = None
 
     def factors(self, positions: list[int], k: int) -> np.ndarray:
         """Per running request with `p` tokens output (so it ends at `p + 1` or later), the probability that it
         outputs `p + 1 + j` or more, i.e. that the token its `j`-th accepted draft adds is inside it, j = 1..k
         (one row per request)."""
-        beyond = np.cumsum(self.ended_at[::-1])[::-1]  # beyond[x]: requests that ended at length x or later
-        at = np.minimum(np.asarray(positions, dtype=int)[:, None] + 1 + np.arange(k + 1), len(beyond) - 1)
-        alive = beyond[at]
+        if self.beyond is None:  # asked several times a step, on a model-length array
+            self.beyond = np.cumsum(self.ended_at[::-1])[::-1]
+        at = np.minimum(np.asarray(positions, dtype=int)[:, None] + 1 + np.arange(k + 1), len(self.beyond) - 1)
+        alive = self.beyond[at]
         return alive[:, 1:] / alive[:, :1]
 
 

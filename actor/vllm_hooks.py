@@ -320,11 +320,9 @@ def profile(worker) -> dict[str, float]:
             "unseen_tokens": bridge.unseen_total if drafting else 0,
             **({"ahead_thread_s": ahead.seconds, "ahead_waited_s": bridge.waited_total,
                 "ahead_outcomes": ahead.outcomes,
-                **{f"ahead_{name}{second}_{count}": value for rejection, name in ((False, "chain"), (True, "rejection"))
-                   for second, count, value in (("", "reached", ahead.reached[rejection]),
-                                                ("", "hits", ahead.hits[rejection]),
-                                                ("_second", "reached", ahead.reached[rejection]),
-                                                ("_second", "hits", ahead.right[rejection, 1]))}} if ahead else {})}
+                **{f"ahead_{name}_{count}": value for rejection, name in ((False, "chain"), (True, "rejection"))
+                   for count, value in (("reached", ahead.reached[rejection]), ("hits", ahead.hits[rejection]),
+                                        ("second_hits", ahead.right[rejection, 1]))}} if ahead else {})}
 
 
 def coupled_calls(worker) -> int:

@@ -210,8 +210,8 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
                 grew = {k: after[k] - before[k] for k in after if k.startswith("ahead_") and not k.endswith("_s")}
                 run["prepared_outcomes_per_step"] = round(grew["ahead_outcomes"] / steps, 2)
                 kinds = ("chain", "rejection", "chain_second", "rejection_second")
-                run["guess_accuracy"] = {kind: round(grew[f"ahead_{kind}_hits"] / max(grew[f"ahead_{kind}_reached"], 1),
-                                                     3) for kind in kinds}
+                run["guess_accuracy"] = {kind: round(grew[f"ahead_{kind}_hits"] / max(
+                    grew[f"ahead_{kind.removesuffix('_second')}_reached"], 1), 3) for kind in kinds}
             if spec.planned_steps:  # the draft planner: tokens it allowed per request and step, its step-cost error
                 run["planner"] = {"planned_tokens": round(spec.planned_tokens / spec.planned_steps, 3),
                                   "cost_error": round(spec.cost_error / spec.planned_steps, 3)}
