@@ -27,12 +27,26 @@ def compute_bound(n):  # every token costs a full share of the step
     return 0.002 + 0.004 * n
 
 
-def test_step_cost_learns_the_curve_and_extrapolates_upwards():
+def test_step_cost_learns_the_curve_and_is_optimistic_beyond_it():
     cost = learned(lambda n: 0.02 + 0.001 * max(0, n - 16))
     for n in (1, 10, 16, 40, 100, 300):
         assert cost.predict(n) == pytest.approx(0.02 + 0.001 * max(0, n - 16), rel=0.15)
     assert np.all(np.diff(cost.predict(np.arange(1, 2000))) >= 0)  # more tokens never predicted cheaper
-    assert cost.predict(1000) > cost.predict(399) + 0.3  # beyond what it saw: along the trend
+    assert cost.predict(1000) == cost.predict(399)  # beyond what it saw: the cheapest a larger step can be
+
+
+def test_a_cold_planner_that_saw_only_plain_steps_tries_drafts_once_and_keeps_to_what_it_measured():
+    """Plain decode steps of 1..24 requests cost 1 ms a request: that trend says what a request costs, not what an
+    extra token of a running one does. Planning for 24 requests, the planner tries full drafts (a step of 120
+    tokens); once that step is measured dear, it stops; measured cheap, it drafts on."""
+    plain = learned(lambda n: 0.02 + 0.001 * n, tokens=range(1, 25))
+    gains = rated([0.6] * 24, 4)
+    assert plan(gains, 24, plain, DraftCost())[0] == [4] * 24
+    dear, cheap = learned(lambda n: 0.02 + 0.001 * n, tokens=range(1, 25)), plain
+    dear.observe(120, 0.2)
+    cheap.observe(120, 0.05)
+    assert plan(gains, 24, dear, DraftCost())[0] == [0] * 24
+    assert plan(gains, 24, cheap, DraftCost())[0] == [4] * 24
 
 
 def test_step_cost_follows_a_changed_machine():
