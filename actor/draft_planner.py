@@ -4,8 +4,7 @@ Speculation pays where verifying `1 + d` tokens costs little more than decoding 
 and loses where the engine is compute-bound. Where that line lies depends on the machine, the model and the
 drafter, so the planner learns it online from the engine's own steps instead of a fixed gate:
 - `StepCost`: engine step seconds as a function of the tokens the step computes (piecewise linear over
-  geometric buckets of exponentially averaged observations, monotone; beyond the largest step measured, as cheap as
-  a larger step can be, until one is measured);
+  geometric buckets of exponentially averaged observations, monotone, extrapolated along its trend);
 - `DraftCost`: drafting's seconds as a linear function of its draft passes, drafted tokens and catch-up tokens;
 - `Acceptance`: each request's per-token acceptance probability, shrunk towards the drafter's running average;
 - `Survival`: the chance that a request is still running a few tokens on, from the lengths of those that ended.
@@ -36,7 +35,7 @@ class StepCost:
         self.tokens = np.zeros(len(self.BUCKETS))  # per bucket: averaged tokens and seconds of its steps
         self.seconds = np.zeros(len(self.BUCKETS))
         self.seen = np.zeros(len(self.BUCKETS), dtype=bool)
-        self.curve: tuple[np.ndarray, np.ndarray] | None = None  # the kept buckets
+        self.curve: tuple[np.ndarray, np.ndarray, float] | None = None  # the kept buckets and the slope beyond them
 
     def observe(self, tokens: int, seconds: float) -> None:
         b = min(int(np.searchsorted(self.BUCKETS, tokens, side="right")) - 1, len(self.BUCKETS) - 1)
@@ -65,16 +64,17 @@ class StepCost:
         if self.curve is None:
             x, y = self.tokens[self.seen], self.seconds[self.seen]
             kept = y <= np.minimum.accumulate(y[::-1])[::-1]
-            self.curve = x[kept], y[kept]
-        x, y = self.curve
-        # outside the buckets measured, the cheapest a step could be, so that the planner tries one and learns what it
-        # really costs (the first step in a bucket is taken as measured). Below the smallest: as if proportional to
-        # tokens, so that a planner that has only seen drafted steps tries one with fewer drafts. Beyond the largest:
-        # as cheap as the largest, so that one that has only seen plain decode steps tries drafts: the trend of its
-        # plain steps is what each request costs (its own sampling and attention), which an extra token of a request
-        # that is running anyway does not, and along it a cold start at a larger batch than the warm-up's never drafted
+            x, y = x[kept], y[kept]
+            slope = 0.0
+            if len(x) >= 2:  # beyond the largest bucket: the trend of the last two buckets, never falling
+                slope = max((y[-1] - y[-2]) / max(x[-1] - x[-2], 1e-9), 0.0)
+            self.curve = x, y, slope
+        x, y, slope = self.curve
+        inside = np.interp(tokens, x, y)
+        # below the smallest bucket: as if proportional to tokens, the cheapest a smaller step could be, so that a
+        # planner that has only seen drafted steps tries one with fewer drafts and learns what it really costs
         below = y[0] * np.maximum(tokens, 1) / max(x[0], 1)
-        return np.where(tokens > x[-1], y[-1], np.where(tokens < x[0], below, np.interp(tokens, x, y)))
+        return np.where(tokens > x[-1], y[-1] + slope * (tokens - x[-1]), np.where(tokens < x[0], below, inside))
 
 
 class DraftCost:

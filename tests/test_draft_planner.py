@@ -27,26 +27,12 @@ def compute_bound(n):  # every token costs a full share of the step
     return 0.002 + 0.004 * n
 
 
-def test_step_cost_learns_the_curve_and_is_optimistic_beyond_it():
+def test_step_cost_learns_the_curve_and_extrapolates_upwards():
     cost = learned(lambda n: 0.02 + 0.001 * max(0, n - 16))
     for n in (1, 10, 16, 40, 100, 300):
         assert cost.predict(n) == pytest.approx(0.02 + 0.001 * max(0, n - 16), rel=0.15)
     assert np.all(np.diff(cost.predict(np.arange(1, 2000))) >= 0)  # more tokens never predicted cheaper
-    assert cost.predict(1000) == cost.predict(399)  # beyond what it saw: the cheapest a larger step can be
-
-
-def test_a_cold_planner_that_saw_only_plain_steps_tries_drafts_once_and_keeps_to_what_it_measured():
-    """Plain decode steps of 1..24 requests cost 1 ms a request: that trend says what a request costs, not what an
-    extra token of a running one does. Planning for 24 requests, the planner tries full drafts (a step of 120
-    tokens); once that step is measured dear, it stops; measured cheap, it drafts on."""
-    plain = learned(lambda n: 0.02 + 0.001 * n, tokens=range(1, 25))
-    gains = rated([0.6] * 24, 4)
-    assert plan(gains, 24, plain, DraftCost())[0] == [4] * 24
-    dear, cheap = learned(lambda n: 0.02 + 0.001 * n, tokens=range(1, 25)), plain
-    dear.observe(120, 0.2)
-    cheap.observe(120, 0.05)
-    assert plan(gains, 24, dear, DraftCost())[0] == [0] * 24
-    assert plan(gains, 24, cheap, DraftCost())[0] == [4] * 24
+    assert cost.predict(1000) > cost.predict(399) + 0.3  # beyond what it saw: along the trend
 
 
 def test_step_cost_follows_a_changed_machine():
@@ -77,7 +63,7 @@ def test_one_drafting_call_is_read_as_a_fixed_cost_not_as_a_price_per_catch_up_t
     cost.observe(4, 8, 22, 3.27e-3)
     assert cost.predict(np.array([4]), np.array([96]), np.array([464]))[0] == pytest.approx(3.27e-3)
     step = learned(lambda n: 0.02 + 0.001 * n, tokens=range(1, 25))
-    assert sum(plan(rated([0.6] * 24, 4), 24, step, cost, unseen=[20] * 24)[0]) > 0
+    assert sum(plan(rated([0.8] * 24, 4), 24, step, cost, unseen=[20] * 24)[0]) > 0
     cost.observe(4, 96, 488, 7.5e-3)
     assert cost.coef[3] == pytest.approx((7.5e-3 - 3.27e-3) / (488 - 22), rel=0.01)
 
