@@ -55,19 +55,6 @@ def test_draft_cost_learns_passes_tokens_and_catch_up():
     assert cost.predict(np.array([0]), np.array([0]))[0] == 0.0  # no drafts, no drafting cost
 
 
-def test_one_drafting_call_is_read_as_a_fixed_cost_not_as_a_price_per_catch_up_token():
-    """The warm-up's one call (2 requests, 22 prompt tokens, 3.3 ms) cannot tell the terms apart: read as a price per
-    catch-up token it makes 24 new requests' catch-up look like 70 ms and nothing is drafted; read as a fixed cost the
-    planner drafts, and the next call, with ten times the catch-up, tells the terms apart."""
-    cost = DraftCost()
-    cost.observe(4, 8, 22, 3.27e-3)
-    assert cost.predict(np.array([4]), np.array([96]), np.array([464]))[0] == pytest.approx(3.27e-3)
-    step = learned(lambda n: 0.02 + 0.001 * n, tokens=range(1, 25))
-    assert sum(plan(rated([0.8] * 24, 4), 24, step, cost, unseen=[20] * 24)[0]) > 0
-    cost.observe(4, 96, 488, 7.5e-3)
-    assert cost.coef[3] == pytest.approx((7.5e-3 - 3.27e-3) / (488 - 22), rel=0.01)
-
-
 def test_draft_cost_fit_is_the_best_nonnegative_one():
     """The active-set fit (warm-started from the last fit's terms) against the best of the least-squares fits on
     every subset of the terms, after every observation of random, often collinear drafting steps."""
