@@ -84,6 +84,24 @@ def test_planner_learns_acceptance_from_commits_and_withholds_drafts_that_cannot
     assert drafter.commits[-2:] == [("a-1", [7]), ("b-1", [7])]  # commits still reach the drafter
 
 
+def test_the_step_cost_learns_each_step_that_continued_the_last_batch_and_no_other():
+    """A step that ran any request of the last batch on is an engine step of the batch the planner planned (after
+    requests left, with vLLM's work on them: actors batch continuously, and requests leave at nearly every step); a
+    step that ran none of them (a new batch, its prefill) is not."""
+    b, runner = bridge(Recording([[], []]), ["a-1", "b-1"])
+    runner._sample.step_tokens = 2
+    propose(b, [[5], [6]])  # the first step: nothing before it to time
+    propose(b, [[5], [6]])  # the batch ran on: learned (1 token a request: the 2-token bucket)
+    assert b.step_cost.seen.tolist().index(True) == 2 and b.step_cost.seen.sum() == 1
+    runner.input_batch.req_ids, runner.input_batch.num_reqs, runner._sample.step_tokens = ["a-1"], 1, 1
+    propose(b, [[7]])  # b-1 left after the last step, a-1 ran on: learned (the 1-token bucket)
+    assert b.step_cost.seen[0] and b.step_cost.seen.sum() == 2
+    runner.requests["c-1"] = runner.requests["a-1"]
+    runner.input_batch.req_ids, runner._sample.step_tokens = ["c-1"], 3
+    propose(b, [[8]])  # none of the last batch ran on: not learned
+    assert b.step_cost.seen.sum() == 2
+
+
 def test_the_planner_drafts_nothing_past_where_requests_end():
     """A draft past a request's end commits nothing: once requests have ended after 6 tokens, a request with 5 out
     gets no drafts (its next token is its last), where a bridge that has seen no request end drafts."""
