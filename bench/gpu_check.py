@@ -22,6 +22,10 @@ Sections:
   per forward, KV cache), then the learner's teacher-forced forward over the whole group (`learner.grpo`'s logprobs
   and loss, `learner.optim.FiniteAdamW`'s step; DeepSpeed is not on that machine): the largest and mean gap between
   the learner's logprob and the decode's, and the step's seconds.
+- `overlap`: decoupled drafting on the engine's GPU: the Qwen3-0.6B-shaped draft LM drafting 4 tokens for 8/32/128
+  requests from a thread of its own on a CUDA stream of its own (as `speculation.decoupled` drafts), while the engine's
+  stream replays a Qwen3-8B-shaped verify step (5 tokens a request, weight matmuls as one CUDA graph): each one's
+  milliseconds alone and side by side, so whether drafting there is off the critical path or slows verification.
 - `weight_copy`: moving a weight version between two processes on one GPU (two processes on one GPU cannot form
   an NCCL group): a device-to-device copy, and a CUDA IPC handle opened by a second process that copies from it
   (on a CPU: a shared-memory tensor instead).
@@ -48,6 +52,7 @@ SECTIONS = {
     "draft_lm": (75, "the draft LM on the GPU in bf16: ms per draft position at 1/8/32/128 requests"),
     "step_cost": (60, "verify 4 drafts / decode step, Qwen3-8B and gpu-preset shapes, 1-128 requests"),
     "learner": (60, "a bf16 learner step: its logprobs against the decode's, loss and optimizer step seconds"),
+    "overlap": (45, "decoupled drafting on the engine's GPU: verify step and draft LM alone and side by side"),
     "weight_copy": (30, "GPU->GPU weight bandwidth on one GPU: device copy and CUDA IPC"),
 }
 START_S = 60  # the interpreter, CUDA's initialisation, installing the carried wheels
@@ -155,6 +160,86 @@ def learner(device: str, quick: bool) -> dict:
             "step_s": time.perf_counter() - start, "loss": loss.item()}
 
 
+@torch.no_grad()
+def overlap(device: str, quick: bool) -> dict:
+    import contextlib
+    import threading
+
+    from bench.gpu_torch import draft_of_shape
+    from bench.step_cost import CPU_SHAPES, SHAPES, decoder, random_layers
+    from drafters.base import DraftRequest
+    from drafters.draft_lm import DraftLM
+
+    cuda, dtype = device == "cuda", torch.bfloat16 if device == "cuda" else torch.float32
+    shape = SHAPES["qwen3_8b"] if cuda else CPU_SHAPES["cpu_preset_target"]
+    stack, head = random_layers(shape, device, dtype)
+    side = torch.cuda.Stream() if cuda else None
+    on_side = (lambda: torch.cuda.stream(side)) if cuda else contextlib.nullcontext
+    rng, out = random.Random(2), {}
+    with tempfile.TemporaryDirectory() as scratch:
+        draft_of_shape(*((128, 2) if quick else (1024, 28)), Path(scratch))
+        drafter = DraftLM(model=scratch, dtype=str(dtype).removeprefix("torch."), device=device)
+        for n in (4,) if quick else (8, 32, 128):
+            x = torch.randn(5 * n, shape[0], device=device, dtype=dtype)
+            verify = verify_step(lambda: decoder(x, stack, head, lambda _, rows: rows[:, :shape[1]]), device)
+            histories = [[rng.randrange(drafter.model.config.vocab_size) for _ in range(256)] for _ in range(n)]
+
+            def draft() -> float:  # one proposal of 4 a request, each history one accepted draft longer
+                start = time.perf_counter()
+                with on_side():
+                    drafts = drafter.propose([DraftRequest(f"{n}-{i}", seed=i, position=len(h) - 200, token_ids=h,
+                                                           temperature=1.0) for i, h in enumerate(histories)], 4)
+                    if cuda:
+                        side.synchronize()
+                histories[:] = [h + d[:1] for h, d in zip(histories, drafts)]
+                return time.perf_counter() - start
+
+            draft()  # each prompt's prefill, untimed
+            alone = {"verify": [verify() for _ in range(20)], "draft": [draft() for _ in range(8)]}
+            together, done = {"verify": [], "draft": []}, threading.Event()
+
+            def drafting() -> None:
+                while not done.is_set():
+                    together["draft"].append(draft())
+
+            thread = threading.Thread(target=drafting)
+            thread.start()
+            while len(together["draft"]) < 8 or len(together["verify"]) < 20:
+                together["verify"].append(verify())
+            done.set()
+            thread.join()
+            for i in range(n):
+                drafter.remove(f"{n}-{i}")
+            ms = {f"{what}_ms_{when}": round(1e3 * statistics.median(times[what]), 3)
+                  for when, times in (("alone", alone), ("side_by_side", together)) for what in times}
+            out[n] = {**ms, "verify_slowdown": round(ms["verify_ms_side_by_side"] / ms["verify_ms_alone"], 3)}
+    return {"target": "qwen3_8b" if cuda else "cpu_preset_target", "by_requests": out}
+
+
+def verify_step(forward, device: str):
+    """A timed call of `forward` on the current stream: one CUDA graph's replay on a GPU, an eager call on a CPU;
+    waits for that stream only, not for others at work beside it."""
+    run = forward
+    if device == "cuda":
+        warm = torch.cuda.Stream()
+        warm.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(warm):
+            forward()
+        torch.cuda.current_stream().wait_stream(warm)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forward()
+        run = graph.replay
+
+    def timed() -> float:
+        start = time.perf_counter()
+        run()
+        if device == "cuda":
+            torch.cuda.current_stream().synchronize()
+        return time.perf_counter() - start
+    return timed
+
+
 def copy_seconds(source: torch.Tensor, repeats: int) -> list[float]:
     """Seconds of each of `repeats` copies of `source` into a tensor of its own on its device."""
     device = "cuda" if source.is_cuda else "cpu"
@@ -196,7 +281,7 @@ def weight_copy(device: str, quick: bool) -> dict:
 
 
 RUN = {"sampler": sampler, "draft_lm": draft_lm, "step_cost": step_cost, "learner": learner,
-       "weight_copy": weight_copy}
+       "overlap": overlap, "weight_copy": weight_copy}
 
 
 def main(argv: list[str] | None = None) -> int:
