@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from drafters.base import Drafter, DraftRequest
 from models.zoo import resolve
@@ -27,6 +28,9 @@ REQUIRED_MODULES = ("model.embed_tokens", "model.norm", "model.rotary_emb", "lm_
                     *(f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")),
                     "model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
                     *(f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"))
+# attention without cuDNN's: it builds a plan for every new shape, and a draft's span grows at every pass (on an H200
+# that was about 9 ms a pass, 80% of drafting: docs/benchmarks.md, "The GPU check")
+ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -284,6 +288,7 @@ class DraftLM(Drafter):
         state = _State(self.cache.take(), fed=parent.fed[:shared], parent=parent, shared=shared)
         return state, [int(t) for t in history[shared:]]
 
+    @sdpa_kernel(ATTENTION_BACKENDS)
     def _forward(self, states: list[_State], chunks: list[list[int]]) -> torch.Tensor:
         """Feeds each state its chunk (appending keys/values to its slot) and returns each one's last logits."""
         m, lengths = len(chunks), [len(c) for c in chunks]
