@@ -20,7 +20,7 @@ it computes plus drafting's seconds (serial), or only the drafting the engine wa
 - `--costs FILE`: a `bench.step_cost` result for another device (its measured decode and verify-4 step times by
   requests at `--context` tokens of context, interpolated in between); the projected rollout speed-up of each
   system over vanilla, drafting on the host CPU (the trace's own drafting cost), on the GPU (`--gpu-draft-ms-per-pass`
-  per sequential draft pass: an estimate until bench.gpu_check measures it) and decoupled; and the speed-up as a
+  per sequential draft pass, measured by bench.gpu_check) and decoupled; and the speed-up as a
   function of mean acceptance length (drafts accepted at a fixed per-token rate), from which a user reads what a
   drafter must reach.
 
@@ -350,9 +350,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--costs", type=Path, help="a bench.step_cost result: project onto its device")
     parser.add_argument("--shape", default="qwen3_8b", help="the step-cost file's shape to project with")
     parser.add_argument("--context", type=int, default=2048, help="the step-cost file's context to project at")
-    parser.add_argument("--gpu-draft-ms-per-pass", type=float, default=1.5,
-                        help="drafting on the GPU: ms per sequential draft pass (an estimate: an eager draft LM of "
-                             "28 layers is launch-bound at about 12 kernels x 5 us a layer)")
+    parser.add_argument("--gpu-draft-ms-per-pass", type=float, default=3.8,
+                        help="drafting on the GPU: ms per sequential draft pass (the built-in draft LM's on an H200 "
+                             "at 32 requests, bench/results/gpu_check_h200.json: 3.5-4.3 ms from 1 to 128)")
     parser.add_argument("--past-rejection", type=float, default=None,
                         help="projects decoupled drafting as built (`outcomes`): the share of prepared outcomes "
                              "with a rejected draft where a guess was right (guess_accuracy.rejection)")
