@@ -15,7 +15,8 @@ Sections:
   rollout shapes (rows x a 151,936-token vocabulary), bench/gpu_torch.py's `noise` and `sampler`.
 - `draft_lm`: `drafters/draft_lm.DraftLM` on the device in bf16, batched drafting of 4 tokens for 1/8/32/128
   requests whose histories grow by one accepted token a step: milliseconds per draft position, for the built-in
-  draft LM and a Qwen3-0.6B-shaped one (random weights: what drafting costs, not what it accepts).
+  draft LM and a Qwen3-0.6B-shaped one (random weights: what drafting costs, not what it accepts); and the same
+  layers' weight matmuls for as many tokens replayed as one CUDA graph, the floor a graphed pass would approach.
 - `step_cost`: a step verifying 4 drafts against a decode step (bench/step_cost.py's weight matmuls as one CUDA
   graph) for Qwen3-8B's shape and the `gpu` rollout preset's target, 1-128 requests.
 - `learner`: the built-in policy in bf16 on the device: a GRPO group decoded with the coupled sampler (one token
@@ -75,6 +76,7 @@ def sampler(device: str, quick: bool) -> dict:
 
 def draft_lm(device: str, quick: bool) -> dict:
     from bench.gpu_torch import draft_of_shape
+    from bench.step_cost import step_cost as weight_matmuls
     from drafters.base import DraftRequest
     from drafters.draft_lm import DraftLM
 
@@ -107,8 +109,12 @@ def draft_lm(device: str, quick: bool) -> dict:
                     drafter.remove(f"{n}-{i}")
                 per_count[n] = {"ms_per_proposal": round(1e3 * statistics.median(seconds), 3),
                                 "ms_per_draft_position": round(1e3 * statistics.median(seconds) / 4, 3)}
+            c = drafter.model.config  # its layers' weight matmuls (one CUDA graph on a GPU): a graphed pass's floor
+            shape = (c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim,
+                     c.intermediate_size, c.num_hidden_layers, c.vocab_size)
+            graphed = weight_matmuls(shape, counts, device, drafter.model.dtype)["ms_by_tokens"]
             out[name] = {"parameters": sum(p.numel() for p in drafter.model.parameters()), "dtype": dtype,
-                         "by_requests": per_count}
+                         "by_requests": per_count, "weight_matmuls_ms_by_requests": graphed}
     return out
 
 
