@@ -143,9 +143,9 @@ def processed_logits(
     return torch.where(greedy.unsqueeze(1), scaled, mask_top_k_top_p(scaled, top_k, top_p))
 
 
-# rows x vocab made or processed at once: bounds the sampler's temporaries whatever the batch. Each chunk costs a
-# fixed ~0.4 ms of calls on a GPU: at 2^24 (110 rows of a 151,936-token vocabulary) 160 rows take 0.8 ms against
-# 4.2 ms at 2^22, for 128 MiB of workspace (833 MiB under top-p) on an H200 (docs/benchmarks.md, "The GPU check")
+# rows x vocab made or processed at once: bounds the sampler's temporaries whatever the batch. Each chunk costs
+# ~0.4 ms of calls on a GPU: at 2^24 (110 rows of a 151,936-token vocabulary) 160 rows took 0.8 ms against 4.2 ms
+# at 2^22 on an H200, for 128 MiB of workspace (833 MiB under top-p); docs/benchmarks.md has the sampler's figures
 NOISE_ELEMENTS = 1 << 24  # of float64 noise (the fused GPU kernel keeps none: there it only sets the chunk)
 SAMPLE_ELEMENTS = 1 << 24  # of processed logits (top-k/top-p sorting, log-softmax)
 
