@@ -15,8 +15,9 @@ Sections:
   rollout shapes (rows x a 151,936-token vocabulary), bench/gpu_torch.py's `noise` and `sampler`.
 - `draft_lm`: `drafters/draft_lm.DraftLM` on the device in bf16, batched drafting of 4 tokens for 1/8/32/128
   requests whose histories grow by one accepted token a step: milliseconds per draft position, for the built-in
-  draft LM and a Qwen3-0.6B-shaped one (random weights: what drafting costs, not what it accepts); and the same
-  layers' weight matmuls for as many tokens replayed as one CUDA graph, the floor a graphed pass would approach.
+  draft LM and a Qwen3-0.6B-shaped one (random weights: what drafting costs, not what it accepts), with its
+  one-token passes as CUDA graphs (`drafters/draft_lm_graphs.py`) and eager, and how many proposals the two agree
+  on; and the same layers' weight matmuls for as many tokens replayed as one CUDA graph (a graphed pass's floor).
 - `step_cost`: a step verifying 4 drafts against a decode step (bench/step_cost.py's weight matmuls as one CUDA
   graph) for Qwen3-8B's shape and the `gpu` rollout preset's target, 1-128 requests.
 - `learner`: the built-in policy in bf16 on the device: a GRPO group decoded with the coupled sampler (one token
@@ -77,45 +78,63 @@ def sampler(device: str, quick: bool) -> dict:
 def draft_lm(device: str, quick: bool) -> dict:
     from bench.gpu_torch import draft_of_shape
     from bench.step_cost import step_cost as weight_matmuls
-    from drafters.base import DraftRequest
     from drafters.draft_lm import DraftLM
 
     dtype = "bfloat16" if device == "cuda" else "float32"
     shapes = {"builtin_draft": None, "qwen3_0.6b_shape": (128, 2) if quick else (1024, 28)}
-    counts, steps, rng, out = ((1, 8) if quick else (1, 8, 32, 128)), (3 if quick else 10), random.Random(0), {}
+    counts, steps, out = ((1, 8) if quick else (1, 8, 32, 128)), (3 if quick else 10), {}
     with tempfile.TemporaryDirectory() as scratch:
         for name, shape in shapes.items():
             path = "builtin:draft" if shape is None else str(Path(scratch) / name)
             if shape is not None:
                 draft_of_shape(*shape, Path(path))
             drafter = DraftLM(model=path, dtype=dtype, device=device)
-            vocab, per_count = drafter.model.config.vocab_size, {}
-            for n in counts:
-                histories = [[rng.randrange(vocab) for _ in range(256)] for _ in range(n)]
-
-                def requests():
-                    return [DraftRequest(f"{n}-{i}", seed=i, position=len(h) - 200, token_ids=h, temperature=1.0)
-                            for i, h in enumerate(histories)]
-
-                drafts, seconds = drafter.propose(requests(), 4), []  # the first: each prompt's prefill, untimed
-                for _ in range(steps):  # each request accepts its first draft, as a verify step accepting one does
-                    histories = [h + d[:1] for h, d in zip(histories, drafts)]
-                    sync(device)
-                    start = time.perf_counter()
-                    drafts = drafter.propose(requests(), 4)
-                    sync(device)
-                    seconds.append(time.perf_counter() - start)
-                for i in range(n):
-                    drafter.remove(f"{n}-{i}")
-                per_count[n] = {"ms_per_proposal": round(1e3 * statistics.median(seconds), 3),
-                                "ms_per_draft_position": round(1e3 * statistics.median(seconds) / 4, 3)}
+            # on a GPU its one-token passes run as CUDA graphs, and the same drafting again with eager passes
+            modes = {"graphed": drafter.graphs, "eager": None} if drafter.graphs is not None else {"eager": None}
+            drafted = {}
+            for mode, graphs in modes.items():
+                drafter.graphs = graphs
+                out.setdefault(name, {})[mode], drafted[mode] = timed_drafting(drafter, counts, steps, device)
+            if "graphed" in modes:
+                pairs = [(a, b) for a, b in zip(drafted["graphed"], drafted["eager"])]
+                out[name]["graphed_drafts_equal_eager"] = sum(a == b for a, b in pairs) / max(len(pairs), 1)
+                out[name]["graph_capture_failed"] = modes["graphed"].failed
             c = drafter.model.config  # its layers' weight matmuls (one CUDA graph on a GPU): a graphed pass's floor
             shape = (c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim,
                      c.intermediate_size, c.num_hidden_layers, c.vocab_size)
-            graphed = weight_matmuls(shape, counts, device, drafter.model.dtype)["ms_by_tokens"]
-            out[name] = {"parameters": sum(p.numel() for p in drafter.model.parameters()), "dtype": dtype,
-                         "by_requests": per_count, "weight_matmuls_ms_by_requests": graphed}
+            out[name].update(parameters=sum(p.numel() for p in drafter.model.parameters()), dtype=dtype,
+                             weight_matmuls_ms_by_requests=weight_matmuls(shape, counts, device,
+                                                                          drafter.model.dtype)["ms_by_tokens"])
     return out
+
+
+def timed_drafting(drafter, counts: tuple[int, ...], steps: int, device: str) -> tuple[dict, list]:
+    """Milliseconds per proposal of 4 and per draft position, per request count, for requests whose histories grow
+    by one accepted draft a step (as a verify step accepting one does); and every proposal's drafts, in order."""
+    from drafters.base import DraftRequest
+
+    rng, vocab, per_count, drafted = random.Random(0), drafter.model.config.vocab_size, {}, []
+    for n in counts:
+        histories = [[rng.randrange(vocab) for _ in range(256)] for _ in range(n)]
+
+        def requests():
+            return [DraftRequest(f"{n}-{i}", seed=i, position=len(h) - 200, token_ids=h, temperature=1.0)
+                    for i, h in enumerate(histories)]
+
+        drafts, seconds = drafter.propose(requests(), 4), []  # the first: each prompt's prefill, untimed
+        for _ in range(steps):
+            histories = [h + d[:1] for h, d in zip(histories, drafts)]
+            sync(device)
+            start = time.perf_counter()
+            drafts = drafter.propose(requests(), 4)
+            sync(device)
+            seconds.append(time.perf_counter() - start)
+            drafted.append(drafts)
+        for i in range(n):
+            drafter.remove(f"{n}-{i}")
+        per_count[n] = {"ms_per_proposal": round(1e3 * statistics.median(seconds), 3),
+                        "ms_per_draft_position": round(1e3 * statistics.median(seconds) / 4, 3)}
+    return per_count, drafted
 
 
 def step_cost(device: str, quick: bool) -> dict:
@@ -225,17 +244,9 @@ def overlap(device: str, quick: bool) -> dict:
 def verify_step(forward, device: str):
     """A timed call of `forward` on the current stream: one CUDA graph's replay on a GPU, an eager call on a CPU;
     waits for that stream only, not for others at work beside it."""
-    run = forward
-    if device == "cuda":
-        warm = torch.cuda.Stream()
-        warm.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(warm):
-            forward()
-        torch.cuda.current_stream().wait_stream(warm)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            forward()
-        run = graph.replay
+    from bench.step_cost import graphed
+
+    run = graphed(forward, device)
 
     def timed() -> float:
         start = time.perf_counter()

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from drafters.base import Drafter, DraftRequest
+from drafters.draft_lm_graphs import GraphedPasses, per_position
 from models.zoo import resolve
 from sampling.coupled import GREEDY_BELOW, NOISE_ELEMENTS, coupled_draft, gumbel
 
@@ -127,6 +128,8 @@ class DraftLM(Drafter):
                                config.max_position_embeddings, self.model.dtype, self.device)
         # rotary angles per position, grown as needed (from the rotary module's buffers: no weight swap changes them)
         self.cos = self.sin = torch.zeros(0, self.head_dim, device=self.device)
+        # on a GPU the one-token passes run as CUDA graphs (an eager pass is host-bound there)
+        self.graphs = GraphedPasses(self) if self.device.type == "cuda" else None
         self._pack()
         self.states: dict[str, _State] = {}
         self.last_confidences: list[list[float]] = []  # the last proposal's confidences
@@ -144,7 +147,9 @@ class DraftLM(Drafter):
         return o
 
     def _pack(self) -> None:
-        """The model's weights as the forward reads them (again after every weight swap)."""
+        """The model's weights as the forward reads them (again after every weight swap: no graph reads the old)."""
+        if self.graphs is not None:
+            self.graphs.clear()
         inner = self.model.model
         self.embed, self.final_norm = inner.embed_tokens.weight, inner.norm.weight
         self.head, self.head_bias = self.model.lm_head.weight, self.model.lm_head.bias
@@ -167,14 +172,13 @@ class DraftLM(Drafter):
                 cat(mlp.gate_proj.weight, mlp.up_proj.weight), cat(mlp.gate_proj.bias, mlp.up_proj.bias),
                 mlp.down_proj.weight, mlp.down_proj.bias, mlp.act_fn, attn.scaling))
 
-    def _angles(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def reserve_angles(self, length: int) -> None:
         """The rotary embedding's cos and sin for positions [0, length) at least, computed by the model's module."""
         if length > self.cos.shape[0]:
             n = min(max(2 * self.cos.shape[0], length, 256), self.cache.max_len)
             cos, sin = self.model.model.rotary_emb(torch.zeros(1, dtype=self.model.dtype, device=self.device),
                                                    torch.arange(n, device=self.device)[None])
             self.cos, self.sin = cos[0], sin[0]
-        return self.cos, self.sin
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
@@ -233,7 +237,7 @@ class DraftLM(Drafter):
         excluded = [(n, r.rejected) for n, r in enumerate(rows)
                     if r.rejected is not None and 0 <= r.rejected < vocab]
         for j in range(passes):
-            logits = self._forward([states[n] for n in live.tolist()], chunks)
+            logits = self._pass([states[n] for n in live.tolist()], chunks)
             if j == 0 and excluded:  # an outcome with a rejected draft: the target's token there is another one
                 logits[[n for n, _ in excluded], [t for _, t in excluded]] = float("-inf")
             for g in range(max(r.guess for r in rows) if j == 0 else 0):  # set aside the guess-th likeliest first
@@ -288,36 +292,53 @@ class DraftLM(Drafter):
         state = _State(self.cache.take(), fed=parent.fed[:shared], parent=parent, shared=shared)
         return state, [int(t) for t in history[shared:]]
 
-    @sdpa_kernel(ATTENTION_BACKENDS)
+    def _pass(self, states: list[_State], chunks: list[list[int]]) -> torch.Tensor:
+        """Feeds each state its chunk and returns each one's last logits: a one-token pass as a CUDA graph where the
+        draft LM has them (on a GPU), else the eager forward."""
+        logits = self.graphs(states, chunks) if self.graphs is not None and max(map(len, chunks)) == 1 else None
+        return self._forward(states, chunks) if logits is None else logits
+
     def _forward(self, states: list[_State], chunks: list[list[int]]) -> torch.Tensor:
         """Feeds each state its chunk (appending keys/values to its slot) and returns each one's last logits."""
         m, lengths = len(chunks), [len(c) for c in chunks]
-        q, hd, heads, kv_heads = max(lengths), self.head_dim, self.heads, self.kv_heads
-        on = dict(device=self.device)
+        q, on = max(lengths), dict(device=self.device)
         start, slots = torch.tensor([len(s.fed) for s in states], **on), torch.tensor([s.slot for s in states], **on)
         if q == 1:  # every pass after a proposal's first: one token each, no ragged chunks
             ids, positions = torch.tensor(chunks, **on), start[:, None]
-            written = (slots, start)
+            written, pick = (slots, start), (lambda new: new[:, 0])
         else:
             ids = torch.tensor([c + [0] * (q - len(c)) for c in chunks], **on)
             positions = start[:, None] + torch.arange(q, **on)  # [m, q]
             rows, cols = (torch.arange(q, **on)[None, :] < torch.tensor(lengths, **on)[:, None]).nonzero(
                 as_tuple=True)
-            written = (slots[rows], positions[rows, cols])
+            written, pick = (slots[rows], positions[rows, cols]), (lambda new: new[rows, cols])
         span = max(len(s.fed) + n for s, n in zip(states, lengths))
         self.cache.reserve(span)
+        self.reserve_angles(span)
         reading = (slots, slice(0, span))  # where each row's keys and values are: its slot (a gather, as the slots)
         if any(s.parent is not None for s in states):  # an outcome's shared prefix is in its request's slot
-            shared = torch.tensor([s.shared for s in states], **on)[:, None]
-            source = torch.tensor([s.slot if s.parent is None else s.parent.slot for s in states], **on)[:, None]
-            at = torch.arange(span, **on)[None]
-            reading = (torch.where(at < shared, source, slots[:, None]), at)  # per row and position (40% slower)
-        mask = (torch.arange(span, **on) <= positions[:, :, None]).unsqueeze(1)  # [m, 1, q, span]
-        cos, sin = self._angles(span)
+            shared = torch.tensor([s.shared for s in states], **on)
+            source = torch.tensor([s.slot if s.parent is None else s.parent.slot for s in states], **on)
+            reading = per_position(slots, source, shared, span)
+        hidden = self.decode(ids, positions, written, pick, reading, span)
+        for state, chunk in zip(states, chunks):
+            state.fed.extend(chunk)
+        return self.logits(hidden[:, 0] if q == 1 else hidden[torch.arange(m, **on), torch.tensor(lengths, **on) - 1])
+
+    @sdpa_kernel(ATTENTION_BACKENDS)
+    def decode(self, ids: torch.Tensor, positions: torch.Tensor, written: tuple, pick, reading: tuple,
+               span: int) -> torch.Tensor:
+        """The decoder layers on `ids` [m, q] at `positions` [m, q]: each layer's keys and values of the rows `pick`
+        takes written to the slot cache at `written`, attention over the cache at `reading` up to `span` positions,
+        each row's own masked past its position; the hidden states [m, q, hidden]. Tensor ops only, the same calls
+        for the same shapes (the one-token passes run it as a CUDA graph: drafters/draft_lm_graphs.py)."""
+        m, q = ids.shape
+        hd, heads, kv_heads = self.head_dim, self.heads, self.kv_heads
+        mask = (torch.arange(span, device=self.device) <= positions[:, :, None]).unsqueeze(1)  # [m, 1, q, span]
         # a short chunk's padding runs past its row's last position, and can run past `span` (a long history fed one
         # token beside a new request's prompt): its outputs are never read, so it takes the last angle there is
         inside = positions.clamp(max=span - 1)
-        cos, sin = cos[inside].unsqueeze(2), sin[inside].unsqueeze(2)  # [m, q, 1, head_dim]
+        cos, sin = self.cos[inside].unsqueeze(2), self.sin[inside].unsqueeze(2)  # [m, q, 1, head_dim]
         hidden = F.embedding(ids, self.embed)
         for layer, cache in zip(self.layers, self.cache.kv):
             qkv = F.linear(_norm(hidden, layer.input_norm, self.eps), layer.qkv, layer.qkv_bias).view(m, q, -1, hd)
@@ -326,7 +347,7 @@ class DraftLM(Drafter):
                 qk = F.rms_norm(qk, (hd,), None, self.eps) * layer.head_norms
             qk = qk * cos + torch.cat((-qk[..., hd // 2 :], qk[..., : hd // 2]), dim=-1) * sin
             new = torch.cat((qk[:, :, heads:], qkv[:, :, heads + kv_heads :]), dim=2)  # keys, values [m, q, 2kv, hd]
-            cache[written] = new[:, 0] if q == 1 else new[rows, cols]
+            cache[written] = pick(new)
             past = cache[reading].transpose(1, 2)  # [m, 2 kv_heads, span, head_dim]
             out = F.scaled_dot_product_attention(qk[:, :, :heads].transpose(1, 2), past[:, :kv_heads],
                                                  past[:, kv_heads:], attn_mask=mask, scale=layer.scaling,
@@ -335,9 +356,9 @@ class DraftLM(Drafter):
             gate, up = F.linear(_norm(hidden, layer.post_norm, self.eps), layer.gate_up,
                                 layer.gate_up_bias).chunk(2, dim=-1)
             hidden = hidden + F.linear(layer.act(gate) * up, layer.down, layer.down_bias)
-        for state, chunk in zip(states, chunks):
-            state.fed.extend(chunk)
-        last = hidden[:, 0] if q == 1 else hidden[torch.arange(m, **on), torch.tensor(lengths, **on) - 1]
+        return hidden
+
+    def logits(self, last: torch.Tensor) -> torch.Tensor:
         return F.linear(_norm(last, self.final_norm, self.eps), self.head, self.head_bias).float()
 
     def commit(self, request_id: str, committed: list[int]) -> None:

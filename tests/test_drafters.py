@@ -88,6 +88,49 @@ def test_a_long_history_fed_one_token_beside_a_new_prompt():
     torch.testing.assert_close(logits[1], reference_logits(drafter, prompt), atol=2e-5, rtol=1e-4)
 
 
+def test_the_padded_one_token_passes_a_gpu_graphs_draft_what_the_eager_passes_do():
+    """What `drafters/draft_lm_graphs.py` captures as CUDA graphs on a GPU, run eagerly here: one-token passes padded
+    to a bucket of rows (a padding slot) and of span (masked positions), reading outcomes' shared prefixes from
+    their requests' slots. Over proposals and proposals ahead, at three sampling settings, with histories crossing a
+    span bucket (the slot cache grows and the passes are made anew) and a request leaving, every draft is the eager
+    passes' draft; and the logits of one padded pass are the eager pass's."""
+    from drafters.draft_lm_graphs import GraphedPasses
+
+    eager, padded = DraftLM(), DraftLM()
+    padded.graphs = GraphedPasses(padded, capture=False)
+    rng = random.Random(3)
+    vocab = eager.model.config.vocab_size
+    histories = {f"r{i}": [rng.randrange(vocab) for _ in range(30 + 23 * i)] for i in range(11)}
+
+    def requests():
+        return [DraftRequest(i, seed=n, position=len(h) - 20, token_ids=h, temperature=(0.0, 1.0, 0.7)[n % 3],
+                             top_p=(1.0, 1.0, 0.9)[n % 3]) for n, (i, h) in enumerate(histories.items())]
+
+    for step in range(10):
+        drafts = eager.propose(requests(), 4)
+        assert padded.propose(requests(), 4) == drafts
+        ahead = []
+        for r, d in zip(requests(), drafts):
+            ahead.append(replace(r, token_ids=list(r.token_ids) + d, unverified=len(d), position=r.position + len(d)))
+            if len(d) > 1:
+                ahead.append(replace(r, token_ids=list(r.token_ids) + d[:1], unverified=1, rejected=d[1],
+                                     position=r.position + 1))
+        assert padded.propose_ahead(ahead, 4) == eager.propose_ahead(ahead, 4)
+        for (i, h), d in zip(list(histories.items()), drafts):
+            histories[i] = h + d[: rng.randrange(len(d) + 1)] + [rng.randrange(vocab)]
+        if step == 4:
+            for drafter in (eager, padded):
+                drafter.remove("r3")
+            del histories["r3"]
+    assert any(span > 256 for _, span in padded.graphs.passes)  # the histories crossed a bucket
+    eager_states, padded_states = [eager.states[i] for i in histories], [padded.states[i] for i in histories]
+    assert [s.fed for s in padded_states] == [s.fed for s in eager_states]
+    chunks = [[rng.randrange(vocab)] for _ in histories]
+    with torch.inference_mode():
+        torch.testing.assert_close(padded.graphs(padded_states, chunks), eager._forward(eager_states, chunks),
+                                   atol=1e-5, rtol=1e-5)
+
+
 def test_proposals_follow_rejections_and_honour_per_request_budgets(draft_lm):
     rng = random.Random(2)
     vocab = draft_lm.model.config.vocab_size
