@@ -25,8 +25,8 @@ class GraphedPasses:
     """`DraftLM`'s one-token passes through graphs kept per (rows, span) bucket."""
 
     def __init__(self, lm, capture: bool = True):
-        """`lm`: the `drafters.draft_lm.DraftLM` whose passes these are. `capture`: record CUDA graphs (the draft LM on a GPU); False runs the same padded pass eagerly each time
-        (what a test on a CPU checks)."""
+        """`lm`: the `drafters.draft_lm.DraftLM` whose passes these are. `capture`: record CUDA graphs (the draft LM
+        on a GPU); False runs the same padded pass eagerly each time (what a test on a CPU checks)."""
         self.lm, self.capture = lm, capture
         self.passes: dict[tuple[int, int], tuple[torch.Tensor, Callable[[], torch.Tensor]]] = {}
         self.read_at: tuple | None = None  # where the slot cache and rotary table were when the passes were made
@@ -87,25 +87,28 @@ class GraphedPasses:
         if not self.capture:
             return inputs, one_token_pass
         try:
-            side = torch.cuda.Stream(lm.device)
-            side.wait_stream(torch.cuda.current_stream(lm.device))
-            with torch.cuda.stream(side):  # warm-up: writes these rows' keys and values, as the replay will again
-                one_token_pass()
-            torch.cuda.current_stream(lm.device).wait_stream(side)
-            self.pool = self.pool or torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            # thread-local: with `speculation.decoupled` this runs on the drafter's thread beside the engine's forward
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                out = one_token_pass()
+            with torch.cuda.device(lm.device):  # the draft LM's GPU, which may not be the current one (cuda:1)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm-up: writes these rows' keys and values, as the replay will again
+                    one_token_pass()
+                torch.cuda.current_stream().wait_stream(side)
+                self.pool = self.pool or torch.cuda.graph_pool_handle()
+                graph = torch.cuda.CUDAGraph()
+                # thread-local: with `speculation.decoupled` this runs on the drafter's thread beside the engine
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    out = one_token_pass()
         except Exception as e:  # noqa: BLE001 -- whatever the capture's failure, the eager pass still drafts
-            logging.getLogger(__name__).warning("draft LM: capturing a one-token pass as a CUDA graph failed (%s: %s);"
-                                                " drafting with eager passes (same drafts, slower)", type(e).__name__, e)
+            logging.getLogger(__name__).warning(
+                "draft LM: capturing a one-token pass as a CUDA graph failed (%s: %s); drafting with eager passes "
+                "(same drafts, slower)", type(e).__name__, e)
             self.failed = True
             self.passes.clear()
             return None
 
         def replay() -> torch.Tensor:
-            graph.replay()
+            with torch.cuda.device(lm.device):
+                graph.replay()
             return out
         return inputs, replay
 
