@@ -14,8 +14,8 @@ waiting for the thread and that drafting are on the engine's critical path. Draf
 target's coupled sample.
 
 On a CPU the thread needs a core of its own beside the engine's one-thread forward (torch releases the GIL in its
-kernels); on a GPU engine the draft LM's kernels run on the engine's GPU (no second CUDA stream is built), or a
-drafter is given a GPU of its own through its `device` option."""
+kernels); on a GPU engine the draft LM drafts on the engine's GPU on a CUDA stream of its own, or a drafter is
+given a GPU of its own through its `device` option."""
 
 from __future__ import annotations
 

@@ -89,15 +89,19 @@ def draft_lm(device: str, quick: bool) -> dict:
             if shape is not None:
                 draft_of_shape(*shape, Path(path))
             drafter = DraftLM(model=path, dtype=dtype, device=device)
-            # on a GPU its one-token passes run as CUDA graphs, and the same drafting again with eager passes
-            modes = {"graphed": drafter.graphs, "eager": None} if drafter.graphs is not None else {"eager": None}
-            drafted = {}
+            # eager passes, then (on a GPU) the same drafting with its one-token passes as CUDA graphs
+            modes = {"eager": None, **({} if drafter.graphs is None else {"graphed": drafter.graphs})}
+            drafted, out[name] = {}, {}
             for mode, graphs in modes.items():
                 drafter.graphs = graphs
-                out.setdefault(name, {})[mode], drafted[mode] = timed_drafting(drafter, counts, steps, device)
-            if "graphed" in modes:
-                pairs = [(a, b) for a, b in zip(drafted["graphed"], drafted["eager"])]
+                try:
+                    out[name][mode], drafted[mode] = timed_drafting(drafter, counts, steps, device)
+                except Exception as e:  # noqa: BLE001 -- one mode's failure keeps the other's figures
+                    out[name][mode] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
+            if len(drafted) == 2:
+                pairs = list(zip(drafted["graphed"], drafted["eager"]))
                 out[name]["graphed_drafts_equal_eager"] = sum(a == b for a, b in pairs) / max(len(pairs), 1)
+            if "graphed" in modes:
                 out[name]["graph_capture_failed"] = modes["graphed"].failed
             c = drafter.model.config  # its layers' weight matmuls (one CUDA graph on a GPU): a graphed pass's floor
             shape = (c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim,

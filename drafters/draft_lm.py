@@ -12,6 +12,7 @@ makes about a dozen per layer, and the coupled noise of a whole proposal is made
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -128,8 +129,10 @@ class DraftLM(Drafter):
                                config.max_position_embeddings, self.model.dtype, self.device)
         # rotary angles per position, grown as needed (from the rotary module's buffers: no weight swap changes them)
         self.cos = self.sin = torch.zeros(0, self.head_dim, device=self.device)
-        # on a GPU the one-token passes run as CUDA graphs (an eager pass is host-bound there)
-        self.graphs = GraphedPasses(self) if self.device.type == "cuda" else None
+        # on a GPU it drafts on a CUDA stream of its own (beside the engine's, not queued behind it), its one-token
+        # passes as CUDA graphs (an eager pass is host-bound there)
+        cuda = self.device.type == "cuda"
+        self.stream, self.graphs = (torch.cuda.Stream(self.device), GraphedPasses(self)) if cuda else (None, None)
         self._pack()
         self.states: dict[str, _State] = {}
         self.last_confidences: list[list[float]] = []  # the last proposal's confidences
@@ -147,9 +150,7 @@ class DraftLM(Drafter):
         return o
 
     def _pack(self) -> None:
-        """The model's weights as the forward reads them (again after every weight swap: no graph reads the old)."""
-        if self.graphs is not None:
-            self.graphs.clear()
+        """The model's weights as the forward reads them (again after every weight swap)."""
         inner = self.model.model
         self.embed, self.final_norm = inner.embed_tokens.weight, inner.norm.weight
         self.head, self.head_bias = self.model.lm_head.weight, self.model.lm_head.bias
@@ -171,6 +172,9 @@ class DraftLM(Drafter):
                 cat(*(p.bias for p in qkv)), norms, attn.o_proj.weight, attn.o_proj.bias,
                 cat(mlp.gate_proj.weight, mlp.up_proj.weight), cat(mlp.gate_proj.bias, mlp.up_proj.bias),
                 mlp.down_proj.weight, mlp.down_proj.bias, mlp.act_fn, attn.scaling))
+        if self.graphs is not None:  # no graph reads the old weights, and its stream reads the new once they are in
+            self.graphs.clear()
+            torch.cuda.current_stream(self.device).synchronize()
 
     def reserve_angles(self, length: int) -> None:
         """The rotary embedding's cos and sin for positions [0, length) at least, computed by the model's module."""
@@ -182,7 +186,8 @@ class DraftLM(Drafter):
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
-        return self._propose(requests, k, scratch=None)
+        with self._own_stream():
+            return self._propose(requests, k, scratch=None)
 
     @torch.inference_mode()
     def propose_ahead(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
@@ -195,7 +200,8 @@ class DraftLM(Drafter):
         an outcome with `guess` = g starts from the token left winning once the g likeliest are set aside."""
         scratch: list[_State] = []
         try:
-            return self._propose(requests, k, scratch)
+            with self._own_stream():
+                return self._propose(requests, k, scratch)
         finally:
             for state in scratch:
                 self.cache.give_back(state.slot)
@@ -237,7 +243,7 @@ class DraftLM(Drafter):
         excluded = [(n, r.rejected) for n, r in enumerate(rows)
                     if r.rejected is not None and 0 <= r.rejected < vocab]
         for j in range(passes):
-            logits = self._pass([states[n] for n in live.tolist()], chunks)
+            logits = self._pass([states[n] for n in live.tolist()], chunks, ahead=scratch is not None)
             if j == 0 and excluded:  # an outcome with a rejected draft: the target's token there is another one
                 logits[[n for n, _ in excluded], [t for _, t in excluded]] = float("-inf")
             for g in range(max(r.guess for r in rows) if j == 0 else 0):  # set aside the guess-th likeliest first
@@ -292,10 +298,11 @@ class DraftLM(Drafter):
         state = _State(self.cache.take(), fed=parent.fed[:shared], parent=parent, shared=shared)
         return state, [int(t) for t in history[shared:]]
 
-    def _pass(self, states: list[_State], chunks: list[list[int]]) -> torch.Tensor:
+    def _pass(self, states: list[_State], chunks: list[list[int]], ahead: bool) -> torch.Tensor:
         """Feeds each state its chunk and returns each one's last logits: a one-token pass as a CUDA graph where the
-        draft LM has them (on a GPU), else the eager forward."""
-        logits = self.graphs(states, chunks) if self.graphs is not None and max(map(len, chunks)) == 1 else None
+        draft LM has them (on a GPU; a proposal `ahead` makes none), else the eager forward."""
+        one_token = self.graphs is not None and max(map(len, chunks)) == 1
+        logits = self.graphs(states, chunks, may_capture=not ahead) if one_token else None
         return self._forward(states, chunks) if logits is None else logits
 
     def _forward(self, states: list[_State], chunks: list[list[int]]) -> torch.Tensor:
@@ -362,7 +369,14 @@ class DraftLM(Drafter):
         return F.linear(_norm(last, self.final_norm, self.eps), self.head, self.head_bias).float()
 
     def commit(self, request_id: str, committed: list[int]) -> None:
-        pass  # the next proposal rolls the slot back to the longest prefix it shares with the history
+        # the next proposal rolls the slot back to the longest prefix it shares with the history; the engine is idle
+        # here, where the graphs proposals ahead missed are made
+        if self.graphs is not None and self.graphs.wanted:
+            with torch.inference_mode(), self._own_stream():
+                self.graphs.capture_wanted()
+
+    def _own_stream(self):
+        return contextlib.nullcontext() if self.stream is None else torch.cuda.stream(self.stream)
 
     @torch.inference_mode()
     def swap_weights(self, weights: list[tuple[str, torch.Tensor]]) -> bool:

@@ -91,7 +91,7 @@ def test_a_long_history_fed_one_token_beside_a_new_prompt():
 def test_the_padded_one_token_passes_a_gpu_graphs_draft_what_the_eager_passes_do():
     """What `drafters/draft_lm_graphs.py` captures as CUDA graphs on a GPU, run eagerly here: one-token passes padded
     to a bucket of rows (a padding slot) and of span (masked positions), reading outcomes' shared prefixes from
-    their requests' slots. Over proposals and proposals ahead, at three sampling settings, with histories crossing a
+    their requests' slots, made for proposals ahead at the next commit. Over proposals and proposals ahead, at three sampling settings, with histories crossing a
     span bucket (the slot cache grows and the passes are made anew) and a request leaving, every draft is the eager
     passes' draft; and the logits of one padded pass are the eager pass's."""
     from drafters.draft_lm_graphs import GraphedPasses
@@ -116,6 +116,9 @@ def test_the_padded_one_token_passes_a_gpu_graphs_draft_what_the_eager_passes_do
                 ahead.append(replace(r, token_ids=list(r.token_ids) + d[:1], unverified=1, rejected=d[1],
                                      position=r.position + 1))
         assert padded.propose_ahead(ahead, 4) == eager.propose_ahead(ahead, 4)
+        missed = set(padded.graphs.wanted)  # a proposal ahead makes no pass: the next commit makes what it missed
+        padded.commit("r0", [])
+        assert not padded.graphs.wanted and missed <= set(padded.graphs.passes)
         for (i, h), d in zip(list(histories.items()), drafts):
             histories[i] = h + d[: rng.randrange(len(d) + 1)] + [rng.randrange(vocab)]
         if step == 4:
@@ -123,11 +126,13 @@ def test_the_padded_one_token_passes_a_gpu_graphs_draft_what_the_eager_passes_do
                 drafter.remove("r3")
             del histories["r3"]
     assert any(span > 256 for _, span in padded.graphs.passes)  # the histories crossed a bucket
+    assert any(rows > 16 for rows, _ in padded.graphs.passes)  # made at a commit for the outcomes ahead
     eager_states, padded_states = [eager.states[i] for i in histories], [padded.states[i] for i in histories]
     assert [s.fed for s in padded_states] == [s.fed for s in eager_states]
     chunks = [[rng.randrange(vocab)] for _ in histories]
     with torch.inference_mode():
-        torch.testing.assert_close(padded.graphs(padded_states, chunks), eager._forward(eager_states, chunks),
+        torch.testing.assert_close(padded.graphs(padded_states, chunks, may_capture=True),
+                                   eager._forward(eager_states, chunks),
                                    atol=1e-5, rtol=1e-5)
 
 
