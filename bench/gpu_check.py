@@ -114,7 +114,11 @@ def draft_lm(device: str, quick: bool) -> dict:
 
 def timed_drafting(drafter, counts: tuple[int, ...], steps: int, device: str) -> tuple[dict, list]:
     """Milliseconds per proposal of 4 and per draft position, per request count, for requests whose histories grow
-    by one accepted draft a step (as a verify step accepting one does); and every proposal's drafts, in order."""
+    by one accepted draft a step (as a verify step accepting one does), and per proposal ahead from every request's
+    all-accepted outcome (as `speculation.decoupled` asks while the engine verifies; a `commit` after it, where the
+    engine would be idle, makes the graphs it missed); and every proposal's drafts, in order."""
+    from dataclasses import replace
+
     from drafters.base import DraftRequest
 
     rng, vocab, per_count, drafted = random.Random(0), drafter.model.config.vocab_size, {}, []
@@ -125,7 +129,7 @@ def timed_drafting(drafter, counts: tuple[int, ...], steps: int, device: str) ->
             return [DraftRequest(f"{n}-{i}", seed=i, position=len(h) - 200, token_ids=h, temperature=1.0)
                     for i, h in enumerate(histories)]
 
-        drafts, seconds = drafter.propose(requests(), 4), []  # the first: each prompt's prefill, untimed
+        drafts, seconds, ahead = drafter.propose(requests(), 4), [], []  # the first: the prompts' prefill, untimed
         for _ in range(steps):
             histories = [h + d[:1] for h, d in zip(histories, drafts)]
             sync(device)
@@ -134,10 +138,18 @@ def timed_drafting(drafter, counts: tuple[int, ...], steps: int, device: str) ->
             sync(device)
             seconds.append(time.perf_counter() - start)
             drafted.append(drafts)
+            outcomes = [replace(r, token_ids=list(r.token_ids) + d, unverified=len(d), position=r.position + len(d))
+                        for r, d in zip(requests(), drafts)]
+            start = time.perf_counter()
+            drafter.propose_ahead(outcomes, 4)
+            sync(device)
+            ahead.append(time.perf_counter() - start)
+            drafter.commit(f"{n}-0", [])
         for i in range(n):
             drafter.remove(f"{n}-{i}")
         per_count[n] = {"ms_per_proposal": round(1e3 * statistics.median(seconds), 3),
-                        "ms_per_draft_position": round(1e3 * statistics.median(seconds) / 4, 3)}
+                        "ms_per_draft_position": round(1e3 * statistics.median(seconds) / 4, 3),
+                        "ms_per_proposal_ahead": round(1e3 * statistics.median(ahead), 3)}
     return per_count, drafted
 
 
