@@ -8,7 +8,8 @@ The forward computes what the Hugging Face model's modules compute, from their w
 version (q, k and v in one matrix, gate and up in another, the rotary angles in a table), and attention reads the
 slot cache: any Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) without sliding windows works. A draft LM
 worth drafting with is small, so its cost is the number of torch calls per pass rather than arithmetic: a pass
-makes about a dozen per layer, and the coupled noise of a whole proposal is made in one go."""
+makes about a dozen per layer (on a GPU the one-token passes replay CUDA graphs: draft_lm_graphs.py), and the
+coupled noise of a whole proposal is made in one go."""
 
 from __future__ import annotations
 
@@ -129,8 +130,7 @@ class DraftLM(Drafter):
                                config.max_position_embeddings, self.model.dtype, self.device)
         # rotary angles per position, grown as needed (from the rotary module's buffers: no weight swap changes them)
         self.cos = self.sin = torch.zeros(0, self.head_dim, device=self.device)
-        # on a GPU it drafts on a CUDA stream of its own (beside the engine's, not queued behind it), its one-token
-        # passes as CUDA graphs (an eager pass is host-bound there)
+        # on a GPU: a CUDA stream of its own (beside the engine's work, not behind it), one-token passes as graphs
         cuda = self.device.type == "cuda"
         self.stream, self.graphs = (torch.cuda.Stream(self.device), GraphedPasses(self)) if cuda else (None, None)
         self._pack()
