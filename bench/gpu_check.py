@@ -119,38 +119,40 @@ def timed_drafting(drafter, counts: tuple[int, ...], steps: int, device: str) ->
     engine would be idle, makes the graphs it missed); and every proposal's drafts, in order."""
     from dataclasses import replace
 
-    from drafters.base import DraftRequest
-
     rng, vocab, per_count, drafted = random.Random(0), drafter.model.config.vocab_size, {}, []
     for n in counts:
         histories = [[rng.randrange(vocab) for _ in range(256)] for _ in range(n)]
-
-        def requests():
-            return [DraftRequest(f"{n}-{i}", seed=i, position=len(h) - 200, token_ids=h, temperature=1.0)
-                    for i, h in enumerate(histories)]
-
-        drafts, seconds, ahead = drafter.propose(requests(), 4), [], []  # the first: the prompts' prefill, untimed
+        drafts, seconds, ahead = drafter.propose(requests_for(histories), 4), [], []  # the prefill, untimed
         for _ in range(steps):
             histories = [h + d[:1] for h, d in zip(histories, drafts)]
             sync(device)
             start = time.perf_counter()
-            drafts = drafter.propose(requests(), 4)
+            drafts = drafter.propose(requests_for(histories), 4)
             sync(device)
             seconds.append(time.perf_counter() - start)
             drafted.append(drafts)
             outcomes = [replace(r, token_ids=list(r.token_ids) + d, unverified=len(d), position=r.position + len(d))
-                        for r, d in zip(requests(), drafts)]
+                        for r, d in zip(requests_for(histories), drafts)]
             start = time.perf_counter()
             drafter.propose_ahead(outcomes, 4)
             sync(device)
             ahead.append(time.perf_counter() - start)
-            drafter.commit(f"{n}-0", [])
-        for i in range(n):
-            drafter.remove(f"{n}-{i}")
+            drafter.commit(outcomes[0].request_id, [])
+        for r in requests_for(histories):
+            drafter.remove(r.request_id)
         per_count[n] = {"ms_per_proposal": round(1e3 * statistics.median(seconds), 3),
                         "ms_per_draft_position": round(1e3 * statistics.median(seconds) / 4, 3),
                         "ms_per_proposal_ahead": round(1e3 * statistics.median(ahead), 3)}
     return per_count, drafted
+
+
+def requests_for(histories: list[list[int]]) -> list:
+    """The check's drafting requests, one per history (ids `<requests>-<i>`: one set per request count), sampling at
+    T = 1 from 200 tokens before each history's end."""
+    from drafters.base import DraftRequest
+
+    return [DraftRequest(f"{len(histories)}-{i}", seed=i, position=len(h) - 200, token_ids=h, temperature=1.0)
+            for i, h in enumerate(histories)]
 
 
 def step_cost(device: str, quick: bool) -> dict:
@@ -203,19 +205,15 @@ def learner(device: str, quick: bool) -> dict:
 
 @torch.no_grad()
 def overlap(device: str, quick: bool) -> dict:
-    import contextlib
     import threading
 
     from bench.gpu_torch import draft_of_shape
     from bench.step_cost import CPU_SHAPES, SHAPES, decoder, random_layers
-    from drafters.base import DraftRequest
     from drafters.draft_lm import DraftLM
 
     cuda, dtype = device == "cuda", torch.bfloat16 if device == "cuda" else torch.float32
     shape = SHAPES["qwen3_8b"] if cuda else CPU_SHAPES["cpu_preset_target"]
     stack, head = random_layers(shape, device, dtype)
-    side = torch.cuda.Stream() if cuda else None
-    on_side = (lambda: torch.cuda.stream(side)) if cuda else contextlib.nullcontext
     rng, out = random.Random(2), {}
     with tempfile.TemporaryDirectory() as scratch:
         draft_of_shape(*((128, 2) if quick else (1024, 28)), Path(scratch))
@@ -227,11 +225,9 @@ def overlap(device: str, quick: bool) -> dict:
 
             def draft() -> float:  # one proposal of 4 a request, each history one accepted draft longer
                 start = time.perf_counter()
-                with on_side():
-                    drafts = drafter.propose([DraftRequest(f"{n}-{i}", seed=i, position=len(h) - 200, token_ids=h,
-                                                           temperature=1.0) for i, h in enumerate(histories)], 4)
-                    if cuda:
-                        side.synchronize()
+                drafts = drafter.propose(requests_for(histories), 4)  # on the draft LM's own CUDA stream
+                if cuda:
+                    drafter.stream.synchronize()
                 histories[:] = [h + d[:1] for h, d in zip(histories, drafts)]
                 return time.perf_counter() - start
 
@@ -249,8 +245,8 @@ def overlap(device: str, quick: bool) -> dict:
                 together["verify"].append(verify())
             done.set()
             thread.join()
-            for i in range(n):
-                drafter.remove(f"{n}-{i}")
+            for r in requests_for(histories):
+                drafter.remove(r.request_id)
             ms = {f"{what}_ms_{when}": round(1e3 * statistics.median(times[what]), 3)
                   for when, times in (("alone", alone), ("side_by_side", together)) for what in times}
             out[n] = {**ms, "verify_slowdown": round(ms["verify_ms_side_by_side"] / ms["verify_ms_alone"], 3)}
