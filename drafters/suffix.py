@@ -14,12 +14,14 @@ largest `log(count) + G(seed, position, token)` is the one the target draws wher
 history's, the likely token where the policy is sure and the right one of several where it is not (the most frequent
 token is right only as often as it is drawn). Its likelihood is the chance that the lead over the runner-up outlasts
 the counts' sampling error, times the chance that the target draws a token the history knows (`n / (n + 1)` of `n`
-counts). Work per proposal is O(k * max_n) (sampling: and the noise of each matched context's candidates), per
-committed token O(max_n). Memory is bounded: `max_sequences` finished outputs per prompt (with `max_versions` W, only
-those started within the last W policy versions: the policy drifts, and so does what its old outputs say of it), and
-the least recently used prompts beyond `max_prompts` are forgotten. State is a cache of what it was shown: a
-replacement actor starts empty and learns from what comes next (its own requests and the learner's history of every
-actor's), and trajectories never depend on it (the coupled sampler decides every token)."""
+counts). Work per proposal is O(k * max_n) (sampling: and the noise of each matched context's candidates). Counting
+waits for the next proposal from the prompt (a commit, a finished or a remembered output only stores its tokens):
+each token costs O(max_n) once, and nothing while the planner drafts nothing from its prompt. Memory is bounded:
+`max_sequences` finished outputs per prompt (with `max_versions` W, only those started within the last W policy
+versions: the policy drifts, and so does what its old outputs say of it), and the least recently used prompts beyond
+`max_prompts` are forgotten. State is a cache of what it was shown: a replacement actor starts empty and learns from
+what comes next (its own requests and the learner's history of every actor's), and trajectories never depend on it
+(the coupled sampler decides every token)."""
 
 from __future__ import annotations
 
@@ -33,9 +35,11 @@ from sampling.coupled import GREEDY_BELOW, gumbel_at
 
 @dataclass
 class _Prompt:
+    # every counted sequence's contexts (`counted` tokens of each) and, once `prompt_counted`, the prompt's own
     counts: dict[tuple[int, ...], Counter] = field(default_factory=dict)
     past: deque = field(default_factory=deque)  # finished sequences (prompt + output), oldest first
     live: set[str] = field(default_factory=set)
+    prompt_counted: bool = False
 
 
 @dataclass
@@ -44,6 +48,10 @@ class _Sequence:
     prompt: tuple[int, ...]
     tokens: list[int]  # prompt followed by the committed output
     version: int = 0  # the policy version it started under (as far as this drafter was told: `new_policy`)
+    counted: int = field(init=False)  # tokens[:counted] are in its prompt's counts (its output: when drafted from)
+
+    def __post_init__(self):
+        self.counted = len(self.prompt)
 
 
 class SuffixDrafter(Drafter):
@@ -74,6 +82,8 @@ class SuffixDrafter(Drafter):
 
     def propose(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
         sequences = [self._sync(r) for r in requests]  # every request first, so none sees a sibling half-synced
+        for prompt in {s.prompt for s in sequences}:
+            self._catch_up(prompt)
         walks = [self._walk(s, r, r.budget(k)) for s, r in zip(sequences, requests)]
         self.last_confidences = [confidences for _, confidences in walks]
         return [drafts for drafts, _ in walks]
@@ -81,12 +91,14 @@ class SuffixDrafter(Drafter):
     def propose_ahead(self, requests: list[DraftRequest], k: int) -> list[list[int]]:
         """A walk from each request's unverified tail over its prompt's tables, counting nothing (a request not
         seen yet gets no drafts)."""
-        walks = []
+        walks, caught_up = [], set()
         for r in requests:
             sequence = self.sequences.get(r.request_id)
             if sequence is None or sequence.prompt not in self.prompts:
                 walks.append(([], []))
                 continue
+            if sequence.prompt not in caught_up:
+                caught_up.add(self._catch_up(sequence.prompt))
             tail = _Sequence(r.request_id, sequence.prompt, [int(t) for t in r.token_ids[-self.max_n:]])
             walks.append(self._walk(tail, r, r.budget(k)))
         self.last_confidences = [confidences for _, confidences in walks]
@@ -99,10 +111,8 @@ class SuffixDrafter(Drafter):
 
     def commit(self, request_id: str, committed: list[int]) -> None:
         sequence = self.sequences.get(request_id)
-        if sequence is not None:
-            start = len(sequence.tokens)
+        if sequence is not None:  # counted at the next proposal from its prompt
             sequence.tokens.extend(int(t) for t in committed)
-            self._count(sequence, start, +1)
 
     def remove(self, request_id: str) -> None:
         """A finished request's output stays as history of its prompt (the newest `max_sequences`)."""
@@ -123,7 +133,6 @@ class SuffixDrafter(Drafter):
             return
         entry = self._prompt(prompt)
         self.prompts.move_to_end(prompt)
-        self._count(sequence, None, +1)
         self._keep(entry, sequence)
 
     def new_policy(self, version: int) -> None:
@@ -132,7 +141,7 @@ class SuffixDrafter(Drafter):
         for entry in self.prompts.values() if self.max_versions else ():
             old = [s for s in entry.past if not self._recent(s)]
             for sequence in old:
-                self._count(sequence, None, -1)
+                self._uncount(sequence)
             if old:
                 entry.past = deque(s for s in entry.past if self._recent(s))
 
@@ -140,14 +149,14 @@ class SuffixDrafter(Drafter):
         return not self.max_versions or sequence.version > self.version - self.max_versions
 
     def _keep(self, entry: _Prompt, sequence: _Sequence) -> None:
-        """`sequence` (counted) joins its prompt's finished outputs if it is recent enough (else its counts go); the
-        oldest beyond `max_sequences` leave."""
+        """`sequence` joins its prompt's finished outputs if it is recent enough (else what was counted of it goes);
+        the oldest beyond `max_sequences` leave."""
         if not self._recent(sequence):
-            self._count(sequence, None, -1)
+            self._uncount(sequence)
             return
         entry.past.append(sequence)
         while len(entry.past) > self.max_sequences:
-            self._count(entry.past.popleft(), None, -1)
+            self._uncount(entry.past.popleft())
 
     def _sync(self, request: DraftRequest) -> _Sequence:
         history, rid = request.token_ids, request.request_id
@@ -156,16 +165,15 @@ class SuffixDrafter(Drafter):
         if (sequence is None or len(sequence.tokens) != len(history) or len(sequence.prompt) != prompt_len
                 or (len(history) and sequence.tokens[-1] != int(history[-1]))):
             if sequence is not None:  # not the history we counted: take its counts back and start over
-                self._count(sequence, None, -1)
+                self._uncount(sequence)
                 self.prompts[sequence.prompt].live.discard(rid)
             tokens = [int(t) for t in history]
             sequence = self.sequences[rid] = _Sequence(rid, tuple(tokens[:prompt_len]), tokens, self.version)
             entry = self._prompt(sequence.prompt)
             for old in [s for s in entry.past if s.request_id == rid]:  # back after a preemption: not a new sample
                 entry.past.remove(old)
-                self._count(old, None, -1)
+                self._uncount(old)
             entry.live.add(rid)
-            self._count(sequence, None, +1)
         self.prompts.move_to_end(sequence.prompt)
         return sequence
 
@@ -173,19 +181,30 @@ class SuffixDrafter(Drafter):
         entry = self.prompts.get(prompt)
         if entry is None:
             entry = self.prompts[prompt] = _Prompt()
-            self._add(entry, list(prompt), 1, len(prompt), +1)  # the prompt's own n-grams, once for all samples
             for old in [p for p, e in self.prompts.items() if not e.live and p != prompt]:
                 if len(self.prompts) <= self.max_prompts:
                     break
                 del self.prompts[old]  # least recently used first
         return entry
 
-    def _count(self, sequence: _Sequence, start: int | None, sign: int) -> None:
-        """Adds (+1) or takes back (-1) the output tokens of `sequence` from position `start` (None: all)."""
+    def _catch_up(self, prompt: tuple[int, ...]) -> tuple[int, ...]:
+        """Counts what the prompt's table does not hold yet: the prompt's own n-grams (once for all its samples) and
+        every live and finished sequence's tokens past what was counted of it; returns `prompt`."""
+        entry = self.prompts[prompt]
+        if not entry.prompt_counted:
+            self._add(entry, list(prompt), 1, len(prompt), +1)
+            entry.prompt_counted = True
+        for sequence in [*(self.sequences[rid] for rid in entry.live), *entry.past]:
+            if sequence.counted < len(sequence.tokens):
+                self._add(entry, sequence.tokens, max(sequence.counted, 1), len(sequence.tokens), +1)
+                sequence.counted = len(sequence.tokens)
+        return prompt
+
+    def _uncount(self, sequence: _Sequence) -> None:
+        """Takes what was counted of `sequence`'s output back from its prompt's table (it is history no more)."""
         entry = self.prompts.get(sequence.prompt)
         if entry is not None:
-            first = len(sequence.prompt) if start is None else start
-            self._add(entry, sequence.tokens, max(first, 1), len(sequence.tokens), sign)
+            self._add(entry, sequence.tokens, max(len(sequence.prompt), 1), sequence.counted, -1)
 
     def _add(self, entry: _Prompt, tokens: list[int], first: int, end: int, sign: int) -> None:
         for i in range(first, end):

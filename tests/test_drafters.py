@@ -3,6 +3,7 @@ Hugging Face model's own logits, whatever the batch, chunking and rollbacks; the
 exactly what a scan of the whole history would."""
 
 import random
+from collections import Counter
 
 from dataclasses import replace
 
@@ -214,6 +215,11 @@ def req(rid: str, output: list[int], **kw) -> DraftRequest:
     return DraftRequest(rid, seed=0, position=len(output), token_ids=PROMPT + output, **kw)
 
 
+def table(drafter: SuffixDrafter) -> dict:
+    """PROMPT's counts as the next proposal from it reads them (commits and finished outputs are counted then)."""
+    return drafter.prompts[drafter._catch_up(tuple(PROMPT))].counts
+
+
 def test_suffix_drafts_from_siblings_without_interleaving_them():
     drafter = SuffixDrafter(min_n=2)
     drafter.propose([req("a", [1, 2, 3, 4, 5]), req("b", [9, 2, 7, 7, 7])], 4)
@@ -286,13 +292,53 @@ def test_suffix_draws_sampling_requests_with_the_coupled_noise():
     assert drafter.propose([DraftRequest("g", 0, 0, PROMPT)], 1) == [[1]]  # greedy: the most frequent
 
 
+def test_suffix_tables_hold_exactly_the_history_whenever_a_proposal_reads_them():
+    """Counting is left to the next proposal from a prompt; whatever happened meanwhile (commits, finished and
+    remembered outputs, evictions past max_sequences, expired versions, a request shown another history), the table a
+    proposal reads is the one counted from scratch from the prompt, its live sequences and its kept outputs."""
+    rng = random.Random(5)
+
+    def from_scratch(drafter: SuffixDrafter) -> Counter:
+        entry, expected = drafter.prompts[tuple(PROMPT)], Counter()
+        sequences = [*(drafter.sequences[r].tokens for r in entry.live), *(s.tokens for s in entry.past)]
+        for tokens, first in [(PROMPT, 1), *((s, len(PROMPT)) for s in sequences)]:
+            for i in range(first, len(tokens)):
+                for n in range(drafter.min_n, min(drafter.max_n, i) + 1):
+                    expected[(tuple(tokens[i - n : i]), tokens[i])] += 1
+        return expected
+
+    drafter, outputs, version = SuffixDrafter(max_n=4, max_sequences=3, max_versions=3), {}, 0
+    for _ in range(400):
+        op, rid = rng.random(), f"r{rng.randrange(5)}"
+        if op < 0.35:
+            outputs.setdefault(rid, [])
+            if rng.random() < 0.1 and outputs[rid]:  # the engine shows another history (recomputed)
+                outputs[rid][-1] = (outputs[rid][-1] + 1) % 6
+            drafter.propose([req(rid, outputs[rid])], 4)
+            table = Counter({(c, t): n for c, counts in drafter.prompts[tuple(PROMPT)].counts.items()
+                             for t, n in counts.items()})
+            assert table == from_scratch(drafter)
+        elif op < 0.7 and rid in drafter.sequences:
+            committed = [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+            outputs[rid] += committed
+            drafter.commit(rid, committed)
+        elif op < 0.8:
+            drafter.remove(rid)
+            outputs.pop(rid, None)
+        elif op < 0.9:
+            drafter.remember(PROMPT, [rng.randrange(6) for _ in range(rng.randrange(1, 8))], version - rng.randrange(4))
+        else:
+            version += 1
+            drafter.new_policy(version)
+
+
 def test_suffix_counts_after_a_rebuild_equal_a_fresh_drafters():
     drafter, fresh = SuffixDrafter(), SuffixDrafter()
     drafter.propose([req("a", [1, 2, 3])], 4)
     drafter.commit("a", [4, 5])
     drafter.propose([req("a", [1, 2, 9])], 4)  # the engine shows another history for "a" (e.g. recomputed)
     fresh.propose([req("a", [1, 2, 9])], 4)
-    assert drafter.prompts[tuple(PROMPT)].counts == fresh.prompts[tuple(PROMPT)].counts
+    assert table(drafter) == table(fresh)
 
 
 def test_suffix_counts_a_request_back_from_preemption_once():
@@ -301,7 +347,7 @@ def test_suffix_counts_a_request_back_from_preemption_once():
     drafter.remove("a")  # preempted (e.g. by a weight update): it left the batch with a partial output
     drafter.propose([req("a", [1, 2, 3, 4])], 4)  # and comes back with its whole history
     fresh.propose([req("a", [1, 2, 3, 4])], 4)
-    assert drafter.prompts[tuple(PROMPT)].counts == fresh.prompts[tuple(PROMPT)].counts
+    assert table(drafter) == table(fresh)
 
 
 def test_suffix_drafts_from_outputs_other_actors_sampled_as_from_its_own():
@@ -311,7 +357,7 @@ def test_suffix_drafts_from_outputs_other_actors_sampled_as_from_its_own():
     drafter.remember(PROMPT, [1, 2, 3, 4], 0)
     own.propose([req("a", [1, 2, 3, 4])], 4)
     own.remove("a")
-    assert drafter.prompts[tuple(PROMPT)].counts == own.prompts[tuple(PROMPT)].counts
+    assert table(drafter) == table(own)
     assert drafter.propose([req("b", [1, 2])], 4) == [[3, 4]]
     drafter.remember(PROMPT, [1, 2, 7, 7], 0)
     drafter.remember(PROMPT, [1, 2, 7, 7], 0)  # two samples of one output count twice; [1, 2, 3, 4] is the oldest: gone
@@ -335,7 +381,7 @@ def test_suffix_history_keeps_only_outputs_of_the_last_versions_when_asked():
     fresh = SuffixDrafter()
     fresh.propose([req("b", [1, 2, 3, 4])], 4)
     fresh.remove("b")
-    assert drafter.prompts[tuple(PROMPT)].counts == fresh.prompts[tuple(PROMPT)].counts  # the old counts are gone
+    assert table(drafter) == table(fresh)  # the old counts are gone
     drafter.new_policy(8)
     assert not drafter.prompts[tuple(PROMPT)].past and drafter.propose([req("c", [1, 2])], 4) == [[]]
     with pytest.raises(ValueError, match="max_versions"):
