@@ -6,10 +6,10 @@ asks the draft planner (actor/draft_planner.py) how many tokens each request may
 drafting costs and each request's acceptance as it goes. A drafter that rates its tokens (`Drafter.confidences`)
 is asked for the tokens that pay at the request's acceptance so far (as any drafter), and its proposals are then
 verified only as far as each token's calibrated gain pays: drafting is paid by then, verifying a token that is
-rejected still costs a step's share on the verifier. Every verify step labels the
-proposals it checked (drafters/calibration.py). The drafter sees ids, seeds, positions and views of the requests'
-histories, never copies. A drafter that raises or breaks its contract is switched off for the engine's life
-(`switch_off`): drafts only ever save time, so the engine decodes on without them, tokens unchanged."""
+rejected still costs a step's share on the verifier. Every verify step labels the proposals it checked
+(drafters/calibration.py). The drafter sees ids, seeds, positions and views of the requests' histories, never
+copies. A drafter that raises or breaks its contract is switched off for the engine's life (`switch_off`): drafts
+only ever save time, so the engine decodes on without them, tokens unchanged."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import numpy as np
 
 from actor.draft_ahead import DraftsAhead, ahead, outcomes
 from actor.drafter_checks import confidences_for, guarded, token_ids_within
-from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, StepCost, Survival, geometric, plan
+from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, Rest, StepCost, Survival, geometric, plan
 from drafters.base import CompositeDrafter, Drafter, DraftRequest, prepares_ahead
 from drafters.calibration import Calibration
 from transport.messages import MAX_FAILURE, add_labels
@@ -43,7 +43,7 @@ class DrafterBridge:
         self.max_batch, self.planning = 0, True
         self.live: set[str] = set()  # the requests of the last step's batch
         self.known: set[str] = set()  # every request the drafter has state for
-        self.step_cost, self.draft_cost, self.acceptance = StepCost(), DraftCost(), Acceptance()
+        self.step_cost, self.draft_cost, self.acceptance, self.rest = StepCost(), DraftCost(), Acceptance(), Rest()
         self.calibration, self.rated = Calibration(), False  # rated: the drafter gives confidences
         # per request drafted last step: the tokens handed to the engine, its whole proposal and its confidences
         self.verifying: dict[str, tuple[int, list[int], list[float] | None]] = {}
@@ -145,12 +145,16 @@ class DrafterBridge:
         explore = self.undrafted_steps >= EXPLORE_EVERY
         if not self.planning:
             return [self.k] * len(rows), explore
+        if not explore and self.rest.keeps(len(req_ids)):
+            return [0] * len(rows), False
         unseen = [lengths[row] - self.shown.get(req_ids[row], 0) for row in rows]
         gains = self._gains([req_ids[row] for row in rows])
         # decoupled: as if drafting were free, since prepared drafts cost the engine nothing; a miss is re-planned
         # with what drafting it on the critical path costs (`_worth_drafting_now`)
         budgets, _ = plan(gains, len(req_ids), self.step_cost,
                           self.draft_cost if self.ahead is None else None, explore=explore, unseen=unseen)
+        if rows:
+            self.rest.planned(len(req_ids), any(budgets))
         return budgets, explore
 
     def _requests(self, req_ids: list[str], rows: list[int], budgets: list[int], lengths: list[int],
@@ -377,24 +381,3 @@ class DrafterBridge:
 
         self.ahead.launch(asked, propose)
 
-
-def remember_outputs(worker, outputs: list[tuple[list[int], list[int], int]]) -> None:
-    """Other actors' finished outputs, (prompt ids, response ids, policy version), for the drafter's history."""
-    bridge = getattr(worker.model_runner, "drafter", None)
-    if isinstance(bridge, DrafterBridge):
-        for prompt, response, version in outputs:
-            bridge.call(lambda d: d.remember(prompt, response, version))
-
-
-def new_policy_version(worker, version: int) -> None:
-    """The policy the engine samples from is `version` from the next step on (`Drafter.new_policy`)."""
-    bridge = getattr(worker.model_runner, "drafter", None)
-    if isinstance(bridge, DrafterBridge):
-        bridge.call(lambda d: d.new_policy(version))
-
-
-def swap_draft_weights(worker, weights: list) -> bool:
-    """New weights for the drafter's own model, between engine steps (`Drafter.swap_weights`); False: it has none.
-    A switched-off drafter takes them and drops them: the engine no longer drafts."""
-    bridge = getattr(worker.model_runner, "drafter", None)
-    return isinstance(bridge, DrafterBridge) and bool(bridge.call(lambda d: d.swap_weights(weights), off=True))

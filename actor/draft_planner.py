@@ -13,7 +13,8 @@ survival); a drafter that rates its tokens (`Drafter.confidences`, calibrated in
 token's own gain once it has drafted. `plan` takes draft tokens in order of gain and keeps the prefix that maximises
 expected committed tokens per second `(n + sum of gains) / (step(n + drafted) + draft(passes, drafted))`; 0
 everywhere when no drafting pays (but for a rare exploring step, so the estimates never freeze where drafting
-stopped).
+stopped). A plan of no drafts is kept for a few steps without planning (`Rest`): planning costs per request and step,
+and where drafting does not pay that cost is all speculation adds.
 Correctness never depends on it: drafts only change how fast the coupled sampler's tokens come out.
 """
 
@@ -23,6 +24,30 @@ import numpy as np
 
 
 EXPLORE_EVERY = 32  # engine steps without a draft before one request drafts anyway (`plan(explore=True)`)
+REST_STEPS = 3  # engine steps a plan of no drafts is kept for without planning (`Rest`)
+
+
+class Rest:
+    """Where the last two plans drafted nothing, the next `REST_STEPS` steps draft nothing without planning, unless the
+    batch shrinks to 3/4 of its size then (a smaller batch is where drafting starts to pay) or an exploring step is
+    due. What a plan weighs moves slowly while nothing is drafted (no acceptance is observed; the step cost and the
+    requests' survival move a step at a time), so a skipped plan would almost always have drafted nothing too. One
+    plan of no drafts (the planner measuring a smaller step) is no rest."""
+
+    def __init__(self):
+        self.rows, self.left, self.idle = 0, 0, 0  # the batch size of the last plan; steps of rest left; idle plans
+
+    def keeps(self, rows: int) -> bool:
+        """Whether this step, of `rows` requests, keeps the plan of no drafts (counted as one step of the rest)."""
+        if self.left > 0 and 4 * rows > 3 * self.rows:
+            self.left -= 1
+            return True
+        return False
+
+    def planned(self, rows: int, drafted: bool) -> None:
+        """A plan was made for `rows` requests: the second plan of no drafts in a row is kept for the next steps."""
+        self.idle = 0 if drafted else self.idle + 1
+        self.rows, self.left = rows, REST_STEPS if self.idle >= 2 else 0
 
 
 class StepCost:

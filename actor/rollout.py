@@ -25,8 +25,8 @@ from omegaconf import DictConfig
 
 from actor.engine import completion_text, make_engine, sampling_params
 from actor.evaluation import EVAL_SEED_BASE, Evaluation
-from actor.draft_bridge import new_policy_version, remember_outputs, swap_draft_weights
-from actor.vllm_hooks import RequestRecord, apply_weights, join_weight_group, pull_weights, take_records
+from actor.vllm_hooks import (RequestRecord, apply_weights, join_weight_group, new_policy_version, pull_weights,
+                               remember_outputs, swap_draft_weights, take_records)
 from sampling.coupled import group_seed
 from tasks.dataset import eval_set, open_dataset
 from tasks.reward import length_penalized, score

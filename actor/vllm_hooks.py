@@ -8,7 +8,8 @@ Everything here runs inside the vLLM worker (through `collective_rpc`). `install
 - binds a `Drafter` plugin to the `custom_class` proposer `actor/draft_bridge.DrafterBridge`, which vLLM calls
   once per engine step.
 `apply_weights` updates weights in place with the CPU re-packing fixes;
-`take_records` returns each finished request's logprobs and speculation stats; `fix_cpu_rejection_sampler`
+`take_records` returns each finished request's logprobs and speculation stats; `remember_outputs`,
+`new_policy_version` and `swap_draft_weights` reach the drafter between engine steps; `fix_cpu_rejection_sampler`
 repairs vLLM's sampler.
 """
 
@@ -328,3 +329,25 @@ def profile(worker) -> dict[str, float]:
 def coupled_calls(worker) -> int:
     """How many sampling steps the coupled sampler served (0, or an AttributeError, if vLLM sampled by itself)."""
     return worker.model_runner._sample.calls
+
+
+def remember_outputs(worker, outputs: list[tuple[list[int], list[int], int]]) -> None:
+    """Other actors' finished outputs, (prompt ids, response ids, policy version), for the drafter's history."""
+    bridge = getattr(worker.model_runner, "drafter", None)
+    if isinstance(bridge, DrafterBridge):
+        for prompt, response, version in outputs:
+            bridge.call(lambda d: d.remember(prompt, response, version))
+
+
+def new_policy_version(worker, version: int) -> None:
+    """The policy the engine samples from is `version` from the next step on (`Drafter.new_policy`)."""
+    bridge = getattr(worker.model_runner, "drafter", None)
+    if isinstance(bridge, DrafterBridge):
+        bridge.call(lambda d: d.new_policy(version))
+
+
+def swap_draft_weights(worker, weights: list) -> bool:
+    """New weights for the drafter's own model, between engine steps (`Drafter.swap_weights`); False: it has none.
+    A switched-off drafter takes them and drops them: the engine no longer drafts."""
+    bridge = getattr(worker.model_runner, "drafter", None)
+    return isinstance(bridge, DrafterBridge) and bool(bridge.call(lambda d: d.swap_weights(weights), off=True))

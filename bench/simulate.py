@@ -9,9 +9,10 @@ Every coupled system commits the same tokens, so a request's schedule is fixed b
 for it: `1 + min(drafts, match)`, where `match` is the trace's match length of the drafter at that position (the
 oracle matches everywhere). What is left is time. The simulator steps a continuous batch on a simulated clock: the
 trace's prefill, then decode steps over the running requests until each has its tokens; per step the real draft
-planner (`actor/draft_planner.plan` with its `StepCost`, `DraftCost` and `Acceptance`, fed the simulated steps as the
-engine feeds it measured ones) chooses each request's drafts, and the step costs the engine's seconds for the tokens
-it computes plus drafting's seconds (serial), or only the drafting the engine waits for (decoupled: see below).
+planner (`actor/draft_planner.plan` with its `StepCost`, `DraftCost`, `Acceptance` and `Rest`, fed the simulated
+steps as the engine feeds it measured ones) chooses each request's drafts, and the step costs the engine's seconds
+for the tokens it computes plus drafting's seconds (serial), or only the drafting the engine waits for (decoupled:
+see below).
 
 - `--validate`: costs fitted from the trace itself (the engine's seconds per step against the tokens it computed,
   pooled over the systems; each drafter's seconds per step against the requests and drafts), then vanilla, oracle and
@@ -20,17 +21,15 @@ it computes plus drafting's seconds (serial), or only the drafting the engine wa
 - `--costs FILE`: a `bench.step_cost` result for another device (its measured decode and verify-4 step times by
   requests at `--context` tokens of context, interpolated in between); the projected rollout speed-up of each
   system over vanilla, drafting on the host CPU (the trace's own drafting cost), on the GPU (`--gpu-draft-ms-per-pass`
-  per sequential draft pass, measured by bench.gpu_check) and decoupled; and the speed-up as a
-  function of mean acceptance length (drafts accepted at a fixed per-token rate), from which a user reads what a
-  drafter must reach.
+  per sequential draft pass, measured by bench.gpu_check) and decoupled; and the speed-up as a function of mean
+  acceptance length (drafts accepted at a fixed per-token rate), from which a user reads what a drafter must reach.
 
 Decoupled drafting: drafts for step t+1 are prepared while step t verifies. `decoupled_chain`: a request finds its
 drafts ready only if all its last ones were accepted and the drafter's next token was the target's (the others wait
 for drafting as in the serial mode); `decoupled_outcomes` (`--past-rejection P`): as built for the draft LM, also
 where a draft was rejected and a guess past it was right (at the measured rate P), and (`--chain-second-guess Q`)
-where all were accepted and the drafter's second guess was right (at the measured rate Q of first-guess misses);
-the bound `decoupled_every_outcome`: drafts ready for every outcome, the engine waiting only for drafting that
-outlasts the verify step.
+where all were accepted and the drafter's second guess was right (at the measured rate Q of first-guess misses); the
+bound `decoupled_every_outcome`: drafts ready for every outcome, the engine waiting only for what outlasts the step.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, StepCost, Survival, geometric, plan
+from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, Rest, StepCost, Survival, geometric, plan
 from drafters.calibration import Calibration
 
 
@@ -140,7 +139,7 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
     survival = Survival(2 * max(lengths, default=0) + k)  # as the bridge's, whose longest is the model's length
     ready = [False] * n  # decoupled: this request's next drafts were prepared during the last step
     guesses = random.Random(0)  # "outcomes": which guesses past a rejected draft were right, the same every run
-    undrafted = 0
+    undrafted, rest = 0, Rest()
     while True:
         running = [i for i in range(n) if position[i] < lengths[i]]
         if not running:
@@ -148,12 +147,13 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
         ids = [str(i) for i in running]
         drafts = [0] * len(running)
         unseen = [prompt[i] + position[i] - shown[i] for i in running]  # what drafting now would catch up on
-        if drafting:
+        if drafting and (undrafted >= EXPLORE_EVERY or not rest.keeps(len(running))):
             survive = survival.factors([position[i] for i in running], k)
             gains = geometric(acceptance.rates(ids), k) * survive
             # decoupled: planned as if drafting were free (prepared drafts are), misses re-planned below, as the bridge
             budgets, _ = plan(gains, len(running), step_cost, None if decoupled else draft_cost,
                               explore=undrafted >= EXPLORE_EVERY, unseen=unseen)
+            rest.planned(len(running), any(budgets))
             drafts = [min(b, lengths[i] - position[i] - 1) for b, i in zip(budgets, running)]
         missed = [m for m, i in enumerate(running) if drafts[m] and not ready[i]] \
             if decoupled in ("chain", "outcomes") else []

@@ -4,7 +4,7 @@ observations, tracks acceptance per request, and drafts where verifying pays and
 import numpy as np
 import pytest
 
-from actor.draft_planner import Acceptance, DraftCost, StepCost, Survival, geometric, plan
+from actor.draft_planner import REST_STEPS, Acceptance, DraftCost, Rest, StepCost, Survival, geometric, plan
 
 
 def rated(rates: list[float], k: int) -> np.ndarray:
@@ -122,6 +122,19 @@ def test_survival_is_the_chance_that_a_draft_lands_inside_the_request():
     # 8 tokens out: the 9th is certain; a first accepted draft adds the 10th, a second the 11th, which no request had
     assert near[0] == pytest.approx(1.0) and near[1] < 0.05 and near[3] <= near[2] <= near[1]
     assert beyond == pytest.approx([1.0] * 4)  # longer than every request that ended: no end known
+
+
+def test_a_second_plan_of_no_drafts_rests_the_planner_until_the_batch_shrinks_or_drafts_pay():
+    rest = Rest()
+    rest.planned(64, drafted=False)  # one plan of no drafts (the planner measuring a smaller step): no rest
+    assert not rest.keeps(64)
+    rest.planned(64, drafted=False)
+    assert [rest.keeps(60) for _ in range(REST_STEPS + 1)] == [True] * REST_STEPS + [False]
+    rest.planned(64, drafted=False)  # still idle: rests again
+    assert rest.keeps(49) and not rest.keeps(48)  # 48 = 3/4 of 64: a smaller batch is where drafting starts to pay
+    rest.planned(48, drafted=True)
+    rest.planned(48, drafted=False)  # the first idle plan after drafting
+    assert not rest.keeps(48)
 
 
 def test_plan_drafts_fully_where_verifying_is_nearly_free():

@@ -166,7 +166,7 @@ def test_a_draft_lm_swapped_mid_rollout_leaves_every_trajectory_unchanged(plain,
     import torch
     from transformers import AutoModelForCausalLM
 
-    from actor.draft_bridge import swap_draft_weights
+    from actor.vllm_hooks import swap_draft_weights
 
     state = AutoModelForCausalLM.from_pretrained(str(resolve("builtin:draft"))).state_dict()
     generator = torch.Generator().manual_seed(0)

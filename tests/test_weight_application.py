@@ -30,7 +30,8 @@ class Engine:  # the vLLM calls `poll_weights` makes
         self.pulls = []  # what each pull over the weight-sync group returns: a version, or None (headers missing)
 
     def collective_rpc(self, fn, args):
-        (self.drafter if fn.__module__ == "actor.draft_bridge" else self.applied).append((fn.__name__, args[0]))
+        to_drafter = fn.__name__ in ("remember_outputs", "new_policy_version", "swap_draft_weights")
+        (self.drafter if to_drafter else self.applied).append((fn.__name__, args[0]))
         if fn.__name__ == "pull_weights":
             return [self.pulls.pop(0)]
 

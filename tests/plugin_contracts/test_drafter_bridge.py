@@ -11,9 +11,10 @@ import numpy as np
 import torch
 import pytest
 
-from actor.draft_bridge import DrafterBridge, new_policy_version, remember_outputs, swap_draft_weights
+from actor.draft_bridge import DrafterBridge
 from actor.drafter_checks import confidences_for
-from actor.vllm_hooks import CoupledSampling, RequestRecord, caller_id
+from actor.vllm_hooks import (CoupledSampling, RequestRecord, caller_id, new_policy_version, remember_outputs,
+                              swap_draft_weights)
 from drafters.base import CompositeDrafter, Drafter
 from drafters.calibration import EDGES
 
