@@ -189,8 +189,9 @@ class DrafterBridge:
             reason = self.failure or f"drafter {type(self.drafter).__name__}: {members_off}"
             for req_id in req_ids:
                 sampler.stats_for(req_id).drafter_failure = reason[:MAX_FAILURE]  # what a trajectory may carry
+        stats_for = sampler.stats_for
         for row in rows:
-            stats = sampler.stats_for(req_ids[row])
+            stats = stats_for(req_ids[row])
             stats.planned_steps += 1
             stats.planned_tokens += len(drafts[row])
         self.undrafted_steps = 0 if any(drafts) else self.undrafted_steps + 1
@@ -260,8 +261,9 @@ class DrafterBridge:
         measured = start - self.step_end
         error = abs(self.predicted - measured) / measured if self.step_cost.seen.any() and measured > 0 else 0.0
         self.step_cost.observe(self.runner._sample.step_tokens, measured)
+        stats_for = self.runner._sample.stats_for
         for req_id in continuing:
-            self.runner._sample.stats_for(req_id).cost_error += error
+            stats_for(req_id).cost_error += error
 
     def _draft(self, requests: list[tuple[int, DraftRequest]], drafts: list[list[int]], base_tokens: int,
                verify_all: bool) -> None:

@@ -79,13 +79,26 @@ class StepCost:
 
     def predict(self, tokens: np.ndarray | int) -> np.ndarray:
         """Predicted seconds (0 before any observation: drafting looks free until the engine is measured)."""
-        tokens = np.asarray(tokens, dtype=float)
         if not self.seen.any():
-            return np.zeros_like(tokens)
-        # fewer tokens never cost more: a bucket slower than some larger one is left out. Errors are one-sided (a
-        # stall only ever makes a step slower), so one stalled small step, never measured again, must not lift the
-        # curve: raising each bucket to the largest smaller one instead would make every larger step look as slow
-        # as that stall, drafting look free, and every request draft
+            return np.zeros_like(np.asarray(tokens, dtype=float))
+        x, y, slope = self._curve()
+        if np.ndim(tokens) == 0:  # a step's own prediction, several times a step: without arrays
+            t = float(tokens)
+            return np.float64(y[-1] + slope * (t - x[-1]) if t > x[-1] else
+                              y[0] * max(t, 1.0) / max(x[0], 1.0) if t < x[0] else np.interp(t, x, y))
+        tokens = np.asarray(tokens, dtype=float)
+        inside = np.interp(tokens, x, y)
+        # below the smallest bucket: as if proportional to tokens, the cheapest a smaller step could be, so that a
+        # planner that has only seen drafted steps tries one with fewer drafts and learns what it really costs
+        below = y[0] * np.maximum(tokens, 1) / max(x[0], 1)
+        return np.where(tokens > x[-1], y[-1] + slope * (tokens - x[-1]), np.where(tokens < x[0], below, inside))
+
+    def _curve(self) -> tuple[np.ndarray, np.ndarray, float]:
+        """The kept buckets' tokens and seconds, and the slope beyond the largest (cached until the next observation).
+        Fewer tokens never cost more: a bucket slower than some larger one is left out. Errors are one-sided (a stall
+        only ever makes a step slower), so one stalled small step, never measured again, must not lift the curve:
+        raising each bucket to the largest smaller one instead would make every larger step look as slow as that
+        stall, drafting look free, and every request draft."""
         if self.curve is None:
             x, y = self.tokens[self.seen], self.seconds[self.seen]
             kept = y <= np.minimum.accumulate(y[::-1])[::-1]
@@ -94,12 +107,7 @@ class StepCost:
             if len(x) >= 2:  # beyond the largest bucket: the trend of the last two buckets, never falling
                 slope = max((y[-1] - y[-2]) / max(x[-1] - x[-2], 1e-9), 0.0)
             self.curve = x, y, slope
-        x, y, slope = self.curve
-        inside = np.interp(tokens, x, y)
-        # below the smallest bucket: as if proportional to tokens, the cheapest a smaller step could be, so that a
-        # planner that has only seen drafted steps tries one with fewer drafts and learns what it really costs
-        below = y[0] * np.maximum(tokens, 1) / max(x[0], 1)
-        return np.where(tokens > x[-1], y[-1] + slope * (tokens - x[-1]), np.where(tokens < x[0], below, inside))
+        return self.curve
 
 
 class DraftCost:

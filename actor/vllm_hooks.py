@@ -205,7 +205,8 @@ class CoupledSampling:
     def stats_for(self, req_id: str) -> SpecStats:
         """The speculation stats of vLLM request `req_id` (the drafter bridge's entry: it runs after this step's
         sampling, which admitted the request)."""
-        return self.record_of(req_id).stats
+        record = self.held.get(req_id)  # (several times per request and step: no second call where it is held)
+        return (record if record is not None else self.record_of(req_id)).stats
 
     def take_records(self, req_ids: list[str]) -> dict[str, RequestRecord]:
         """The records of finished requests, by the caller's request id."""
