@@ -197,11 +197,11 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
                 labels = min(accepted + 1, proposed)
                 calibration.observe(confidence[i][position[i]][:labels], [0] * labels,
                                     [0 if j < reach else 1 for j in range(labels)])
-            ready[i] = reach > d  # every draft accepted, and the drafter's next token the target's
-            if decoupled == "outcomes" and reach < d:  # a draft rejected: a guess past it the target's token
-                ready[i] = guesses.random() < past_rejection
-            elif decoupled == "outcomes" and reach == d:  # all accepted, the first guess not the target's token
-                ready[i] = guesses.random() < chain_second
+            # the bridge prepares the next drafts only of the requests it asked to draft: ready where every draft was
+            # accepted and the drafter's next token is the target's, or ("outcomes", at the measured rates) where a
+            # guess past a rejected draft, or past all accepted ones when the first guess was wrong, is right
+            ready[i] = bool(proposed) and (reach > d or decoupled == "outcomes" and guesses.random() < (
+                past_rejection if reach < d else chain_second))
             if position[i] + accepted + 1 >= lengths[i]:  # it ends: as the bridge, which saw it a step before
                 survival.ended(position[i] + 1)
             position[i] = min(lengths[i], position[i] + accepted + 1)
