@@ -155,6 +155,7 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
                               explore=undrafted >= EXPLORE_EVERY, unseen=unseen)
             rest.planned(len(running), any(budgets))
             drafts = [min(b, lengths[i] - position[i] - 1) for b, i in zip(budgets, running)]
+        planned = list(drafts)  # decoupled: the requests whose next drafts the bridge prepares, drafted now or not
         missed = [m for m, i in enumerate(running) if drafts[m] and not ready[i]] \
             if decoupled in ("chain", "outcomes") else []
         if missed:  # as the bridge: drafted now only where it pays at the serial cost over the whole step, else
@@ -188,7 +189,7 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
             waited_here += max(0.0, prepared - waited_here - engine)
         clock += engine + waited_here
         waited += waited_here
-        for d, proposed, i, rid in zip(drafts, asked, running, ids):
+        for d, proposed, wanted, i, rid in zip(drafts, asked, planned, running, ids):
             if proposed:  # the drafter has seen this request's history
                 shown[i] = prompt[i] + position[i]
             reach = k + 1 if match is None else match[i][position[i]]
@@ -197,10 +198,9 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
                 labels = min(accepted + 1, proposed)
                 calibration.observe(confidence[i][position[i]][:labels], [0] * labels,
                                     [0 if j < reach else 1 for j in range(labels)])
-            # the bridge prepares the next drafts only of the requests it asked to draft: ready where every draft was
-            # accepted and the drafter's next token is the target's, or ("outcomes", at the measured rates) where a
-            # guess past a rejected draft, or past all accepted ones when the first guess was wrong, is right
-            ready[i] = bool(proposed) and (reach > d or decoupled == "outcomes" and guesses.random() < (
+            # prepared for the requests the plan gave drafts (as the bridge): ready where all were accepted and the next
+            # guess is the target's, or ("outcomes", at the measured rates) a guess past a rejection or all accepted
+            ready[i] = bool(wanted) and (reach > d or decoupled == "outcomes" and guesses.random() < (
                 past_rejection if reach < d else chain_second))
             if position[i] + accepted + 1 >= lengths[i]:  # it ends: as the bridge, which saw it a step before
                 survival.ended(position[i] + 1)
