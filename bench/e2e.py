@@ -127,6 +127,10 @@ def run(system: str, steps: int, overrides: list[str], logdir: Path, log: Path) 
         "profile": {"train_s": mean("rl/train_seconds"), "learner_wait_s": mean("rl/wait_seconds"),
                     "zero_advantage_fraction": mean("rl/zero_advantage_fraction"),  # rows with no backward pass
                     "actor_idle_s": sum(a["idle_seconds"] for a in summary["actors"]) / len(summary["actors"]) / steps},
+        # how much the actors drafted, per step: draft tokens the planner allowed per request and engine step, and
+        # the step's trajectories' draft tokens verified and accepted
+        "drafting": {key: mean(f"spec/{key}") for key in ("planned_tokens", "draft_tokens", "accepted_tokens")}
+        if "spec/planned_tokens" in events.Tags()["scalars"] else {},
         "acceptance_by_step": [] if "speculation.method=none" in SYSTEMS[system] else
         [round(e.value, 3) for e in events.Scalars("spec/acceptance_length")],
         # each member of fastest-of-N, scored on every proposal it made, chosen or not: [step, token acceptance]
@@ -259,6 +263,8 @@ def main(argv: list[str] | None = None) -> dict:
             "rollout_s": statistics.median(r["rollout_s"] for r in runs[name]),
             "profile": {key: round(statistics.median(r["profile"][key] for r in runs[name]), 3)
                         for key in first["profile"]},
+            "drafting": {key: round(statistics.median(r["drafting"][key] for r in runs[name]), 3)
+                         for key in first["drafting"]},
             "acceptance_by_step": first["acceptance_by_step"],
             **({"member_acceptance_by_step": first["member_acceptance_by_step"],
                 # per member: its token acceptance over the run (mean over steps), median over repeats
