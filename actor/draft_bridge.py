@@ -7,8 +7,8 @@ drafting costs and each request's acceptance as it goes. A drafter that rates it
 is asked for the tokens that pay at the request's acceptance so far (as any drafter), and its proposals are then
 verified only as far as each token's calibrated gain pays: drafting is paid by then, verifying a token that is
 rejected still costs a step's share on the verifier. Every verify step labels the proposals it checked
-(drafters/calibration.py). The drafter sees ids, seeds, positions and views of the requests' histories, never
-copies. A drafter that raises or breaks its contract is switched off for the engine's life (`switch_off`): drafts
+(drafters/calibration.py). The drafter sees ids, seeds, positions and read-only views of copies of the requests'
+histories, extended as they grow (actor/drafter_checks.Histories), never the engine's buffer. A drafter that raises or breaks its contract is switched off for the engine's life (`switch_off`): drafts
 only ever save time, so the engine decodes on without them, tokens unchanged."""
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from actor.draft_ahead import DraftsAhead, ahead, outcomes
-from actor.drafter_checks import confidences_for, guarded, token_ids_within
+from actor.drafter_checks import (Histories, confidences_for, guarded, member_labels, member_names, printable,
+                                  token_ids_within)
 from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, Rest, StepCost, Survival, geometric, plan
 from drafters.base import CompositeDrafter, Drafter, DraftRequest, prepares_ahead
 from drafters.calibration import Calibration
@@ -45,6 +46,7 @@ class DrafterBridge:
         self.known: set[str] = set()  # every request the drafter has state for
         self.step_cost, self.draft_cost, self.acceptance, self.rest = StepCost(), DraftCost(), Acceptance(), Rest()
         self.calibration, self.rated = Calibration(), False  # rated: the drafter gives confidences
+        self.histories, self.members = Histories(), set()  # what drafters see; a composite's member names so far
         # per request drafted last step: the tokens handed to the engine, its whole proposal and its confidences
         self.verifying: dict[str, tuple[int, list[int], list[float] | None]] = {}
         self.shown: dict[str, int] = {}  # per request, the history length in its last proposal (the drafter's view)
@@ -120,6 +122,7 @@ class DrafterBridge:
         gone = [r for r in self.known - set(req_ids) if r not in self.runner.requests]
         for req_id in gone:
             self.acceptance.remove(req_id)
+            self.histories.drop(req_id)
             self.shown.pop(req_id, None)
             position = self.positions.pop(req_id, -1)
             if position >= 0:  # it ended (or was aborted) after its last step: at least a token on
@@ -172,8 +175,7 @@ class DrafterBridge:
             budget = min(budget, last - 1)
             if budget <= 0:  # rows without a committed token (partial prefill) have nothing to draft from either
                 continue
-            history = token_ids_cpu[row, :length]
-            history.flags.writeable = False  # a view of the engine's input buffer: a plugin's write raises
+            history = self.histories.view(req_id, token_ids_cpu[row, :length])  # never the engine's buffer
             requests.append((row, DraftRequest(
                 request_id=req_id, seed=sampler.seed_of(req_id), position=position, token_ids=history,
                 temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, max_tokens=budget)))
@@ -183,10 +185,10 @@ class DrafterBridge:
         """The step's plan in its requests' stats (and a switched-off drafter or member on every request from now
         on), and the step the planner expects."""
         sampler = self.runner._sample
-        members_off = "; ".join(self.call(lambda d: d.failures(), off=[]) or []) \
+        members_off = "; ".join(map(str, self.call(lambda d: d.failures(), off=[]) or [])) \
             if isinstance(self.drafter, CompositeDrafter) else ""  # a composite's members switched off
         if self.failure or members_off:  # every request from now on says it was decoded without them
-            reason = self.failure or f"drafter {type(self.drafter).__name__}: {members_off}"
+            reason = printable(self.failure or f"drafter {type(self.drafter).__name__}: {members_off}")
             for req_id in req_ids:
                 sampler.stats_for(req_id).drafter_failure = reason[:MAX_FAILURE]  # what a trajectory may carry
         stats_for = sampler.stats_for
@@ -206,7 +208,8 @@ class DrafterBridge:
                 self.drafter.remove(req_id)
             for req_id, committed in commits:
                 self.drafter.commit(req_id, committed)
-            labels = self.drafter.member_labels() if isinstance(self.drafter, CompositeDrafter) else {}
+            labels = member_labels(self.drafter.member_labels(), self.known, self.members, type(self.drafter).__name__) \
+                if isinstance(self.drafter, CompositeDrafter) else {}
         for req_id, members in labels.items():
             add_labels(sampler.stats_for(req_id).drafter_labels, members)
         self.drafter_seconds += time.perf_counter() - start
@@ -326,7 +329,8 @@ class DrafterBridge:
             with guarded(self.drafter):
                 fresh = self.drafter.propose([r for _, r in asked], max(r.max_tokens for _, r in asked))
                 rated = self.drafter.confidences()
-                sources = self.drafter.sources() if isinstance(self.drafter, CompositeDrafter) else None
+                sources = member_names(self.drafter.sources(), len(asked), self.members, type(self.drafter).__name__) \
+                    if isinstance(self.drafter, CompositeDrafter) else None
             if len(fresh) != len(asked) or (rated is not None and len(rated) != len(asked)) or \
                     (sources is not None and len(sources) != len(asked)):
                 raise RuntimeError(f"drafter {type(self.drafter).__name__} returned {len(fresh)} proposals, "
@@ -379,7 +383,8 @@ class DrafterBridge:
         def propose():
             with guarded(drafter):
                 proposals, confidences = drafter.propose_ahead(asked, k), drafter.confidences()
-                return proposals, confidences, drafter.sources() if isinstance(drafter, CompositeDrafter) else None
+                return proposals, confidences, member_names(drafter.sources(), len(asked), self.members, type(
+                    drafter).__name__) if isinstance(drafter, CompositeDrafter) else None
 
         self.ahead.launch(asked, propose)
 

@@ -1,16 +1,20 @@
-"""What the drafter bridge (actor/draft_bridge.py) checks of each call into a drafter plugin: that it left torch's
-process-wide settings as it found them (`guarded`), that its proposals are integer ids within the vocabulary
-(`token_ids_within`) and its confidences numbers, one per draft token (`confidences_for`). A call that fails a check
-switches the drafter off; drafts only ever save time, so the engine decodes on without it."""
+"""What the drafter bridge (actor/draft_bridge.py) shows a drafter plugin and checks of each call into it: histories
+as read-only views of copies, never of the engine's buffer (`Histories`); that the call left torch's process-wide
+settings as it found them and raised no exit (`guarded`), that its proposals are integer ids within the vocabulary
+(`token_ids_within`), its confidences numbers, one per draft token (`confidences_for`), and a composite's reports
+what a trajectory can carry (`member_names`, `member_labels`). A call that fails a check switches the drafter off;
+drafts only ever save time, so the engine decodes on without it."""
 
 from __future__ import annotations
 
 import operator
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from drafters.base import Drafter
+from transport.messages import MAX_DRAFTERS, MAX_NAME
 
 
 def _flag(module, name: str):
@@ -29,17 +33,55 @@ SHARED_STATE = [
     ("torch.backends.cuda.matmul.allow_tf32", *_flag(torch.backends.cuda.matmul, "allow_tf32")),
     ("torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
      *_flag(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction")),
+    ("torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
+     *_flag(torch.backends.cuda.matmul, "allow_fp16_reduced_precision_reduction")),
     ("torch.backends.cudnn.allow_tf32", *_flag(torch.backends.cudnn, "allow_tf32")),
+    ("torch.backends.cudnn.benchmark", *_flag(torch.backends.cudnn, "benchmark")),
+    ("torch.backends.cudnn.deterministic", *_flag(torch.backends.cudnn, "deterministic")),
+    *((f"torch.is_autocast_enabled({device!r})", lambda device=device: torch.is_autocast_enabled(device),
+       lambda on, device=device: torch.set_autocast_enabled(device, on)) for device in ("cpu", "cuda")),
 ]
+
+
+class Histories:
+    """Each drafting request's history as drafters see it: a copy of the engine's, kept per request and extended by
+    what the request committed since it was last shown; `DraftRequest.token_ids` is a read-only view of it. The
+    engine's own token buffer never reaches a plugin: one that makes its view writable (`torch.from_numpy`, the
+    `writeable` flag, `.base`) writes into this copy, which misleads only its own drafts, never the tokens."""
+
+    def __init__(self):
+        self.copies: dict[str, tuple[np.ndarray, int]] = {}  # per request: its copy (grown by doubling), its length
+
+    def view(self, request_id: str, history: np.ndarray) -> np.ndarray:
+        """A read-only view of the copy of `history` (the engine's, of request `request_id`)."""
+        copy, copied = self.copies.get(request_id, (None, 0))
+        n = len(history)
+        if copied > n or (copied and copy[copied - 1] != history[copied - 1]):  # not what was copied: copy it all
+            copied = 0
+        if copy is None or len(copy) < n:
+            grown = np.empty(max(2 * n, 64), dtype=history.dtype)
+            grown[:copied] = copy[:copied] if copied else grown[:0]
+            copy = grown
+        copy[copied:n] = history[copied:n]
+        self.copies[request_id] = (copy, n)
+        view = copy[:n]
+        view.flags.writeable = False
+        return view
+
+    def drop(self, request_id: str) -> None:
+        self.copies.pop(request_id, None)
 
 
 @contextmanager
 def guarded(drafter: Drafter):
     """Runs a drafter's call and checks that it left torch's process-wide settings (SHARED_STATE) as it found them:
-    one it changed is set back at once, and the call raises (the bridge then switches the drafter off)."""
+    one it changed is set back at once, and the call raises (the bridge then switches the drafter off). A plugin's
+    `SystemExit` or `GeneratorExit` is its error like any other (an interrupt from the keyboard is not)."""
     before = [get() for _, get, _ in SHARED_STATE]
     try:
         yield
+    except (SystemExit, GeneratorExit) as e:
+        raise RuntimeError(f"drafter {type(drafter).__name__} raised {type(e).__name__}({e})") from e
     finally:
         changed = []
         for (name, get, put), value in zip(SHARED_STATE, before):
@@ -70,3 +112,42 @@ def token_ids_within(proposal, vocab_size: int) -> list[int] | None:
     except TypeError:
         return None
     return ids if not ids or (min(ids) >= 0 and max(ids) < vocab_size) else None
+
+
+def printable(text: str) -> str:
+    """`text` as UTF-8 can carry it (a lone surrogate in an exception's message becomes an escape)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def member_names(names, requests: int, seen: set[str], drafter: str) -> list[str]:
+    """A composite's `sources()`: one name per request, each a string of at most MAX_NAME characters, at most
+    MAX_DRAFTERS distinct over the engine's life (`seen`, updated), as `SpecStats.drafter_choices` carries them."""
+    names = list(names)
+    if len(names) != requests or not all(isinstance(n, str) and len(n) <= MAX_NAME for n in names):
+        raise RuntimeError(f"drafter {drafter}: sources() must name one member per request as a string of at most "
+                           f"{MAX_NAME} characters, got {names!r:.200}")
+    seen.update(n for n in names if n)
+    if len(seen) > MAX_DRAFTERS:
+        raise RuntimeError(f"drafter {drafter}: more than {MAX_DRAFTERS} member names in sources()")
+    return [printable(n) for n in names]
+
+
+def member_labels(labels, known: set[str], seen: set[str], drafter: str) -> dict[str, dict[str, tuple[int, int]]]:
+    """A composite's `member_labels()`, for the requests the engine holds (`known`): per member name (a string of at
+    most MAX_NAME characters, at most MAX_DRAFTERS distinct over the engine's life: `seen`, updated) two counts."""
+    checked = {}
+    try:
+        for request_id, members in labels.items():
+            pairs = {name: (operator.index(a), operator.index(r)) for name, (a, r) in members.items()}
+            if not all(isinstance(n, str) and len(n) <= MAX_NAME for n in pairs) or \
+                    min((min(p) for p in pairs.values()), default=0) < 0:
+                raise TypeError("member names must be strings and counts not negative")
+            seen.update(pairs)
+            if request_id in known:
+                checked[request_id] = {printable(n): p for n, p in pairs.items()}
+    except (AttributeError, TypeError, ValueError) as e:
+        raise RuntimeError(f"drafter {drafter}: member_labels() must map request ids to member names to two counts "
+                           f"(drafters/base.py): {e}") from e
+    if len(seen) > MAX_DRAFTERS:
+        raise RuntimeError(f"drafter {drafter}: more than {MAX_DRAFTERS} member names in member_labels()")
+    return checked

@@ -37,8 +37,8 @@ class DraftRequest:
     request_id: str
     seed: int  # the coupled sampler's seed for this request
     position: int  # output position of the next token to be sampled (0 = first response token)
-    # prompt followed by every committed output token: a read-only sequence of ints (the engine passes a view of
-    # its own buffer, valid during the call only: copy what you keep)
+    # prompt followed by every committed output token: a read-only sequence of ints (a view of the bridge's copy of
+    # the engine's history, never of the engine's buffer; valid during the call only: copy what you keep)
     token_ids: Sequence[int]
     temperature: float = 0.0  # the target's sampling settings, for drafters that sample with the coupled noise
     top_k: int = 0  # <= 0: no top-k

@@ -437,3 +437,106 @@ def test_a_drafters_failure_is_cut_to_what_a_trajectory_may_carry():
     assert b.failure and len(stats.drafter_failure) == MAX_FAILURE
     encoded = msgspec.msgpack.encode(factories.trajectory(spec=stats))
     assert msgspec.msgpack.Decoder(Trajectory).decode(encoded).spec.drafter_failure == stats.drafter_failure
+
+
+class ForcesWrites(Recording):
+    """Forces writes into its histories past the read-only flag: through torch, through the flag itself and through
+    the array the view is of."""
+
+    def propose(self, requests, k):
+        history = requests[0].token_ids
+        torch.from_numpy(history)[-1] = 0  # (torch warns that the array is read-only, and writes)
+        history.base[:] = 0
+        history.flags.writeable = True
+        history[0] = 0
+        return super().propose(requests, k)
+
+
+def test_a_drafter_that_forces_a_write_into_its_history_changes_only_its_own_copy():
+    """The engine's token buffer never reaches a plugin: its histories are copies, so a forced write misleads its own
+    drafts only. The engine's inputs stay what they were, and the drafter (which broke no check) drafts on."""
+    b, _ = bridge(ForcesWrites([[1, 2], [3, 4]]), ["a-1", "b-1"])
+    history = np.arange(40).reshape(2, -1) % VOCAB
+    kept = history.copy()
+    with pytest.warns(UserWarning, match="not writable"):
+        assert b.propose([[5], [6]], np.full(2, 8), history) == [[1, 2], [3, 4]]
+    assert np.array_equal(history, kept) and not b.failure
+    seen = []
+    b.drafter.propose = lambda requests, k: seen.extend(r.token_ids.tolist() for r in requests) or [[], []]
+    history[0, 8:10] = [7, 8]  # the next step: a's history is its copy, mended where it no longer matches
+    b.propose([[7, 8], [6]], np.array([10, 9]), history)
+    assert seen == [history[0, :10].tolist(), history[1, :9].tolist()]
+
+
+class Exits(Recording):
+    def propose(self, requests, k):
+        raise SystemExit(3)
+
+
+class Autocasts(Recording):
+    def propose(self, requests, k):
+        torch.autocast("cpu", dtype=torch.bfloat16).__enter__()  # entered, never left: the target would compute in it
+        return super().propose(requests, k)
+
+
+@pytest.mark.parametrize("drafter, reason", [(Exits, "raised SystemExit(3)"),
+                                             (Autocasts, "changed torch.is_autocast_enabled('cpu')")])
+def test_an_exit_or_a_leaked_autocast_switches_the_drafter_off_and_leaves_the_engine_running(drafter, reason):
+    b, _ = bridge(drafter([[1, 2], [3, 4]]), ["a-1", "b-1"])
+    assert propose(b, [[5], [6]]) == [[], []]
+    assert reason in b.failure and not torch.is_autocast_enabled("cpu")
+
+
+class Reports(Recording, CompositeDrafter):
+    """A composite whose reports are `sources`, `labels` and `failed` as given."""
+
+    def __init__(self, sources=("m", "m"), labels=None, failed=()):
+        super().__init__([[1, 2], [3, 4]])
+        self.names, self.labels, self.failed = sources, labels or {}, failed
+
+    def sources(self):
+        return list(self.names)
+
+    def member_labels(self):
+        return self.labels
+
+    def failures(self):
+        return list(self.failed)
+
+
+@pytest.mark.parametrize("drafter, reason", [
+    (Reports(sources=("m" * 300, "m")), "sources() must name one member per request"),
+    (Reports(sources=(3, "m")), "sources() must name one member per request"),
+    (Reports(labels={"a-1": {"m": (1.5, 0)}}), "member_labels() must map request ids"),
+    (Reports(labels={"a-1": {7: (1, 0)}}), "member_labels() must map request ids"),
+    (Reports(labels={"a-1": {f"m{i}": (1, 0) for i in range(65)}}), "more than 64 member names"),
+])
+def test_a_composites_reports_a_trajectory_could_not_carry_switch_it_off(drafter, reason):
+    """What a composite reports per request goes into every trajectory the learner decodes (transport/messages.py):
+    a name too long, a count that is not one, too many members, and the learner would drop every trajectory of the
+    actor as malformed, and the actor regenerate them, for ever. Such reports switch the composite off instead."""
+    b, runner = bridge(drafter, ["a-1", "b-1"])
+    propose(b, [[5], [6]])
+    propose(b, [[1, 2, 9], [3, 4, 8]])
+    assert reason in b.failure
+    assert all(len(n) <= 256 for r in runner._sample.records.values() for n in r.stats.drafter_choices)
+
+
+def test_a_composites_reports_are_read_as_a_trajectory_carries_them():
+    """numpy counts are read as ints, labels for requests the engine does not hold are dropped (they would make
+    records nobody takes), failures that are not strings are read as text, and a lone surrogate in a reason is
+    escaped: every request's stats still encode and decode."""
+    import msgspec
+
+    import factories
+    from transport.messages import Trajectory
+
+    labels = {"a-1": {"m": (np.int64(2), np.int64(1))}, "gone-1": {"m": (1, 0)}}
+    b, runner = bridge(Reports(labels=labels, failed=[ValueError("bad \udce9")]), ["a-1", "b-1"])
+    propose(b, [[5], [6]])
+    records = runner._sample.records
+    assert set(records) == {"a", "b"} and records["a"].stats.drafter_labels == {"m": [2, 1]}
+    assert not b.failure and "bad \\udce9" in records["a"].stats.drafter_failure
+    for record in records.values():
+        encoded = msgspec.msgpack.encode(factories.trajectory(spec=record.stats))
+        assert msgspec.msgpack.Decoder(Trajectory).decode(encoded).spec == record.stats
