@@ -105,11 +105,11 @@ class DraftsAhead:
                 proposals, confidences, sources = propose()
                 if proposals is None:  # the drafter prepared nothing this time (`Drafter.propose_ahead`)
                     return prepared
-                for r, p, c, s in zip(requests, proposals, confidences or [None] * len(requests),
-                                      sources or [""] * len(requests)):
+                for r, p, c, s in zip(requests, proposals, [None] * len(requests) if confidences is None else
+                                      confidences, [""] * len(requests) if sources is None else sources):
                     tail = tuple(int(t) for t in r.token_ids[len(r.token_ids) - r.unverified:])
-                    prepared.setdefault(r.request_id, []).append(Prepared(
-                        len(r.token_ids), tail, [int(t) for t in p], c, str(s), r.rejected is not None, r.guess))
+                    prepared.setdefault(r.request_id, []).append(Prepared(  # ids judged when taken (token_ids_within)
+                        len(r.token_ids), tail, list(p), c, str(s), r.rejected is not None, r.guess))
                 lengths = [len(p) for ps in prepared.values() for p in ps]
                 self.cost.observe(max(lengths, default=0), sum(lengths), 0, time.perf_counter() - start)
                 return prepared

@@ -341,7 +341,7 @@ class DrafterBridge:
                 self.draft_cost.observe(max(map(len, fresh)), sum(map(len, fresh)),
                                         sum(self._unseen(r) for _, r in asked), time.perf_counter() - start)
             found.update((j, (p, c, s)) for (j, _), p, c, s in zip(
-                asked, fresh, rated or [None] * len(asked), sources or [""] * len(asked)))
+                asked, fresh, [None] * len(asked) if rated is None else rated, sources or [""] * len(asked)))
         triples = [found.get(j, ([], None, "")) for j in range(len(requests))]  # skipped misses: no drafts
         proposals, confidences = [p for p, _, _ in triples], [c for _, c, _ in triples]
         any_rated = any(c is not None for c in confidences)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from configs.load import ConfigError, check_model, find_config, load_config
 from drafters.base import DrafterLoadError, drafter_class
@@ -57,10 +57,14 @@ def check_drafters(path: Path, speculation: DictConfig) -> None:
         except DrafterLoadError as e:
             raise ConfigError(f"{path}: key '{key}': {e}") from None
         where = "speculation.options" if name == speculation.method else f"speculation.options.{name}"
+        if not isinstance(options, (dict, DictConfig)):
+            raise ConfigError(f"{path}: key '{where}' = {options!r}: not a mapping of option names to values")
+        # plain lists and dicts, as the engine builds the drafter with
+        options = OmegaConf.to_container(options) if isinstance(options, DictConfig) else dict(options)
         try:  # the drafter's own judgement, without building it (constructing one may load a model)
-            cls.check_options(dict(options))
+            cls.check_options(options)
         except (TypeError, ValueError) as e:
-            raise ConfigError(f"{path}: key '{where}' = {dict(options)}: {cls.__name__}{inspect.signature(cls)} "
+            raise ConfigError(f"{path}: key '{where}' = {options}: {cls.__name__}{inspect.signature(cls)} "
                               f"refuses them: {e}") from None
         if name == "draft_lm":
             check_model(path, f"{where}.model", options.get("model", "builtin:draft"))

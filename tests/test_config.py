@@ -220,6 +220,21 @@ def test_fastest_of_n_members_are_checked_at_load(overrides, needle):
     assert load_run_config("grpo_tiny", ["speculation.method=fastest_of_n", "speculation.drafters=[suffix,draft_lm]"])
 
 
+def test_a_plugins_options_reach_its_check_as_plain_yaml_values():
+    """A plugin judges its options as the engine will build it with them: a YAML list is a list, not OmegaConf's
+    ListConfig; options that are not a mapping are refused naming the key."""
+    plugin = "speculation.method=tests.plugin_contracts.misbehaving.StopsDrafter"
+    assert load_run_config("grpo_tiny", [plugin, "speculation.options.stops=[5,6]"])
+    with pytest.raises(ConfigError, match="stops=7 is not a list"):
+        load_run_config("grpo_tiny", [plugin, "speculation.options.stops=7"])
+
+
+def test_a_plugin_annotation_only_a_type_checker_resolves_leaves_the_check_to_the_constructor():
+    from tests.plugin_contracts.misbehaving import StopsDrafter
+
+    assert StopsDrafter.check_options({"hint": 3}) == {"stops": None, "hint": 3}
+
+
 def test_a_deterministic_run_needs_the_synchronous_schedule():
     with pytest.raises(ConfigError, match="key 'algorithm.max_staleness' = 1 must be 0 when trainer.deterministic"):
         load_run_config("grpo_tiny", ["trainer.deterministic=true"])

@@ -1,12 +1,14 @@
 """A drafter plugin that does what drafters/base.py forbids, to show the boundary holds: it tries to write into the
 history it is handed (swallowing the error the read-only view raises, so it keeps drafting) and draws from every
-global RNG on every call. Loaded by dotted path in the speculative-rollout and deterministic-run tests."""
+global RNG on every call. Loaded by dotted path in the speculative-rollout and deterministic-run tests. And one
+whose options are judged as a YAML file gives them (`StopsDrafter`, in the config tests)."""
 
 import random
 
 import numpy as np
 import torch
 
+from drafters.base import Drafter
 from drafters.ngram import NgramDrafter
 
 
@@ -19,3 +21,27 @@ class MisbehavingDrafter(NgramDrafter):
             except ValueError:
                 pass
         return super().propose(requests, k)
+
+
+
+class StopsDrafter(Drafter):
+    """Options as a YAML file gives them: a list (`stops`), and an annotation only a type checker can resolve."""
+
+    def __init__(self, stops: list | None = None, hint: "OnlyForTypeCheckers | None" = None):  # noqa: F821
+        self.check_options(dict(stops=stops, hint=hint))
+
+    @classmethod
+    def check_options(cls, options: dict) -> dict:
+        checked = super().check_options(options)
+        if not isinstance(checked["stops"] or [], list):
+            raise TypeError(f"option stops={checked['stops']!r} is not a list")
+        return checked
+
+    def propose(self, requests, k):
+        return [[] for _ in requests]
+
+    def commit(self, request_id, committed):
+        pass
+
+    def remove(self, request_id):
+        pass
