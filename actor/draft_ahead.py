@@ -29,6 +29,10 @@ import numpy as np
 from actor.draft_planner import DraftCost
 from drafters.base import DraftRequest
 
+# a preparation still running this long after its verify step is a hung drafter: the bridge switches it off (its
+# thread is left to itself) and the engine decodes on, instead of stalling until the actor is taken for dead
+SETTLE_DEADLINE_S = 60.0
+
 
 class Prepared(NamedTuple):
     length: int  # the length of the history it was proposed from
@@ -57,12 +61,13 @@ class DraftsAhead:
         self.right = {(kind, guess): 0 for kind in (False, True) for guess in (0, 1)}
 
     def settle(self) -> float:
-        """Waits for the preparation in flight (its error is raised here); returns the seconds waited."""
+        """Waits for the preparation in flight (its error is raised here; TimeoutError past SETTLE_DEADLINE_S);
+        returns the seconds waited."""
         if self.future is None:
             return 0.0
         start = time.perf_counter()
         future, self.future = self.future, None
-        self.prepared = future.result()
+        self.prepared = future.result(timeout=SETTLE_DEADLINE_S)
         return time.perf_counter() - start
 
     def take(self, request_id: str, history) -> tuple[list[int], list[float] | None, str] | None:

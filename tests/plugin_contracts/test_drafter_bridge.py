@@ -540,3 +540,26 @@ def test_a_composites_reports_are_read_as_a_trajectory_carries_them():
     for record in records.values():
         encoded = msgspec.msgpack.encode(factories.trajectory(spec=record.stats))
         assert msgspec.msgpack.Decoder(Trajectory).decode(encoded).spec == record.stats
+
+
+def test_a_preparation_that_never_ends_switches_the_drafter_off_and_the_engine_decodes_on(monkeypatch):
+    """Decoupled: a drafter whose thread hangs would stall the engine at its next step until the actor is taken for
+    dead, and its replacement would hang the same way. Past the deadline it is switched off instead."""
+    import threading
+
+    release = threading.Event()
+
+    class Hangs(Recording):
+        def propose_ahead(self, requests, k):
+            release.wait()
+            return [[] for _ in requests]
+
+    monkeypatch.setattr("actor.draft_ahead.SETTLE_DEADLINE_S", 0.2)
+    threading.Timer(2.0, release.set).start()  # (without a deadline the engine would get drafts after 2 s)
+    b, _ = bridge(Hangs([[1, 2], [3]]), ["a-x", "b-y"], planning=False, decoupled=True)
+    try:
+        assert propose(b, [[5], [6]]) == [[1, 2], [3]]
+        assert propose(b, [[5], [6]]) == [[], []] and "TimeoutError" in b.failure
+        assert propose(b, [[7], [8]]) == [[], []]
+    finally:
+        release.set()
