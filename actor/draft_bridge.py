@@ -8,8 +8,9 @@ is asked for the tokens that pay at the request's acceptance so far (as any draf
 verified only as far as each token's calibrated gain pays: drafting is paid by then, verifying a token that is
 rejected still costs a step's share on the verifier. Every verify step labels the proposals it checked
 (drafters/calibration.py). The drafter sees ids, seeds, positions and read-only views of copies of the requests'
-histories, extended as they grow (actor/drafter_checks.Histories), never the engine's buffer. A drafter that raises or breaks its contract is switched off for the engine's life (`switch_off`): drafts
-only ever save time, so the engine decodes on without them, tokens unchanged."""
+histories, extended as they grow (actor/drafter_checks.Histories), never the engine's buffer. A drafter that raises
+or breaks its contract is switched off for the engine's life (`switch_off`): drafts only ever save time, so the
+engine decodes on without them, tokens unchanged."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from actor.draft_ahead import DraftsAhead, ahead, outcomes
-from actor.drafter_checks import (Histories, confidences_for, guarded, member_labels, member_names, printable,
+from actor.drafter_checks import (Histories, confidences_for, guarded, labels_within, printable, sources_within,
                                   token_ids_within)
 from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, Rest, StepCost, Survival, geometric, plan
 from drafters.base import CompositeDrafter, Drafter, DraftRequest, prepares_ahead
@@ -208,8 +209,8 @@ class DrafterBridge:
                 self.drafter.remove(req_id)
             for req_id, committed in commits:
                 self.drafter.commit(req_id, committed)
-            labels = member_labels(self.drafter.member_labels(), self.known, self.members, type(self.drafter).__name__) \
-                if isinstance(self.drafter, CompositeDrafter) else {}
+            labels = labels_within(self.drafter.member_labels(), self.known, self.members,
+                                   type(self.drafter).__name__) if isinstance(self.drafter, CompositeDrafter) else {}
         for req_id, members in labels.items():
             add_labels(sampler.stats_for(req_id).drafter_labels, members)
         self.drafter_seconds += time.perf_counter() - start
@@ -329,8 +330,8 @@ class DrafterBridge:
             with guarded(self.drafter):
                 fresh = self.drafter.propose([r for _, r in asked], max(r.max_tokens for _, r in asked))
                 rated = self.drafter.confidences()
-                sources = member_names(self.drafter.sources(), len(asked), self.members, type(self.drafter).__name__) \
-                    if isinstance(self.drafter, CompositeDrafter) else None
+                sources = None if not isinstance(self.drafter, CompositeDrafter) else \
+                    sources_within(self.drafter.sources(), len(asked), self.members, type(self.drafter).__name__)
             if len(fresh) != len(asked) or (rated is not None and len(rated) != len(asked)) or \
                     (sources is not None and len(sources) != len(asked)):
                 raise RuntimeError(f"drafter {type(self.drafter).__name__} returned {len(fresh)} proposals, "
@@ -383,7 +384,7 @@ class DrafterBridge:
         def propose():
             with guarded(drafter):
                 proposals, confidences = drafter.propose_ahead(asked, k), drafter.confidences()
-                return proposals, confidences, member_names(drafter.sources(), len(asked), self.members, type(
+                return proposals, confidences, sources_within(drafter.sources(), len(asked), self.members, type(
                     drafter).__name__) if isinstance(drafter, CompositeDrafter) else None
 
         self.ahead.launch(asked, propose)

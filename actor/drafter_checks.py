@@ -2,8 +2,8 @@
 as read-only views of copies, never of the engine's buffer (`Histories`); that the call left torch's process-wide
 settings as it found them and raised no exit (`guarded`), that its proposals are integer ids within the vocabulary
 (`token_ids_within`), its confidences numbers, one per draft token (`confidences_for`), and a composite's reports
-what a trajectory can carry (`member_names`, `member_labels`). A call that fails a check switches the drafter off;
-drafts only ever save time, so the engine decodes on without it."""
+what a trajectory can carry (`sources_within`, `labels_within`). A call that fails a check switches the drafter
+off; drafts only ever save time, so the engine decodes on without it."""
 
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def printable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def member_names(names, requests: int, seen: set[str], drafter: str) -> list[str]:
+def sources_within(names, requests: int, seen: set[str], drafter: str) -> list[str]:
     """A composite's `sources()`: one name per request, each a string of at most MAX_NAME characters, at most
     MAX_DRAFTERS distinct over the engine's life (`seen`, updated), as `SpecStats.drafter_choices` carries them."""
     names = list(names)
@@ -132,7 +132,7 @@ def member_names(names, requests: int, seen: set[str], drafter: str) -> list[str
     return [printable(n) for n in names]
 
 
-def member_labels(labels, known: set[str], seen: set[str], drafter: str) -> dict[str, dict[str, tuple[int, int]]]:
+def labels_within(labels, known: set[str], seen: set[str], drafter: str) -> dict[str, dict[str, tuple[int, int]]]:
     """A composite's `member_labels()`, for the requests the engine holds (`known`): per member name (a string of at
     most MAX_NAME characters, at most MAX_DRAFTERS distinct over the engine's life: `seen`, updated) two counts."""
     checked = {}
