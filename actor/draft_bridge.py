@@ -41,7 +41,7 @@ class DrafterBridge:
     def __init__(self, vllm_config):
         self.k = vllm_config.speculative_config.num_speculative_tokens
         self.runner = None
-        self.drafter: Drafter | None = None
+        self.drafter: Drafter | str | None = None  # (str: the name of one that could not be built)
         self.max_batch, self.planning = 0, True
         self.live: set[str] = set()  # the requests of the last step's batch
         self.known: set[str] = set()  # every request the drafter has state for
@@ -65,12 +65,13 @@ class DrafterBridge:
     def load_model(self, *args, **kwargs) -> None:  # vLLM hands over the target model; drafters bring their own
         pass
 
-    def bind(self, runner, drafter: Drafter, max_batch: int, planning: bool, decoupled: bool = False) -> None:
+    def bind(self, runner, drafter: Drafter | str, max_batch: int, planning: bool, decoupled: bool = False) -> None:
+        """`drafter`: the plugin, or (a str) the name of one that could not be built, switched off by the caller."""
         self.runner, self.drafter, self.max_batch, self.planning = runner, drafter, max_batch, planning
-        if decoupled and prepares_ahead(drafter):
+        if decoupled and not isinstance(drafter, str) and prepares_ahead(drafter):
             self.ahead = DraftsAhead()
             sys.setswitchinterval(SWITCH_S)  # the engine's thread takes the GIL back from the drafter's sooner
-        elif decoupled:
+        elif decoupled and not isinstance(drafter, str):
             log.warning("speculation.decoupled: drafter %s cannot prepare drafts ahead (no propose_ahead); it drafts "
                         "on the engine's critical path", type(drafter).__name__)
         self.vocab_size = runner.model_config.get_vocab_size()
@@ -220,7 +221,8 @@ class DrafterBridge:
         drafts (the same tokens, at plain decoding's speed). Said once in the log, with the traceback, and on every
         request's stats from then on (`SpecStats.drafter_failure`: TensorBoard's spec/drafter_failed and
         spec/alarm)."""
-        self.failure = f"drafter {type(self.drafter).__name__} switched off: {type(error).__name__}: {error}"
+        name = self.drafter if isinstance(self.drafter, str) else type(self.drafter).__name__
+        self.failure = f"drafter {name} switched off: {type(error).__name__}: {error}"
         self.verifying = {}
         log.error("%s; this engine decodes on without drafts", self.failure, exc_info=error)
 

@@ -229,7 +229,12 @@ def install(worker, drafter_path: str | None = None, drafter_options: dict | Non
         if not isinstance(getattr(runner, "drafter", None), DrafterBridge):
             raise RuntimeError("a drafter needs the engine built with speculative_config method 'custom_class' "
                                "and model 'actor.draft_bridge.DrafterBridge' (see actor/engine.py)")
-        drafter = load_drafter(drafter_path, drafter_options or {}, device=str(runner.device))  # a draft LM: there
+        try:
+            drafter = load_drafter(drafter_path, drafter_options or {}, device=str(runner.device))  # a draft LM: there
+        except Exception as e:  # drafts only save time: this engine decodes without them, every trajectory says why
+            runner.drafter.bind(runner, drafter_path, max_batch, planning)
+            runner.drafter.switch_off(e)
+            return
         runner.drafter.bind(runner, drafter, max_batch, planning, decoupled)
 
 

@@ -267,3 +267,13 @@ def test_a_preempting_weight_update_leaves_every_logprob_at_its_position_under_i
             assert torch.allclose(recorded, want, atol=1e-4), f"{method} request {rid}: switched after {m} tokens"
             moved += int((expected[0][m:] - expected[1][m:]).abs().max() > 1e-3) if len(ids) > m else 0
     assert moved > PROMPTS, "the new weights barely change the logprobs: the test could not tell the versions apart"
+
+
+def test_a_drafter_that_cannot_be_built_leaves_the_engine_decoding_plainly(plain):
+    """A plugin that passed the check at load but fails to build on the actor does not take the engine (and the actor,
+    and each replacement) down with it: drafts only save time, so the engine decodes without them, the same tokens,
+    and every trajectory says why (TensorBoard's spec/alarm)."""
+    results, stats = rollouts("tests.plugin_contracts.misbehaving.BrokenAtStart")
+    assert [r[0] for r in results] == [r[0] for r in plain] and sum(s.draft_tokens for s in stats) == 0
+    reason = "BrokenAtStart switched off: RuntimeError: its model is not on this node"
+    assert all(reason in s.drafter_failure for s in stats)

@@ -1,7 +1,8 @@
 """A drafter plugin that does what drafters/base.py forbids, to show the boundary holds: it tries to write into the
 history it is handed (swallowing the error the read-only view raises, so it keeps drafting) and draws from every
 global RNG on every call. Loaded by dotted path in the speculative-rollout and deterministic-run tests. And one
-whose options are judged as a YAML file gives them (`StopsDrafter`, in the config tests)."""
+whose options are judged as a YAML file gives them (`StopsDrafter`, in the config tests), and one that cannot be built
+(`BrokenAtStart`)."""
 
 import random
 
@@ -45,3 +46,10 @@ class StopsDrafter(Drafter):
 
     def remove(self, request_id):
         pass
+
+
+class BrokenAtStart(NgramDrafter):
+    """Passes the check at load and fails to build on the actor (a model missing on that node, say)."""
+
+    def __init__(self, **options):
+        raise RuntimeError("its model is not on this node")
