@@ -60,7 +60,8 @@ class Histories:
             copied = 0
         if copy is None or len(copy) < n:
             grown = np.empty(max(2 * n, 64), dtype=history.dtype)
-            grown[:copied] = copy[:copied] if copied else grown[:0]
+            if copied:
+                grown[:copied] = copy[:copied]
             copy = grown
         copy[copied:n] = history[copied:n]
         self.copies[request_id] = (copy, n)
@@ -119,35 +120,40 @@ def printable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def sources_within(names, requests: int, seen: set[str], drafter: str) -> list[str]:
-    """A composite's `sources()`: one name per request, each a string of at most MAX_NAME characters, at most
-    MAX_DRAFTERS distinct over the engine's life (`seen`, updated), as `SpecStats.drafter_choices` carries them."""
-    names = list(names)
-    if len(names) != requests or not all(isinstance(n, str) and len(n) <= MAX_NAME for n in names):
-        raise RuntimeError(f"drafter {drafter}: sources() must name one member per request as a string of at most "
-                           f"{MAX_NAME} characters, got {names!r:.200}")
+def _names_within(names, seen: set[str], drafter: str, where: str) -> bool:
+    """Whether member names are as `SpecStats` carries them, strings of at most MAX_NAME characters; if so they join
+    `seen`, the names of the engine's life, and more than MAX_DRAFTERS of those raise, naming `where` they came from."""
+    if not all(isinstance(n, str) and len(n) <= MAX_NAME for n in names):
+        return False
     seen.update(n for n in names if n)
     if len(seen) > MAX_DRAFTERS:
-        raise RuntimeError(f"drafter {drafter}: more than {MAX_DRAFTERS} member names in sources()")
+        raise RuntimeError(f"drafter {drafter}: more than {MAX_DRAFTERS} member names in {where}")
+    return True
+
+
+def sources_within(names, requests: int, seen: set[str], drafter: str) -> list[str]:
+    """A composite's `sources()`: one member name per request (`_names_within`), as `SpecStats.drafter_choices`
+    carries them."""
+    names = list(names)
+    if len(names) != requests or not _names_within(names, seen, drafter, "sources()"):
+        raise RuntimeError(f"drafter {drafter}: sources() must name one member per request as a string of at most "
+                           f"{MAX_NAME} characters, got {names!r:.200}")
     return [printable(n) for n in names]
 
 
 def labels_within(labels, known: set[str], seen: set[str], drafter: str) -> dict[str, dict[str, tuple[int, int]]]:
-    """A composite's `member_labels()`, for the requests the engine holds (`known`): per member name (a string of at
-    most MAX_NAME characters, at most MAX_DRAFTERS distinct over the engine's life: `seen`, updated) two counts."""
+    """A composite's `member_labels()`, for the requests the engine holds (`known`): per member name
+    (`_names_within`) two counts, neither negative."""
     checked = {}
     try:
         for request_id, members in labels.items():
             pairs = {name: (operator.index(a), operator.index(r)) for name, (a, r) in members.items()}
-            if not all(isinstance(n, str) and len(n) <= MAX_NAME for n in pairs) or \
-                    min((min(p) for p in pairs.values()), default=0) < 0:
+            if min((min(p) for p in pairs.values()), default=0) < 0 or \
+                    not _names_within(pairs, seen, drafter, "member_labels()"):
                 raise TypeError("member names must be strings and counts not negative")
-            seen.update(pairs)
             if request_id in known:
                 checked[request_id] = {printable(n): p for n, p in pairs.items()}
     except (AttributeError, TypeError, ValueError) as e:
         raise RuntimeError(f"drafter {drafter}: member_labels() must map request ids to member names to two counts "
                            f"(drafters/base.py): {e}") from e
-    if len(seen) > MAX_DRAFTERS:
-        raise RuntimeError(f"drafter {drafter}: more than {MAX_DRAFTERS} member names in member_labels()")
     return checked
