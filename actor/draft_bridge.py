@@ -42,6 +42,7 @@ class DrafterBridge:
         self.k = vllm_config.speculative_config.num_speculative_tokens
         self.runner = None
         self.drafter: Drafter | str | None = None  # (str: the name of one that could not be built)
+        self.name = ""  # the drafter's, as logs and trajectories call it
         self.max_batch, self.planning = 0, True
         self.live: set[str] = set()  # the requests of the last step's batch
         self.known: set[str] = set()  # every request the drafter has state for
@@ -68,12 +69,14 @@ class DrafterBridge:
     def bind(self, runner, drafter: Drafter | str, max_batch: int, planning: bool, decoupled: bool = False) -> None:
         """`drafter`: the plugin, or (a str) the name of one that could not be built, switched off by the caller."""
         self.runner, self.drafter, self.max_batch, self.planning = runner, drafter, max_batch, planning
-        if decoupled and not isinstance(drafter, str) and prepares_ahead(drafter):
+        built = not isinstance(drafter, str)
+        self.name = type(drafter).__name__ if built else drafter
+        if decoupled and built and prepares_ahead(drafter):
             self.ahead = DraftsAhead()
             sys.setswitchinterval(SWITCH_S)  # the engine's thread takes the GIL back from the drafter's sooner
-        elif decoupled and not isinstance(drafter, str):
+        elif decoupled and built:
             log.warning("speculation.decoupled: drafter %s cannot prepare drafts ahead (no propose_ahead); it drafts "
-                        "on the engine's critical path", type(drafter).__name__)
+                        "on the engine's critical path", self.name)
         self.vocab_size = runner.model_config.get_vocab_size()
         self.max_model_len = runner.model_config.max_model_len
         self.survival = Survival(self.max_model_len)
@@ -190,7 +193,7 @@ class DrafterBridge:
         members_off = "; ".join(map(str, self.call(lambda d: d.failures(), off=[]) or [])) \
             if isinstance(self.drafter, CompositeDrafter) else ""  # a composite's members switched off
         if self.failure or members_off:  # every request from now on says it was decoded without them
-            reason = printable(self.failure or f"drafter {type(self.drafter).__name__}: {members_off}")
+            reason = printable(self.failure or f"drafter {self.name}: {members_off}")
             for req_id in req_ids:
                 sampler.stats_for(req_id).drafter_failure = reason[:MAX_FAILURE]  # what a trajectory may carry
         stats_for = sampler.stats_for
@@ -210,8 +213,8 @@ class DrafterBridge:
                 self.drafter.remove(req_id)
             for req_id, committed in commits:
                 self.drafter.commit(req_id, committed)
-            labels = labels_within(self.drafter.member_labels(), self.known, self.members,
-                                   type(self.drafter).__name__) if isinstance(self.drafter, CompositeDrafter) else {}
+            labels = labels_within(self.drafter.member_labels(), self.known, self.members, self.name) \
+                if isinstance(self.drafter, CompositeDrafter) else {}
         for req_id, members in labels.items():
             add_labels(sampler.stats_for(req_id).drafter_labels, members)
         self.drafter_seconds += time.perf_counter() - start
@@ -221,8 +224,7 @@ class DrafterBridge:
         drafts (the same tokens, at plain decoding's speed). Said once in the log, with the traceback, and on every
         request's stats from then on (`SpecStats.drafter_failure`: TensorBoard's spec/drafter_failed and
         spec/alarm)."""
-        name = self.drafter if isinstance(self.drafter, str) else type(self.drafter).__name__
-        self.failure = f"drafter {name} switched off: {type(error).__name__}: {error}"
+        self.failure = f"drafter {self.name} switched off: {type(error).__name__}: {error}"
         self.verifying = {}
         log.error("%s; this engine decodes on without drafts", self.failure, exc_info=error)
 
@@ -279,7 +281,6 @@ class DrafterBridge:
         proposals, confidences, sources, prepared = self._proposals([r for _, r in requests], base_tokens)
         elapsed = time.perf_counter() - start
         self.drafter_seconds += elapsed
-        name = type(self.drafter).__name__
         sampler = self.runner._sample
         unseen = sum(self._unseen(r) for _, r in requests)
         self.unseen_total += unseen
@@ -294,7 +295,7 @@ class DrafterBridge:
                 stats.invalid_drafts += 1
                 valid = []
             own = confidences[j] if confidences is not None else None
-            rated = confidences_for(own, len(valid), name) if own is not None else None
+            rated = confidences_for(own, len(valid), self.name) if own is not None else None
             made.append((row, request.request_id, valid, rated))
         keep = [len(valid) for _, _, valid, _ in made]
         if self.rated and not verify_all:
@@ -332,11 +333,11 @@ class DrafterBridge:
             with guarded(self.drafter):
                 fresh = self.drafter.propose([r for _, r in asked], max(r.max_tokens for _, r in asked))
                 rated = self.drafter.confidences()
-                sources = None if not isinstance(self.drafter, CompositeDrafter) else \
-                    sources_within(self.drafter.sources(), len(asked), self.members, type(self.drafter).__name__)
+                sources = sources_within(self.drafter.sources(), len(asked), self.members, self.name) \
+                    if isinstance(self.drafter, CompositeDrafter) else None
             if len(fresh) != len(asked) or (rated is not None and len(rated) != len(asked)) or \
                     (sources is not None and len(sources) != len(asked)):
-                raise RuntimeError(f"drafter {type(self.drafter).__name__} returned {len(fresh)} proposals, "
+                raise RuntimeError(f"drafter {self.name} returned {len(fresh)} proposals, "
                                    f"{'no' if rated is None else len(rated)} confidence lists and "
                                    f"{'no' if sources is None else len(sources)} sources for {len(asked)} requests "
                                    f"(drafters/base.py: one of each per request)")
@@ -386,8 +387,8 @@ class DrafterBridge:
         def propose():
             with guarded(drafter):
                 proposals, confidences = drafter.propose_ahead(asked, k), drafter.confidences()
-                return proposals, confidences, sources_within(drafter.sources(), len(asked), self.members, type(
-                    drafter).__name__) if isinstance(drafter, CompositeDrafter) else None
+                return proposals, confidences, sources_within(drafter.sources(), len(asked), self.members, self.name) \
+                    if isinstance(drafter, CompositeDrafter) else None
 
         self.ahead.launch(asked, propose)
 
