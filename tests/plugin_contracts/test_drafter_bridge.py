@@ -268,21 +268,28 @@ def test_a_drafters_commits_count_as_its_own_time_not_the_bridges(monkeypatch):
     assert b.drafter_seconds == 2.0 and b.seconds == 2.0  # all of the step's time is the drafter's
 
 
+class Reports(Recording, CompositeDrafter):
+    """A composite whose reports are `sources`, `labels` and `failed` as given."""
+
+    def __init__(self, sources=("m", "m"), labels=None, failed=()):
+        super().__init__([[1, 2], [3, 4]])
+        self.names, self.labels, self.failed = sources, labels or {}, failed
+
+    def sources(self):
+        return list(self.names)
+
+    def member_labels(self):
+        return self.labels
+
+    def failures(self):
+        return list(self.failed)
+
+
 def test_a_composites_member_switched_off_is_reported_while_the_composite_drafts_on():
-    class Composite(Recording, CompositeDrafter):
-        def failures(self):
-            return ["member m switched off: KeyError: 'x'"]
-
-        def member_labels(self):
-            return {}
-
-        def sources(self):
-            return ["m", "m"]
-
-    b, runner = bridge(Composite([[1, 2], [3, 4]]), ["a-1", "b-1"])
+    b, runner = bridge(Reports(failed=["member m switched off: KeyError: 'x'"]), ["a-1", "b-1"])
     assert propose(b, [[5], [6]]) == [[1, 2], [3, 4]] and not b.failure
     assert [c.stats.drafter_failure for c in runner._sample.records.values()] == [
-        "drafter Composite: member m switched off: KeyError: 'x'"] * 2
+        "drafter Reports: member m switched off: KeyError: 'x'"] * 2
 
 
 class Writes(Recording):
@@ -485,23 +492,6 @@ def test_an_exit_or_a_leaked_autocast_switches_the_drafter_off_and_leaves_the_en
     b, _ = bridge(drafter([[1, 2], [3, 4]]), ["a-1", "b-1"])
     assert propose(b, [[5], [6]]) == [[], []]
     assert reason in b.failure and not torch.is_autocast_enabled("cpu")
-
-
-class Reports(Recording, CompositeDrafter):
-    """A composite whose reports are `sources`, `labels` and `failed` as given."""
-
-    def __init__(self, sources=("m", "m"), labels=None, failed=()):
-        super().__init__([[1, 2], [3, 4]])
-        self.names, self.labels, self.failed = sources, labels or {}, failed
-
-    def sources(self):
-        return list(self.names)
-
-    def member_labels(self):
-        return self.labels
-
-    def failures(self):
-        return list(self.failed)
 
 
 @pytest.mark.parametrize("drafter, reason", [
