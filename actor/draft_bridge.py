@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from actor.draft_ahead import DraftsAhead, ahead, outcomes
-from actor.drafter_checks import (Histories, confidences_for, guarded, labels_within, printable, sources_within,
-                                  token_ids_within)
+from actor.drafter_checks import (CallWatch, Histories, confidences_for, guarded, labels_within, printable,
+                                  sources_within, token_ids_within)
 from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, Rest, StepCost, Survival, geometric, plan
 from drafters.base import CompositeDrafter, Drafter, DraftRequest, prepares_ahead
 from drafters.calibration import Calibration
@@ -58,6 +58,7 @@ class DrafterBridge:
         # in propose(), and of that in the drafter's propose(), commit() and remove() (a benchmark's profile)
         self.seconds = self.drafter_seconds = 0.0
         self.failure = ""  # why the drafter was switched off ("": it was not)
+        self.watch = CallWatch()  # the drafter's call the engine's thread is in (a hung one: driver/rollouts.py)
         self.ahead: DraftsAhead | None = None  # speculation.decoupled: the next step's drafts, prepared meanwhile
         self.waited = 0.0  # this step: seconds the engine waited for the preparation in flight
         self.waited_total = 0.0  # over the engine's life (a benchmark's profile)
@@ -190,7 +191,7 @@ class DrafterBridge:
         """The step's plan in its requests' stats (and a switched-off drafter or member on every request from now
         on), and the step the planner expects."""
         sampler = self.runner._sample
-        members_off = "; ".join(map(str, self.call(lambda d: d.failures(), off=[]) or [])) \
+        members_off = "; ".join(map(str, self.call("failures", lambda d: d.failures(), off=[]) or [])) \
             if isinstance(self.drafter, CompositeDrafter) else ""  # a composite's members switched off
         if self.failure or members_off:  # every request from now on says it was decoded without them
             reason = printable(self.failure or f"drafter {self.name}: {members_off}")
@@ -208,7 +209,7 @@ class DrafterBridge:
         """The drafter hears which requests left and what was committed (drafting or not), and a composite's
         members' labels go to their requests' stats; its own time, not the bridge's."""
         start, sampler = time.perf_counter(), self.runner._sample
-        with guarded(self.drafter):
+        with self.watch.running("commit"), guarded(self.drafter):
             for req_id in gone:
                 self.drafter.remove(req_id)
             for req_id, committed in commits:
@@ -234,20 +235,21 @@ class DrafterBridge:
         waited = 0.0
         if self.ahead is not None and not self.failure:
             try:
-                waited = self.ahead.settle()
+                with self.watch.running("propose_ahead"):
+                    waited = self.ahead.settle()
             except Exception as e:
                 self.switch_off(e)
         self.drafter_seconds, self.waited_total = self.drafter_seconds + waited, self.waited_total + waited
         return waited
 
-    def call(self, ask: Callable[[Drafter], Any], off=None):
-        """`ask(drafter)` outside proposing and committing (remember, new_policy, swap_weights, failures), once its
-        thread has finished preparing drafts: `off` once the drafter is switched off, or when this call raises
-        (which switches it off)."""
+    def call(self, hook: str, ask: Callable[[Drafter], Any], off=None):
+        """`ask(drafter)`, a call of its `hook` outside proposing and committing (remember, new_policy, swap_weights,
+        failures), once its thread has finished preparing drafts: `off` once the drafter is switched off, or when this
+        call raises (which switches it off)."""
         self.settle()
         if not self.failure:
             try:
-                with guarded(self.drafter):
+                with self.watch.running(hook), guarded(self.drafter):
                     return ask(self.drafter)
             except Exception as e:
                 self.switch_off(e)
@@ -330,7 +332,7 @@ class DrafterBridge:
             asked = self._worth_drafting_now(asked, base_tokens, ready)
         start = time.perf_counter()
         if asked:
-            with guarded(self.drafter):
+            with self.watch.running("propose"), guarded(self.drafter):
                 fresh = self.drafter.propose([r for _, r in asked], max(r.max_tokens for _, r in asked))
                 rated = self.drafter.confidences()
                 sources = sources_within(self.drafter.sources(), len(asked), self.members, self.name) \

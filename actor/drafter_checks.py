@@ -1,6 +1,7 @@
 """What the drafter bridge (actor/draft_bridge.py) shows a drafter plugin and checks of each call into it: histories
 as read-only views of copies, never of the engine's buffer (`Histories`); that the call left torch's process-wide
-settings as it found them and raised no exit (`guarded`), that its proposals are integer ids within the vocabulary
+settings as it found them and raised no exit (`guarded`), which call is running on the engine's thread and since
+when (`CallWatch`: a drafter that never returns is found by it, not by a check), that its proposals are integer ids within the vocabulary
 (`token_ids_within`), its confidences numbers, one per draft token (`confidences_for`), and a composite's reports
 what a trajectory can carry (`sources_within`, `labels_within`). A call that fails a check switches the drafter
 off; drafts only ever save time, so the engine decodes on without it."""
@@ -8,6 +9,7 @@ off; drafts only ever save time, so the engine decodes on without it."""
 from __future__ import annotations
 
 import operator
+import time
 from contextlib import contextmanager
 
 import numpy as np
@@ -71,6 +73,28 @@ class Histories:
 
     def drop(self, request_id: str) -> None:
         self.copies.pop(request_id, None)
+
+
+class CallWatch:
+    """Which of the drafter's hooks the engine's thread is in, and since when. A call that never returns cannot be
+    interrupted: it stalls its actor, which the driver takes for hung; first it asks `stuck` from another thread, and
+    the actor's replacements start with the drafter switched off (driver/rollouts.py)."""
+
+    def __init__(self):
+        self.hook, self.since = "", 0.0
+
+    @contextmanager
+    def running(self, hook: str):
+        self.hook, self.since = hook, time.monotonic()
+        try:
+            yield
+        finally:
+            self.hook = ""
+
+    def stuck(self, after_s: float) -> str:
+        """The call running for more than `after_s` seconds, said as a reason (\"\": none)."""
+        hook, seconds = self.hook, time.monotonic() - self.since
+        return f"its {hook} call had not returned after {seconds:.0f} s" if hook and seconds > after_s else ""
 
 
 @contextmanager

@@ -59,8 +59,9 @@ def engine_kwargs(cfg: DictConfig, model_dir: Path) -> dict:
     return kwargs
 
 
-def make_engine(cfg: DictConfig, model_dir: Path):
-    """A vLLM engine whose every token comes from the coupled sampler, drafting with the configured drafter. Fails
+def make_engine(cfg: DictConfig, model_dir: Path, drafter_off: str = ""):
+    """A vLLM engine whose every token comes from the coupled sampler, drafting with the configured drafter (or, with
+    `drafter_off`, the reason it may not: the engine then decodes plainly and every trajectory says why). Fails
     loudly, never falls back to vLLM's own sampler: the runner must be the one the hooks target, and a one-token
     warm-up must have been sampled by the coupled sampler."""
     if os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0") != "0":  # the GPU default is V2, which has no _sample
@@ -92,7 +93,7 @@ def make_engine(cfg: DictConfig, model_dir: Path):
         options = {"drafters": list(cfg.speculation.drafters), "options": options}
     llm.collective_rpc(install, args=(None if method == "none" else method, options,
                                       cfg.speculation.max_batch, cfg.speculation.planner,
-                                      cfg.speculation.decoupled))
+                                      cfg.speculation.decoupled, drafter_off))
     llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=1, seed=0), use_tqdm=False)
     check_coupled(llm)
     return llm

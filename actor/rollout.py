@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 from actor.engine import completion_text, make_engine, sampling_params
 from actor.evaluation import EVAL_SEED_BASE, Evaluation
 from actor.vllm_hooks import (RequestRecord, apply_weights, join_weight_group, new_policy_version, pull_weights,
-                               remember_outputs, swap_draft_weights, take_records)
+                               remember_outputs, stuck_drafter, swap_draft_weights, take_records)
 from sampling.coupled import group_seed
 from tasks.dataset import eval_set, open_dataset
 from tasks.reward import length_penalized, score
@@ -59,10 +59,12 @@ HEARTBEAT_S = 2.0  # an actor says how far it got this often (rank 0 also learns
 class RolloutActor:
     def __init__(self, cfg: DictConfig, actor_id: int, model_dir: str, trajectory_endpoint: str,
                  weight_endpoint: str, version: int, plan: CursorPlan, first_ordinal: int = 0, incarnation: int = 0,
-                 keys: ClientKeys | None = None, weight_group: GroupTicket | None = None):
-        """`weight_group`: with `transport.weights: nccl`, the learner's weight-sync group for this engine."""
+                 keys: ClientKeys | None = None, weight_group: GroupTicket | None = None, drafter_off: str = ""):
+        """`weight_group`: with `transport.weights: nccl`, the learner's weight-sync group for this engine.
+        `drafter_off`: why this actor's drafter may not run (it hung an earlier engine of this actor): the engine
+        decodes plainly, and every trajectory says why."""
         self.cfg, self.actor_id, self.plan = cfg, actor_id, plan
-        self.llm = make_engine(cfg, model_dir)  # coupled sampler installed; drafting if speculation.method is set
+        self.llm = make_engine(cfg, model_dir, drafter_off)  # coupled sampler; drafting if speculation.method is set
         self.engine = self.llm.llm_engine
         if weight_group is not None:
             self.llm.collective_rpc(join_weight_group, args=(weight_group,))
@@ -302,6 +304,11 @@ class RolloutActor:
 
     def stop(self) -> None:
         self.stopping.set()
+
+    def stuck_drafter(self, after_s: float) -> str:
+        """Asked by the driver, from Ray's second thread, of an actor gone silent: the drafter call its engine has been
+        in for more than `after_s` seconds, as a reason (\"\": none)."""
+        return self.llm.collective_rpc(stuck_drafter, args=(after_s,))[0] if self.speculating else ""
 
     def wait_for_version(self, version: int, timeout_s: float) -> int:
         """Applies weight updates until `version` is reached or `timeout_s` passes; call only while `run` is not

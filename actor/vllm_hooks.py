@@ -9,8 +9,8 @@ Everything here runs inside the vLLM worker (through `collective_rpc`). `install
   once per engine step.
 `apply_weights` updates weights in place with the CPU re-packing fixes;
 `take_records` returns each finished request's logprobs and speculation stats; `remember_outputs`,
-`new_policy_version` and `swap_draft_weights` reach the drafter between engine steps; `fix_cpu_rejection_sampler`
-repairs vLLM's sampler.
+`new_policy_version` and `swap_draft_weights` reach the drafter between engine steps, and `stuck_drafter` names
+the drafter call a hung engine is in; `fix_cpu_rejection_sampler` repairs vLLM's sampler.
 """
 
 from __future__ import annotations
@@ -214,9 +214,10 @@ class CoupledSampling:
 
 
 def install(worker, drafter_path: str | None = None, drafter_options: dict | None = None, max_batch: int = 0,
-            planning: bool = True, decoupled: bool = False) -> None:
-    """Runs inside the worker: coupled sampling always; a drafter when the engine speculates. Refuses a runner
-    that is not the V1 runner these hooks replace parts of (vLLM's V2 runner has no `_sample`)."""
+            planning: bool = True, decoupled: bool = False, switched_off: str = "") -> None:
+    """Runs inside the worker: coupled sampling always; a drafter when the engine speculates (`switched_off`: not
+    built at all, for this reason: one that hung an earlier engine of this actor). Refuses a runner that is not the
+    V1 runner these hooks replace parts of (vLLM's V2 runner has no `_sample`)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     runner = worker.model_runner
@@ -230,6 +231,8 @@ def install(worker, drafter_path: str | None = None, drafter_options: dict | Non
             raise RuntimeError("a drafter needs the engine built with speculative_config method 'custom_class' "
                                "and model 'actor.draft_bridge.DrafterBridge' (see actor/engine.py)")
         try:
+            if switched_off:
+                raise RuntimeError(switched_off)
             drafter = load_drafter(drafter_path, drafter_options or {}, device=str(runner.device))  # a draft LM: there
         except Exception as e:  # drafts only save time: this engine decodes without them, every trajectory says why
             runner.drafter.bind(runner, drafter_path, max_batch, planning)
@@ -342,18 +345,26 @@ def remember_outputs(worker, outputs: list[tuple[list[int], list[int], int]]) ->
     bridge = getattr(worker.model_runner, "drafter", None)
     if isinstance(bridge, DrafterBridge):
         for prompt, response, version in outputs:
-            bridge.call(lambda d: d.remember(prompt, response, version))
+            bridge.call("remember", lambda d: d.remember(prompt, response, version))
+
+
+def stuck_drafter(worker, after_s: float) -> str:
+    """The drafter's call the engine's thread has been in for more than `after_s` seconds, as a reason (\"\": none);
+    asked from another thread while that one is stuck."""
+    bridge = getattr(worker.model_runner, "drafter", None)
+    return bridge.watch.stuck(after_s) if isinstance(bridge, DrafterBridge) else ""
 
 
 def new_policy_version(worker, version: int) -> None:
     """The policy the engine samples from is `version` from the next step on (`Drafter.new_policy`)."""
     bridge = getattr(worker.model_runner, "drafter", None)
     if isinstance(bridge, DrafterBridge):
-        bridge.call(lambda d: d.new_policy(version))
+        bridge.call("new_policy", lambda d: d.new_policy(version))
 
 
 def swap_draft_weights(worker, weights: list) -> bool:
     """New weights for the drafter's own model, between engine steps (`Drafter.swap_weights`); False: it has none.
     A switched-off drafter takes them and drops them: the engine no longer drafts."""
     bridge = getattr(worker.model_runner, "drafter", None)
-    return isinstance(bridge, DrafterBridge) and bool(bridge.call(lambda d: d.swap_weights(weights), off=True))
+    return isinstance(bridge, DrafterBridge) and bool(bridge.call("swap_weights", lambda d: d.swap_weights(weights),
+                                                                  off=True))

@@ -1,7 +1,9 @@
 """The rollout actors of a run as Ray actors, each generating until stopped; one that dies is replaced and its
 unfinished groups are re-issued (learner rank 0 forgets their partial trajectories and names where the
 replacement starts; the replacement catches up to the newest weights before it admits a prompt). One that rank 0
-has not heard from for `rollout.stall_timeout_s` while it waits for groups is taken for hung and killed first."""
+has not heard from for `rollout.stall_timeout_s` while it waits for groups is taken for hung and killed first; if
+its engine was stuck in a call of the drafter plugin (which nothing can interrupt), its replacements decode without
+the drafter, same tokens, and every trajectory says why."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from transport.auth import ClientKeys, keypair
 
 CATCH_UP_S = 900  # a replacement's engine start and first weights (a large checkpoint takes minutes to load)
 GAP_CHECK_S = 5.0  # how often, while waiting on the learner, the driver asks rank 0 for lost trajectories
+ASK_STUCK_S = 5.0  # how long a silent actor has to say which drafter call its engine is stuck in
 
 
 class RolloutPool:
@@ -33,6 +36,7 @@ class RolloutPool:
         # threads: run(), stop() or a replacement's wait_for_version(), and evaluations waiting on run()
         self.cls = ray.remote(num_cpus=1, num_gpus=num_gpus, max_concurrency=4)(RolloutActor)
         self.restarts = 0
+        self.drafters_off: dict[int, str] = {}  # actor -> why its replacements run without the drafter (it hung)
         self.group = reserve(cfg, "rollout")  # a bundle per actor, on the rollout nodes; its replacements take it
         self.actors = [self.spawn(i, first_ordinal=0) for i in range(cfg.rollout.num_actors)]
         self.runs = [a.run.remote() for a in self.actors]
@@ -50,7 +54,8 @@ class RolloutPool:
         return self.cls.options(name=name, scheduling_strategy=slot(self.group, i),
                                 runtime_env={"env_vars": {"LD_PRELOAD": preload}} if preload else None).remote(
             self.cfg, i, self.model_dir, self.learners.trajectory_endpoint, self.learners.weight_endpoint,
-            self.version, self.plan, first_ordinal, incarnation=self.restarts, keys=keys, weight_group=group)
+            self.version, self.plan, first_ordinal, incarnation=self.restarts, keys=keys, weight_group=group,
+            drafter_off=self.drafters_off.get(i, ""))
 
     def wait(self, refs: list[ray.ObjectRef], timeout_s: float = 0.0) -> list:
         """`ray.get(refs)`, replacing every rollout actor that stops meanwhile; the first error among `refs` is raised
@@ -90,7 +95,19 @@ class RolloutPool:
                 if silent > limit:
                     print(f"rollout actor {i} {what} for {silent:.0f} s (rollout.{key} = {limit:g}): taken for hung "
                           "and stopped", file=sys.stderr)
+                    self._stuck_drafter(i, limit / 2)
                     ray.kill(self.actors[i])
+
+    def _stuck_drafter(self, i: int, after_s: float) -> None:
+        """Asks silent actor `i` whether its engine is in a drafter call older than `after_s`: if so, its
+        replacements start with the drafter switched off (drafts only save time), rather than hang the same way."""
+        try:
+            stuck = ray.get(self.actors[i].stuck_drafter.remote(after_s), timeout=ASK_STUCK_S)
+        except ray.exceptions.RayError:  # no answer: it stopped, or is stuck elsewhere
+            return
+        if stuck:
+            self.drafters_off[i] = f"{stuck} on actor {i}, which was taken for hung and replaced"
+            print(f"rollout actor {i}'s drafter is stuck ({stuck}): its replacements decode without it", file=sys.stderr)
 
     def _ask(self, method):
         """Rank 0's answer to a bookkeeping call: a `GetTimeoutError` (a TimeoutError) if it gives none within

@@ -50,9 +50,9 @@ class Rank0:
 class StandIn:
     """Takes a RolloutActor's arguments; incarnation `n` behaves as `behaviour[n]` says."""
 
-    def __init__(self, *args, incarnation: int, keys, weight_group, behaviour: dict[int, str]):
+    def __init__(self, *args, incarnation: int, keys, weight_group, drafter_off: str, behaviour: dict[int, str]):
         self.what = behaviour.get(incarnation, "healthy")
-        self.stopping = threading.Event()
+        self.stopping, self.drafter_off = threading.Event(), drafter_off
 
     def run(self) -> dict:
         if self.what == "fails":
@@ -74,6 +74,12 @@ class StandIn:
     def incarnation_behaviour(self) -> str:
         return self.what
 
+    def stuck_drafter(self, after_s: float) -> str:
+        return "its propose call had not returned after 31 s" if self.what == "stuck in its drafter" else ""
+
+    def why_drafter_off(self) -> str:
+        return self.drafter_off
+
 
 @pytest.fixture(scope="module")
 def local_ray():
@@ -90,7 +96,7 @@ def pool(behaviour: dict[int, str], max_restarts: int, *overrides: str, earlier:
     cfg = load_config("grpo_tiny", [f"rollout.max_restarts={max_restarts}", *overrides])
     p = object.__new__(RolloutPool)  # the pool without a run: its learners and actors are stand-ins
     p.cfg, p.model_dir, p.version, p.plan, p.restarts = cfg, "", 0, CursorPlan(0, 1, 1), 0
-    p.allowed = max_restarts - earlier
+    p.allowed, p.drafters_off = max_restarts - earlier, {}
     p.learners = SimpleNamespace(rank0=ray.remote(Rank0).remote(never_started), server_public=None,
                                  trajectory_endpoint="",
                                  weight_endpoint="")
@@ -155,6 +161,20 @@ def test_an_actor_silent_past_its_timeout_is_stopped_and_replaced(local_ray, mon
     assert p.wait([waiting]) == ["collected"]
     assert p.restarts == restarts and ray.get(p.learners.rank0.count.remote()) == restarts
     assert (p.actors[0] is hung) == (restarts == 0)
+    assert ray.get(p.actors[0].why_drafter_off.remote()) == ""  # it was not stuck in its drafter
+    ray.kill(p.actors[0])
+
+
+def test_an_actor_stuck_in_a_drafter_call_is_replaced_by_one_that_decodes_without_the_drafter(local_ray, monkeypatch):
+    """A plugin call that never returns cannot be interrupted; a replacement running the same plugin would hang the
+    same way until `rollout.max_restarts` ends the run. The silent actor is asked which call it is stuck in, and
+    its replacements start with the drafter switched off (the engine then decodes plainly: drafts only save time)."""
+    monkeypatch.setattr(driver.rollouts, "GAP_CHECK_S", 0.2)
+    p = pool({0: "stuck in its drafter"}, 3, "rollout.stall_timeout_s=60")
+    waiting = ray.remote(num_cpus=0)(lambda: time.sleep(3) or "collected").remote()
+    assert p.wait([waiting]) == ["collected"] and p.restarts == 1
+    assert ray.get(p.actors[0].why_drafter_off.remote()) == (
+        "its propose call had not returned after 31 s on actor 0, which was taken for hung and replaced")
     ray.kill(p.actors[0])
 
 

@@ -155,6 +155,20 @@ def test_a_hung_rollout_actor_is_taken_for_dead_and_replaced(tmp_path, capsys):
     assert "rollout actor 0 sent nothing for" in capsys.readouterr().err
 
 
+def test_a_drafter_that_never_returns_is_dropped_by_the_hung_actors_replacement(tmp_path, capsys):
+    """A plugin call that never returns stalls its actor, which is taken for hung; the replacement decodes without
+    the drafter (running it again would hang it the same way until rollout.max_restarts ends the run), the same
+    tokens, and says why in every trajectory."""
+    logdir = tmp_path / "run"
+    assert launch.main(["--config", "grpo_tiny", "trainer.steps=4", f"logging.dir={logdir}", *SMALL,
+                        "speculation.method=tests.plugin_contracts.misbehaving.HangsDrafter",
+                        "speculation.planner=false", "rollout.stall_timeout_s=15"]) == 0
+    summary = json.loads((logdir / "summary.json").read_text())
+    assert summary["actor_restarts"] == 1 and summary["learner"]["trained"] == 4 * 2 * 4
+    assert "its propose call had not returned after" in summary["actors"][0]["drafter_failure"]
+    assert "rollout actor 0's drafter is stuck (its propose call" in capsys.readouterr().err
+
+
 def test_a_dead_learner_restarts_every_process_from_the_newest_checkpoint(tmp_path, capsys):
     """Learner rank 0 killed after step 2's checkpoint: every process starts again from it, and the run ends at its
     last step with every step trained once, in the counters and in TensorBoard."""

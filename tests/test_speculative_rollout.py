@@ -32,13 +32,13 @@ def max_tokens(i: int) -> int:
     return 160 if i % 3 else 17 + 2 * i
 
 
-def rollouts(drafter: str) -> tuple[list, dict]:
+def rollouts(drafter: str, drafter_off: str = "") -> tuple[list, dict]:
     from vllm import SamplingParams
 
     method = drafter.split("+")[0]
     cfg = load_config("grpo_tiny", [f"speculation.method={method}", "speculation.num_speculative_tokens=4",
                                     *DRAFTERS.get(drafter, [])])
-    llm = make_engine(cfg, resolve("builtin:dense"))
+    llm = make_engine(cfg, resolve("builtin:dense"), drafter_off)
     try:
         task = ArithmeticTask(seed=3)
         prompts, params = [], []
@@ -269,11 +269,17 @@ def test_a_preempting_weight_update_leaves_every_logprob_at_its_position_under_i
     assert moved > PROMPTS, "the new weights barely change the logprobs: the test could not tell the versions apart"
 
 
-def test_a_drafter_that_cannot_be_built_leaves_the_engine_decoding_plainly(plain):
-    """A plugin that passed the check at load but fails to build on the actor does not take the engine (and the actor,
-    and each replacement) down with it: drafts only save time, so the engine decodes without them, the same tokens,
-    and every trajectory says why (TensorBoard's spec/alarm)."""
-    results, stats = rollouts("tests.plugin_contracts.misbehaving.BrokenAtStart")
+@pytest.mark.parametrize("drafter, drafter_off, reason", [
+    ("tests.plugin_contracts.misbehaving.BrokenAtStart", "",
+     "BrokenAtStart switched off: RuntimeError: its model is not on this node"),
+    ("suffix", "its propose call had not returned after 31 s on actor 0",
+     "suffix switched off: RuntimeError: its propose call had not returned after 31 s on actor 0")],
+    ids=["cannot-be-built", "hung-an-earlier-engine"])
+def test_a_drafter_that_cannot_run_leaves_the_engine_decoding_plainly(plain, drafter, drafter_off, reason):
+    """A plugin that passed the check at load but fails to build on the actor, or that hung an earlier engine of the
+    actor (driver/rollouts.py), does not take the engine (and the actor, and each replacement) down with it: drafts
+    only save time, so the engine decodes without them, the same tokens, and every trajectory says why
+    (TensorBoard's spec/alarm)."""
+    results, stats = rollouts(drafter, drafter_off)
     assert [r[0] for r in results] == [r[0] for r in plain] and sum(s.draft_tokens for s in stats) == 0
-    reason = "BrokenAtStart switched off: RuntimeError: its model is not on this node"
     assert all(reason in s.drafter_failure for s in stats)

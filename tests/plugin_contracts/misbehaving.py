@@ -1,10 +1,11 @@
 """A drafter plugin that does what drafters/base.py forbids, to show the boundary holds: it tries to write into the
 history it is handed (swallowing the error the read-only view raises, so it keeps drafting) and draws from every
 global RNG on every call. Loaded by dotted path in the speculative-rollout and deterministic-run tests. And one
-whose options are judged as a YAML file gives them (`StopsDrafter`, in the config tests), and one that cannot be built
-(`BrokenAtStart`)."""
+whose options are judged as a YAML file gives them (`StopsDrafter`, in the config tests), one that cannot be built
+(`BrokenAtStart`) and one that never returns from a call (`HangsDrafter`, in a live run)."""
 
 import random
+import threading
 
 import numpy as np
 import torch
@@ -53,3 +54,16 @@ class BrokenAtStart(NgramDrafter):
 
     def __init__(self, **options):
         raise RuntimeError("its model is not on this node")
+
+
+class HangsDrafter(NgramDrafter):
+    """Drafts like the n-gram drafter, then never returns from its 40th proposal (a deadlock, a lost lock, a remote
+    call with no timeout)."""
+
+    calls = 0
+
+    def propose(self, requests, k):
+        self.calls += 1
+        if self.calls == 40:
+            threading.Event().wait()
+        return super().propose(requests, k)

@@ -5,6 +5,7 @@ learns each request's acceptance from what the verifier committed and withholds 
 drafter that raises or breaks its contract is switched off, the engine decoding on without it."""
 
 import logging
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 from actor.draft_bridge import DrafterBridge
 from actor.drafter_checks import confidences_for
 from actor.vllm_hooks import (CoupledSampling, RequestRecord, caller_id, new_policy_version, remember_outputs,
-                              swap_draft_weights)
+                              stuck_drafter, swap_draft_weights)
 from drafters.base import CompositeDrafter, Drafter
 from drafters.calibration import EDGES
 
@@ -553,3 +554,37 @@ def test_a_preparation_that_never_ends_switches_the_drafter_off_and_the_engine_d
         assert propose(b, [[7], [8]]) == [[], []]
     finally:
         release.set()
+
+
+@pytest.mark.parametrize("hook", ["propose", "commit", "new_policy"])
+def test_a_call_that_never_returns_is_named_from_another_thread_while_the_engine_waits_in_it(hook):
+    """Nothing can interrupt a plugin's call on the engine's thread: the actor goes silent and is replaced. Before
+    that, the driver asks which call it is stuck in (actor/vllm_hooks.stuck_drafter, from another thread), to start
+    the replacement without the drafter; the answer names the hook, and nothing once it has returned."""
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+
+    class Hangs(Recording):
+        def __getattribute__(self, name):
+            if name == hook:
+                entered.set()
+                release.wait(10)
+            return super().__getattribute__(name)
+
+    b, runner = bridge(Hangs([[1, 2], [3]]), ["a-x", "b-y"], planning=False)
+    worker = SimpleNamespace(model_runner=SimpleNamespace(drafter=b))
+    propose(b, [[5], [6]])  # drafts are verifying: the next step commits them
+    assert stuck_drafter(worker, 0.0) == ""
+    step = threading.Thread(target=lambda: new_policy_version(worker, 2) if hook == "new_policy"
+                            else propose(b, [[1, 2], [3]]))
+    step.start()
+    try:
+        assert entered.wait(10)
+        time.sleep(0.3)
+        assert stuck_drafter(worker, 0.2).startswith(f"its {hook} call had not returned after ")
+        assert stuck_drafter(worker, 5.0) == ""  # not that long yet
+    finally:
+        release.set()
+        step.join()
+    assert stuck_drafter(worker, 0.0) == "" and not b.failure
