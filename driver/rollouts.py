@@ -28,15 +28,16 @@ ASK_STUCK_S = 5.0  # how long a silent actor has to say which drafter call its e
 
 class RolloutPool:
     def __init__(self, cfg: DictConfig, model_dir: str, learners: LearnerGroup, version: int, plan: CursorPlan,
-                 num_gpus: int, earlier_restarts: int = 0):
+                 num_gpus: int, earlier_restarts: int = 0, drafters_off: dict[int, str] | None = None):
         """`earlier_restarts`: actor replacements before this pool (a learner restart starts a new one), counted
-        against `rollout.max_restarts`, which holds per run."""
+        against `rollout.max_restarts`, which holds per run; `drafters_off`: actors whose drafter hung an engine
+        before this pool, and why (they start without it)."""
         self.cfg, self.model_dir, self.learners, self.version, self.plan = cfg, model_dir, learners, version, plan
         self.allowed = cfg.rollout.max_restarts - earlier_restarts
         # threads: run(), stop() or a replacement's wait_for_version(), and evaluations waiting on run()
         self.cls = ray.remote(num_cpus=1, num_gpus=num_gpus, max_concurrency=4)(RolloutActor)
         self.restarts = 0
-        self.drafters_off: dict[int, str] = {}  # actor -> why its replacements run without the drafter (it hung)
+        self.drafters_off = dict(drafters_off or {})  # actor -> why its replacements run without the drafter (it hung)
         self.group = reserve(cfg, "rollout")  # a bundle per actor, on the rollout nodes; its replacements take it
         self.actors = [self.spawn(i, first_ordinal=0) for i in range(cfg.rollout.num_actors)]
         self.runs = [a.run.remote() for a in self.actors]
@@ -107,7 +108,8 @@ class RolloutPool:
             return
         if stuck:
             self.drafters_off[i] = f"{stuck} on actor {i}, which was taken for hung and replaced"
-            print(f"rollout actor {i}'s drafter is stuck ({stuck}): its replacements decode without it", file=sys.stderr)
+            print(f"rollout actor {i}'s drafter is stuck ({stuck}): its replacements decode without it",
+                  file=sys.stderr)
 
     def _ask(self, method):
         """Rank 0's answer to a bookkeeping call: a `GetTimeoutError` (a TimeoutError) if it gives none within

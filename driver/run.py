@@ -70,6 +70,7 @@ class Run:
         self.origin = checkpoint, state  # where a restart goes back to while this run has written no checkpoint
         self.env, self.reference_dir, self.ray, self.interrupted = env, reference_dir, ray, False
         self.learner_restarts = self.earlier_actor_restarts = 0
+        self.drafters_off: dict[int, str] = {}  # actor -> why it decodes without its drafter (it hung an engine)
         try:
             self._start(checkpoint, state)
         except BaseException:
@@ -148,7 +149,7 @@ class Run:
                                          keys=keypair() if curve else None)
             self.rollouts = RolloutPool(cfg, self.policy_dir, self.learners, state["version"], plan,
                                         num_gpus=gpus * cfg.rollout.tensor_parallel_size,
-                                        earlier_restarts=self.earlier_actor_restarts)
+                                        earlier_restarts=self.earlier_actor_restarts, drafters_off=self.drafters_off)
         except BaseException:
             ray.shutdown()
             raise
@@ -188,6 +189,7 @@ class Run:
               f"every process starts again from {checkpoint or 'the start of the run'} (step {state['version']})",
               file=sys.stderr, flush=True)
         self.earlier_actor_restarts += self.rollouts.restarts
+        self.drafters_off = self.rollouts.drafters_off
         with contextlib.suppress(Exception):  # the actors stop their engines; whatever does not is shut down below
             self.rollouts.stop(timeout_s=30)
         self.ray.shutdown()
