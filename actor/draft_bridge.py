@@ -191,8 +191,8 @@ class DrafterBridge:
         """The step's plan in its requests' stats (and a switched-off drafter or member on every request from now
         on), and the step the planner expects."""
         sampler = self.runner._sample
-        members_off = "; ".join(map(str, self.call("failures", lambda d: d.failures(), off=[]) or [])) \
-            if isinstance(self.drafter, CompositeDrafter) else ""  # a composite's members switched off
+        members_off = self.call("failures", lambda d: "; ".join(map(str, d.failures() or ())), off="") \
+            if isinstance(self.drafter, CompositeDrafter) else ""  # a composite's members switched off (read in call)
         if self.failure or members_off:  # every request from now on says it was decoded without them
             reason = printable(self.failure or f"drafter {self.name}: {members_off}")
             for req_id in req_ids:

@@ -366,5 +366,5 @@ def swap_draft_weights(worker, weights: list) -> bool:
     """New weights for the drafter's own model, between engine steps (`Drafter.swap_weights`); False: it has none.
     A switched-off drafter takes them and drops them: the engine no longer drafts."""
     bridge = getattr(worker.model_runner, "drafter", None)
-    return isinstance(bridge, DrafterBridge) and bool(bridge.call("swap_weights", lambda d: d.swap_weights(weights),
-                                                                  off=True))
+    return isinstance(bridge, DrafterBridge) and bridge.call("swap_weights", lambda d: bool(d.swap_weights(weights)),
+                                                             off=True)

@@ -588,3 +588,31 @@ def test_a_call_that_never_returns_is_named_from_another_thread_while_the_engine
         release.set()
         step.join()
     assert stuck_drafter(worker, 0.0) == "" and not b.failure
+
+
+class Odd(Reports):
+    """A composite whose `failures()` and `swap_weights()` return `odd` as it is."""
+
+    def __init__(self, odd):
+        super().__init__()
+        self.odd = odd
+
+    def failures(self):
+        return self.odd
+
+    def swap_weights(self, weights):
+        return self.odd
+
+
+@pytest.mark.parametrize("odd", [3, np.array([[1, 2], [3, 4]]), torch.tensor([1, 2])], ids=["int", "array", "tensor"])
+def test_answers_that_are_not_what_the_contract_says_switch_the_drafter_off_and_never_reach_the_engine(odd):
+    """Reading a plugin's answer (a composite's failures as text, swap_weights as a truth value) is part of the
+    call: an answer that cannot be read so switches the drafter off there, rather than raising out of the engine's
+    step or the actor's weight swap and taking the actor down."""
+    b, _ = bridge(Odd(odd), ["a-1", "b-1"])
+    propose(b, [[5], [6]])  # read after this step's drafts were made
+    assert "switched off" in b.failure and propose(b, [[1, 2], [3, 4]]) == [[], []]
+    b, _ = bridge(Odd(odd), ["a-1", "b-1"])
+    worker = SimpleNamespace(model_runner=SimpleNamespace(drafter=b))
+    assert swap_draft_weights(worker, [("w", 0)])  # (taken: an int reads as True)
+    assert ("switched off" in b.failure) == (not isinstance(odd, int))
