@@ -22,7 +22,11 @@ from tasks.arithmetic import ArithmeticTask
 from transport.messages import MAX_TOKENS
 
 STALL_FLOOR_S = 10.0  # the least rollout.stall_timeout_s: five of an actor's heartbeats (actor/rollout.HEARTBEAT_S)
-INBOX_MIB = 16384  # the most transport.trajectory_queue x one trajectory's bytes: what one connection queues in the inbox
+MAX_OPS = 10_000  # data.max_ops: beyond any context (a question of that many operations has 20,000+ characters)
+MAX_TRAINING_SET = 1_000_000  # data.size: larger finite sets are as good as endless (0)
+MAX_EVAL_SIZE = 10_000  # data.eval_size: an evaluation answers each problem (GSM8K's test split has 1,319)
+# the most transport.trajectory_queue x one trajectory's bytes: what one connection queues in the inbox
+INBOX_MIB = 16384
 
 
 class Dtype(Enum):
@@ -80,17 +84,20 @@ class DataConfig:
 
     source: str = knob("arithmetic", "the built-in task (arithmetic), or the path of a GSM8K-style JSONL file")
     max_ops: int = knob(ArithmeticTask.max_ops, "arithmetic task: the longest problems have this many operations",
-                        at_least(1))
+                        between(1, MAX_OPS, "[]", "a question writes out every operation: the longest must fit "
+                                "model.max_model_len, which the model's tokenizer checks before the run starts"))
     max_operand: int = knob(ArithmeticTask.max_operand, "arithmetic task: operands are drawn from 1..max_operand",
                             at_least(1))
     tail_exponent: float = knob(ArithmeticTask.tail_exponent, "arithmetic task: P(ops = k) ~ k^-tail_exponent "
                                 "(0: uniform)", at_least(0, "0: every difficulty equally often"))
     size: int = knob(ArithmeticTask.size, "arithmetic task: > 0: that many problems, repeated in epochs; 0: endless",
-                     at_least(0, "0: a new problem per prompt"))
+                     between(0, MAX_TRAINING_SET, "[]", "0: a new problem per prompt; the load builds the set to "
+                             "keep it out of the held-out problems, about 15 s at the limit"))
     eval_source: str = knob("arithmetic", "held-out problems for trainer.eval_every: arithmetic (the training mix "
                             "under another seed, minus any training problem) or a GSM8K-style JSONL file (its first "
                             "eval_size records)")
-    eval_size: int = knob(256, "how many held-out problems an evaluation answers", at_least(1))
+    eval_size: int = knob(256, "how many held-out problems an evaluation answers",
+                          between(1, MAX_EVAL_SIZE, "[]", "every evaluation generates an answer to each"))
 
 
 @dataclass

@@ -28,7 +28,7 @@ from driver.logs import LOG_FILE, route, unroute, worker_env
 from learner.checkpoint import RUN_FILE, checkpoint_state, is_branch, run_of
 from learner.rollout_log import FILE as ROLLOUTS
 from models.zoo import resolve
-from tasks.dataset import check_prompt_lengths, jsonl_sources
+from tasks.dataset import check_prompt_lengths
 from tasks.jsonl import DataFormatError
 from tasks.schedule import CursorPlan
 from transport.auth import keypair
@@ -46,13 +46,12 @@ class Run:
 
     def __init__(self, cfg: DictConfig):
         reference_dir = policy_dir = str(resolve(cfg.model.path))  # builds the built-in models on first use
-        if jsonl_sources(cfg.data):  # their prompts, with the model's tokenizer: before anything starts or is written
-            from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # the prompts, with the model's: before anything starts or is written
 
-            try:
-                check_prompt_lengths(cfg.data, AutoTokenizer.from_pretrained(policy_dir), cfg.model.max_model_len)
-            except DataFormatError as e:
-                raise ConfigError(str(e)) from None
+        try:
+            check_prompt_lengths(cfg.data, AutoTokenizer.from_pretrained(policy_dir), cfg.model.max_model_len)
+        except DataFormatError as e:
+            raise ConfigError(str(e)) from None
         self.cfg, self.dir = cfg, Path(cfg.logging.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         log_file, level = str((self.dir / LOG_FILE).resolve()), cfg.logging.engine_level.value

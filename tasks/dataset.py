@@ -5,7 +5,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from tasks.arithmetic import ArithmeticTask
-from tasks.base import Dataset, Problem
+from tasks.base import Dataset, Problem, format_prompt
 from tasks.jsonl import DataFormatError, JsonlDataset, load_jsonl
 
 EVAL_SEED_OFFSET = 7_919  # the built-in eval set's problems come from seed + this (and never equal a training one)
@@ -24,14 +24,20 @@ def jsonl_sources(data: DictConfig) -> dict[str, str]:
 
 
 def check_prompt_lengths(data: DictConfig, tokenizer, max_model_len: int) -> None:
-    """Every prompt of a JSONL `data.source` / `data.eval_source` leaves the model room for a token of answer (vLLM
-    refuses a longer one inside the actor, which would end the run); raises `DataFormatError` naming the key, the
-    file and the line of the first that does not. The built-in task's prompts are short by construction."""
+    """Every prompt of a JSONL `data.source` / `data.eval_source`, and the built-in task's longest question, leaves
+    the model room for a token of answer (vLLM refuses a longer one inside the actor, which would end the run);
+    raises `DataFormatError` naming the key (and the file and the line of the first that does not)."""
 
     def fits(prompt: str) -> str | None:
         n = len(tokenizer(prompt, add_special_tokens=False).input_ids)
         return None if n < max_model_len else (f"the prompt is {n} tokens, and model.max_model_len = {max_model_len} "
                                                "leaves no room to answer it")
+
+    if "arithmetic" in (data.source, data.eval_source):  # its longest: max_ops operations of the widest operand
+        widest = str(data.max_operand)
+        if wrong := fits(format_prompt(widest + f"+{widest}" * data.max_ops + "=?")):
+            raise DataFormatError(f"key 'data.max_ops' = {data.max_ops} (operands up to data.max_operand = "
+                                  f"{data.max_operand}): the longest built-in question does not fit: {wrong}")
 
     for key, source in jsonl_sources(data).items():
         try:
@@ -54,7 +60,8 @@ def eval_set(data: DictConfig, seed: int) -> list[Problem]:
     while len(problems) < data.eval_size:
         if cursor > 100 * data.eval_size:
             raise ValueError(f"data.eval_size = {data.eval_size}: fewer held-out problems exist outside the "
-                             f"{len(seen)}-problem training set (raise data.max_ops or lower data.eval_size)")
+                             f"{len(seen)}-problem training set (raise data.max_ops or data.max_operand, or lower "
+                             "data.tail_exponent or data.eval_size)")
         problem = task[cursor]
         if problem.question not in seen:
             problems.append(problem)

@@ -75,6 +75,9 @@ def test_path_to_yaml_works(tmp_path):
     ("speculation.distill.num_gpus=1 cluster.device=cuda", ["speculation.distill.num_gpus", "[0, 1)", "rank 0"]),
     # found by fuzzing every key with bad values: each raised something other than a ConfigError, or was taken
     ("learner.num_ranks=0", ["learner.num_ranks", ">= 1"]),  # was a ZeroDivisionError
+    ("data.max_ops=99999999999", ["data.max_ops", "[1, 10000]"]),  # was a MemoryError building the held-out set
+    ("data.size=99999999999", ["data.size", "[0, 1000000]"]),  # was a MemoryError
+    ("data.eval_size=99999999999", ["data.eval_size", "[1, 10000]"]),  # built held-out problems for hours
     ("learner.micro_batch_size=0", ["learner.micro_batch_size", ">= 1"]),  # was a ZeroDivisionError
     ("speculation.drafters={}", ["speculation.drafters", "incompatible"]),  # was a TypeError
     # a name no trajectory could carry (its member choices would be refused at the learner, every one)
@@ -168,6 +171,16 @@ def test_launcher_fails_fast_and_names_the_key(override, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_built_in_question_the_model_cannot_hold_fails_before_anything_starts(tmp_path):
+    """The built-in task's longest question (data.max_ops operations of the widest operand) must fit as well: 600
+    operations passed the load and would have ended the run in its actors."""
+    proc = subprocess.run([sys.executable, "launch.py", "--config", "grpo_tiny", "data.max_ops=600",
+                           f"logging.dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "key 'data.max_ops' = 600" in proc.stderr and "max_model_len = 1024" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("key", ["data.source", "data.eval_source"])
 def test_a_data_prompt_the_model_cannot_hold_fails_before_anything_starts(tmp_path, key):
     """vLLM refuses a prompt longer than model.max_model_len inside the actor, which ended the run after ~70 s of
@@ -251,7 +264,7 @@ def test_every_key_fuzzed_loads_or_names_itself():
             yield from keys(value, f"{prefix}{key}.") if isinstance(value, DictConfig) else [f"{prefix}{key}"]
 
     for key in keys(load_run_config("grpo_tiny")):
-        for value in ["-1", "0", "0.5", "abc", "''", "[]", "{}", "null", "nan", "inf"]:
+        for value in ["-1", "0", "0.5", "abc", "''", "[]", "{}", "null", "nan", "inf", "99999999999"]:
             try:
                 load_run_config("grpo_tiny", [f"{key}={value}"])
             except ConfigError as e:
