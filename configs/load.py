@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import ipaddress
 import math
+import os
 import socket
 import tempfile
 from pathlib import Path
@@ -109,6 +110,7 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
     if longest is not None and cfg.model.max_model_len > longest:
         raise ConfigError(f"{path}: key 'model.max_model_len' = {cfg.model.max_model_len} is more than the "
                           f"{longest} positions {cfg.model.path!r} was built for (max_position_embeddings)")
+    _check_kv_cache(path, cfg)
     _check_places(path, cfg)
     for key, source in jsonl_sources(cfg.data).items():
         try:  # parsed now, naming file and line, not inside an actor after Ray and DeepSpeed started
@@ -199,6 +201,44 @@ def max_positions(spec: str) -> int | None:
     try:
         return int(json.loads((Path(spec).expanduser() / "config.json").read_text())["max_position_embeddings"])
     except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _check_kv_cache(path: Path, cfg: DictConfig) -> None:
+    """`rollout.kv_cache_mib` holds one request of `model.max_model_len` tokens (where the model's config says what a
+    token takes), and on a CPU host that runs the whole run, every actor's cache fits in its memory: else the engine
+    refuses to start in each actor and its replacements, and the run ends there."""
+    mib, r = cfg.rollout.kv_cache_mib, cfg.rollout
+    per_token = kv_bytes_per_token(cfg.model.path, 4 if cfg.model.dtype.value == "float32" else 2)
+    if per_token is not None:
+        need = per_token * cfg.model.max_model_len / (r.tensor_parallel_size if cfg.cluster.device.value == "cuda" else 1)
+        if mib << 20 < need:
+            raise ConfigError(f"{path}: key 'rollout.kv_cache_mib' = {mib} cannot hold one request of "
+                              f"model.max_model_len = {cfg.model.max_model_len} tokens: it needs at least "
+                              f"{math.ceil(need / (1 << 20))} MiB ({per_token} bytes a token)")
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if cfg.cluster.device.value == "cpu" and cfg.cluster.address is None and r.num_actors * mib << 20 > host:
+        raise ConfigError(f"{path}: key 'rollout.kv_cache_mib' = {mib} times rollout.num_actors = {r.num_actors} is "
+                          f"more than this machine's memory ({host / (1 << 30):.1f} GiB)")
+
+
+def kv_bytes_per_token(spec: str, dtype_bytes: int) -> int | None:
+    """What one token of context takes in the KV cache of model `spec` (keys and values, every layer), where its config
+    says so plainly (full attention over its KV heads); None for compressed or windowed attention, or a config in
+    another shape."""
+    if spec.startswith(BUILTIN_PREFIX):
+        recipe, model = BUILTIN_MODELS[spec[len(BUILTIN_PREFIX):]]
+        arch = getattr(recipe, model)
+        return 2 * arch.layers * arch.kv_heads * arch.head_dim * dtype_bytes
+    try:
+        c = json.loads((Path(spec).expanduser() / "config.json").read_text())
+        windowed = c.get("use_sliding_window", c.get("sliding_window") is not None)
+        if c.get("kv_lora_rank") or windowed or any(t != "full_attention" for t in c.get("layer_types") or []):
+            return None
+        heads = int(c["num_attention_heads"])
+        head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // heads)
+        return 2 * int(c["num_hidden_layers"]) * int(c.get("num_key_value_heads") or heads) * head_dim * dtype_bytes
+    except (KeyError, TypeError, ValueError, AttributeError):
         return None
 
 

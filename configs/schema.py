@@ -114,8 +114,9 @@ class RolloutConfig:
     top_p: float = knob(1.0, "nucleus sampling: the smallest set of tokens holding this much probability",
                         between(0, 1, "(]"))
     top_k: int = knob(0, "sample among the k most likely tokens (0: off)", at_least(0, "0: off"))
-    kv_cache_mib: int = knob(256, "KV cache per device: the CPU engine's, or each GPU's of a tensor-parallel engine",
-                             at_least(1))
+    kv_cache_mib: int = knob(256, "KV cache per device: the CPU engine's, or each GPU's of a tensor-parallel engine; "
+                             "holds at least one request of model.max_model_len, and on a CPU host that runs the "
+                             "whole run every actor's fits in its memory (both checked at load)", at_least(1))
     max_restarts: int = knob(3, "a rollout actor that dies is replaced (its unfinished groups re-issued) this often "
                              "per run", at_least(0))
     stall_timeout_s: float = knob(

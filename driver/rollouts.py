@@ -171,7 +171,11 @@ class RolloutPool:
 
 def one_line(e: BaseException) -> str:
     """An actor's failure in one line: the exception its task raised (not Ray's wrapper, whose first line is the
-    task's process title), or Ray's own error (the actor died, a timeout)."""
+    task's process title), or Ray's own error (the actor died, a timeout); for an actor that died in its creation
+    task, Ray's first clause and the last line of the traceback it carries (the error its constructor raised)."""
     if isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None:
         e = e.cause
-    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    lines = [line for line in str(e).splitlines() if line.strip()] or [""]
+    if isinstance(e, ray.exceptions.RayActorError) and len(lines) > 1:
+        return f"{type(e).__name__}: {lines[0].split(',')[0]}: {lines[-1].strip()}"
+    return f"{type(e).__name__}: {lines[0]}"

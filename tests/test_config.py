@@ -76,6 +76,9 @@ def test_path_to_yaml_works(tmp_path):
     # found by fuzzing every key with bad values: each raised something other than a ConfigError, or was taken
     ("learner.num_ranks=0", ["learner.num_ranks", ">= 1"]),  # was a ZeroDivisionError
     ("data.max_ops=99999999999", ["data.max_ops", "[1, 10000]"]),  # was a MemoryError building the held-out set
+    # the engine refused to start in the actor and each replacement, and the run ended there
+    ("rollout.kv_cache_mib=1", ["rollout.kv_cache_mib", "model.max_model_len = 1024", "at least 2 MiB"]),
+    ("rollout.kv_cache_mib=100000000", ["rollout.kv_cache_mib", "rollout.num_actors = 1", "this machine's memory"]),
     ("data.size=99999999999", ["data.size", "[0, 1000000]"]),  # was a MemoryError
     ("data.eval_size=99999999999", ["data.eval_size", "[1, 10000]"]),  # built held-out problems for hours
     ("learner.micro_batch_size=0", ["learner.micro_batch_size", ">= 1"]),  # was a ZeroDivisionError
@@ -269,3 +272,21 @@ def test_every_key_fuzzed_loads_or_names_itself():
                 load_run_config("grpo_tiny", [f"{key}={value}"])
             except ConfigError as e:
                 assert key in str(e), (key, value, str(e))
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({}, 2 * 36 * 8 * 128 * 2),  # Qwen3-8B's shape: 36 layers, 8 KV heads of 128
+    ({"head_dim": None}, 2 * 36 * 8 * 128 * 2),  # head_dim from hidden_size / heads
+    ({"num_key_value_heads": None}, 2 * 36 * 32 * 128 * 2),  # multi-head attention: a KV head per head
+    ({"use_sliding_window": True}, None),  # windowed: a token past the window takes nothing
+    ({"layer_types": ["full_attention", "sliding_attention"]}, None),
+    ({"kv_lora_rank": 512}, None),  # compressed (MLA)
+    ({"num_hidden_layers": "many"}, None),
+])
+def test_what_a_token_takes_in_the_kv_cache_is_read_from_plain_attention_configs_only(tmp_path, fields, expected):
+    from configs.load import kv_bytes_per_token
+
+    config = {"num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+              "hidden_size": 4096, "sliding_window": None, "use_sliding_window": False, **fields}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert kv_bytes_per_token(str(tmp_path), 2) == expected

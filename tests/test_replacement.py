@@ -267,3 +267,22 @@ def test_only_a_learner_ranks_death_is_taken_for_a_lost_learner():
         with run.learners_alive():
             raise ValueError("a bug in training")
 
+
+
+class FailsToStart:
+    def __init__(self):
+        raise ValueError("its KV cache does not fit")
+
+    def run(self) -> dict:
+        return {}
+
+
+def test_an_actor_that_dies_starting_is_reported_with_the_error_its_constructor_raised(local_ray):
+    """Ray's error for an actor that died in its creation task starts with the task's title; the cause (an engine
+    that cannot allocate its KV cache, say) is on its last line, which the console and summary.json must show."""
+    actor = ray.remote(num_cpus=0)(FailsToStart).remote()
+    with pytest.raises(ray.exceptions.RayActorError) as e:
+        ray.get(actor.run.remote())
+    said = driver.rollouts.one_line(e.value)
+    assert said.startswith("ActorDiedError: The actor died because of an error raised in its creation task")
+    assert said.endswith("ValueError: its KV cache does not fit")
