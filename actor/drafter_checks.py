@@ -9,8 +9,11 @@ off; drafts only ever save time, so the engine decodes on without it."""
 from __future__ import annotations
 
 import operator
+import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,6 +76,33 @@ class Histories:
 
     def drop(self, request_id: str) -> None:
         self.copies.pop(request_id, None)
+
+
+def built_within(build: Callable[[], Drafter], deadline_s: float | None) -> Drafter:
+    """`build()` (the plugin's constructor) on a thread of its own, waited for `deadline_s` seconds (None: for ever).
+    A constructor that never returns (a download without a timeout, a lock) cannot be interrupted: it is left
+    running, and the drafter is refused with a TimeoutError (the engine then decodes plainly)."""
+    if deadline_s is None:
+        return build()
+    built: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            built["drafter"] = build()
+        except BaseException as e:  # noqa: BLE001 -- handed to the engine's thread, which judges it
+            built["error"] = e
+
+    thread = threading.Thread(target=run, name="drafter-build", daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    if thread.is_alive():
+        raise TimeoutError(f"its constructor had not returned after {deadline_s:g} s")
+    error = built.get("error")
+    if error is not None and not isinstance(error, Exception):  # an exit: the plugin's error like any other
+        raise RuntimeError(f"its constructor raised {type(error).__name__}({error})") from error
+    if error is not None:
+        raise error
+    return built["drafter"]
 
 
 class CallWatch:

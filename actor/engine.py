@@ -59,6 +59,17 @@ def engine_kwargs(cfg: DictConfig, model_dir: Path) -> dict:
     return kwargs
 
 
+# the longest a drafter's constructor may take (a draft LM loads its weights) before the engine decodes without it
+DRAFTER_BUILD_S = 300.0
+
+
+def drafter_build_deadline(cfg: DictConfig) -> float | None:
+    """How long the drafter's constructor may take: DRAFTER_BUILD_S, and at most half of `rollout.start_timeout_s`
+    (past that the actor is taken for one that never started, and its replacement would hang the same way)."""
+    start = cfg.rollout.start_timeout_s
+    return min(DRAFTER_BUILD_S, start / 2) if start > 0 else DRAFTER_BUILD_S
+
+
 def make_engine(cfg: DictConfig, model_dir: Path, drafter_off: str = ""):
     """A vLLM engine whose every token comes from the coupled sampler, drafting with the configured drafter (or, with
     `drafter_off`, the reason it may not: the engine then decodes plainly and every trajectory says why). Fails
@@ -93,7 +104,7 @@ def make_engine(cfg: DictConfig, model_dir: Path, drafter_off: str = ""):
         options = {"drafters": list(cfg.speculation.drafters), "options": options}
     llm.collective_rpc(install, args=(None if method == "none" else method, options,
                                       cfg.speculation.max_batch, cfg.speculation.planner,
-                                      cfg.speculation.decoupled, drafter_off))
+                                      cfg.speculation.decoupled, drafter_off, drafter_build_deadline(cfg)))
     llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=1, seed=0), use_tqdm=False)
     check_coupled(llm)
     return llm

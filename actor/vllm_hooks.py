@@ -25,6 +25,7 @@ from typing import Iterable
 import torch
 
 from actor.draft_bridge import DrafterBridge
+from actor.drafter_checks import built_within
 from drafters.base import load_drafter
 from sampling.coupled import PLACEHOLDER, coupled_sample, verify
 from transport.collective import WeightReceiver
@@ -214,10 +215,12 @@ class CoupledSampling:
 
 
 def install(worker, drafter_path: str | None = None, drafter_options: dict | None = None, max_batch: int = 0,
-            planning: bool = True, decoupled: bool = False, switched_off: str = "") -> None:
-    """Runs inside the worker: coupled sampling always; a drafter when the engine speculates (`switched_off`: not
-    built at all, for this reason: one that hung an earlier engine of this actor). Refuses a runner that is not the
-    V1 runner these hooks replace parts of (vLLM's V2 runner has no `_sample`)."""
+            planning: bool = True, decoupled: bool = False, switched_off: str = "",
+            build_deadline_s: float | None = None) -> None:
+    """Runs inside the worker: coupled sampling always; a drafter when the engine speculates, built within
+    `build_deadline_s` (None: no deadline; `switched_off`: not built at all, for this reason: one that hung an
+    earlier engine of this actor). Refuses a runner that is not the V1 runner these hooks replace parts of (vLLM's
+    V2 runner has no `_sample`)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     runner = worker.model_runner
@@ -233,7 +236,9 @@ def install(worker, drafter_path: str | None = None, drafter_options: dict | Non
         try:
             if switched_off:
                 raise RuntimeError(switched_off)
-            drafter = load_drafter(drafter_path, drafter_options or {}, device=str(runner.device))  # a draft LM: there
+            drafter = built_within(lambda: load_drafter(drafter_path, drafter_options or {},
+                                                         device=str(runner.device)),  # a draft LM: there
+                                   build_deadline_s)
         except Exception as e:  # drafts only save time: this engine decodes without them, every trajectory says why
             runner.drafter.bind(runner, drafter_path, max_batch, planning)
             runner.drafter.switch_off(e)

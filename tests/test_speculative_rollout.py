@@ -32,12 +32,12 @@ def max_tokens(i: int) -> int:
     return 160 if i % 3 else 17 + 2 * i
 
 
-def rollouts(drafter: str, drafter_off: str = "") -> tuple[list, dict]:
+def rollouts(drafter: str, drafter_off: str = "", *overrides: str) -> tuple[list, dict]:
     from vllm import SamplingParams
 
     method = drafter.split("+")[0]
     cfg = load_config("grpo_tiny", [f"speculation.method={method}", "speculation.num_speculative_tokens=4",
-                                    *DRAFTERS.get(drafter, [])])
+                                    *DRAFTERS.get(drafter, []), *overrides])
     llm = make_engine(cfg, resolve("builtin:dense"), drafter_off)
     try:
         task = ArithmeticTask(seed=3)
@@ -272,14 +272,17 @@ def test_a_preempting_weight_update_leaves_every_logprob_at_its_position_under_i
 @pytest.mark.parametrize("drafter, drafter_off, reason", [
     ("tests.plugin_contracts.misbehaving.BrokenAtStart", "",
      "BrokenAtStart switched off: RuntimeError: its model is not on this node"),
+    # (rollout.start_timeout_s = 10: the constructor gets 5 s)
+    ("tests.plugin_contracts.misbehaving.HangsAtStart", "",
+     "HangsAtStart switched off: TimeoutError: its constructor had not returned after 5 s"),
     ("suffix", "its propose call had not returned after 31 s on actor 0",
      "suffix switched off: RuntimeError: its propose call had not returned after 31 s on actor 0")],
-    ids=["cannot-be-built", "hung-an-earlier-engine"])
+    ids=["cannot-be-built", "never-built", "hung-an-earlier-engine"])
 def test_a_drafter_that_cannot_run_leaves_the_engine_decoding_plainly(plain, drafter, drafter_off, reason):
-    """A plugin that passed the check at load but fails to build on the actor, or that hung an earlier engine of the
-    actor (driver/rollouts.py), does not take the engine (and the actor, and each replacement) down with it: drafts
-    only save time, so the engine decodes without them, the same tokens, and every trajectory says why
-    (TensorBoard's spec/alarm)."""
-    results, stats = rollouts(drafter, drafter_off)
+    """A plugin that passed the check at load but fails to build on the actor, does not finish building in time, or
+    that hung an earlier engine of the actor (driver/rollouts.py), does not take the engine (and the actor, and each
+    replacement) down with it: drafts only save time, so the engine decodes without them, the same tokens, and every
+    trajectory says why (TensorBoard's spec/alarm)."""
+    results, stats = rollouts(drafter, drafter_off, "rollout.start_timeout_s=10")
     assert [r[0] for r in results] == [r[0] for r in plain] and sum(s.draft_tokens for s in stats) == 0
     assert all(reason in s.drafter_failure for s in stats)

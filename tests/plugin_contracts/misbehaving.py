@@ -2,7 +2,8 @@
 history it is handed (swallowing the error the read-only view raises, so it keeps drafting) and draws from every
 global RNG on every call. Loaded by dotted path in the speculative-rollout and deterministic-run tests. And one
 whose options are judged as a YAML file gives them (`StopsDrafter`, in the config tests), one that cannot be built
-(`BrokenAtStart`) and one that never returns from a call (`HangsDrafter`, in a live run)."""
+(`BrokenAtStart`), one whose constructor never returns (`HangsAtStart`) and one that never returns from a call
+(`HangsDrafter`, in a live run)."""
 
 import random
 import threading
@@ -67,3 +68,10 @@ class HangsDrafter(NgramDrafter):
         if self.calls == 40:
             threading.Event().wait()
         return super().propose(requests, k)
+
+
+class HangsAtStart(NgramDrafter):
+    """Never finishes building (a download with no timeout on a node without the network, say)."""
+
+    def __init__(self, **options):
+        threading.Event().wait()

@@ -616,3 +616,19 @@ def test_answers_that_are_not_what_the_contract_says_switch_the_drafter_off_and_
     worker = SimpleNamespace(model_runner=SimpleNamespace(drafter=b))
     assert swap_draft_weights(worker, [("w", 0)])  # (taken: an int reads as True)
     assert ("switched off" in b.failure) == (not isinstance(odd, int))
+
+
+def test_a_constructor_is_waited_for_until_its_deadline_and_its_exit_is_an_error_like_any_other():
+    import sys
+    import threading
+
+    from actor.drafter_checks import built_within
+
+    drafter = Recording([])
+    assert built_within(lambda: drafter, 5.0) is drafter and built_within(lambda: drafter, None) is drafter
+    with pytest.raises(TimeoutError, match="its constructor had not returned after 0.2 s"):
+        built_within(threading.Event().wait, 0.2)
+    with pytest.raises(KeyError, match="model"):
+        built_within(lambda: {}["model"], 5.0)
+    with pytest.raises(RuntimeError, match=r"raised SystemExit\(2\)"):
+        built_within(lambda: sys.exit(2), 5.0)
