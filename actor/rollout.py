@@ -74,8 +74,6 @@ class RolloutActor:
         self.weights = WeightSubscriber(weight_endpoint, keys=keys)  # keys: CURVE, as the driver admitted them
         self.version = version  # of the weights in model_dir
         self.speculating = cfg.speculation.method != "none"
-        if self.speculating:
-            self.llm.collective_rpc(new_policy_version, args=(version,))
         self.waiting: tuple[tuple[int, list], float] | None = None  # a newer version and when it arrived, unapplied
         # the learner's cursor lead (tasks/schedule.py), sent with every version; until then a resumed run's offset
         self.lead = plan.lead_at(version, delivered=0)
@@ -100,6 +98,8 @@ class RolloutActor:
         from vllm.inputs.engine import tokens_input
 
         self.stats["start_version"] = self.version  # a replacement actor first catches up with the learner
+        if self.speculating:  # (here, not in __init__: a drafter stuck in it can be asked about, see stuck_drafter)
+            self.llm.collective_rpc(new_policy_version, args=(self.version,))
         samples: dict[str, Sample] = {}  # training request id -> its sample, while in the engine
         finished: dict[int, list] = {}  # cursor -> its group's finished samples, until the group is whole
         evaluating: dict[str, Evaluation] = {}  # request id -> its evaluation

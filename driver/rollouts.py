@@ -139,6 +139,8 @@ class RolloutPool:
             except ray.exceptions.RayError as e:  # it died, or the deadline passed (GetTimeoutError)
                 print(f"rollout actor {i} stopped ({error}); replacement {self.restarts} failed to catch up",
                       file=sys.stderr)
+                if isinstance(e, ray.exceptions.GetTimeoutError):  # alive: stuck in its drafter, perhaps
+                    self._stuck_drafter(i, CATCH_UP_S / 2)
                 error = f"replacement {self.restarts} catching up: {one_line(e)}"
         print(f"rollout actor {i} stopped ({error}); replacement {self.restarts} runs weights v{target} from data "
               f"cursor {self.plan.cursor(i, first_ordinal)}", file=sys.stderr)

@@ -66,7 +66,7 @@ class StandIn:
     def wait_for_version(self, version: int, timeout_s: float) -> int:
         if self.what == "dies":
             os._exit(1)
-        if self.what == "stalls":
+        if self.what in ("stalls", "stuck in its drafter while catching up"):
             time.sleep(timeout_s)
             return version - 1
         return version
@@ -75,7 +75,7 @@ class StandIn:
         return self.what
 
     def stuck_drafter(self, after_s: float) -> str:
-        return "its propose call had not returned after 31 s" if self.what == "stuck in its drafter" else ""
+        return "its propose call had not returned after 31 s" if self.what.startswith("stuck in its drafter") else ""
 
     def why_drafter_off(self) -> str:
         return self.drafter_off
@@ -125,6 +125,14 @@ def test_a_replacement_that_never_catches_up_is_replaced_until_the_limit(local_r
         p.replace(0)
     assert "replacement 2 catching up: GetTimeoutError" in str(e.value)
     assert ray.get(p.learners.rank0.count.remote()) == 2
+    ray.kill(p.actors[0])
+
+
+def test_a_replacement_stuck_in_its_drafter_while_catching_up_is_replaced_by_one_without_it(local_ray, monkeypatch):
+    monkeypatch.setattr(driver.rollouts, "CATCH_UP_S", 3)
+    p = pool({0: "fails", 1: "stuck in its drafter while catching up"}, max_restarts=3)
+    p.replace(0)
+    assert p.restarts == 2 and ray.get(p.actors[0].why_drafter_off.remote()).startswith("its propose call")
     ray.kill(p.actors[0])
 
 
