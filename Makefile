@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(EXTRA)-$(shell cat pyproject.toml | sha256sum | cu
 CONFIG ?= grpo_tiny
 ARGS ?=
 
-.PHONY: setup models run test test-all clean-venv gpu-check-bundle
+.PHONY: setup models run test test-all clean-venv gpu-check-bundle vllm-suffix
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
@@ -58,3 +58,23 @@ gpu-check-bundle: models
 	cd runs/gpu_bundle/site && for w in ../wheels/*.whl; do $(abspath $(PY)) -m zipfile -e $$w .; done
 	cp -r $$($(PY) -c "from models.zoo import cache_root; print(cache_root())")/models runs/gpu_bundle/cache/
 	@du -sh runs/gpu_bundle
+
+# vLLM's own `suffix` speculation (bench.rollout's vllm_spec_suffix): it needs arctic-inference's suffix tree, whose
+# only release is a source package built for another vLLM. Only the tree is built (a C++ extension, ~10 s with cmake
+# and g++) into the venv as the `arctic_inference.suffix_decoding` module vLLM imports; arctic-inference's vLLM
+# plugin, written for vLLM 0.26, is not installed.
+ARCTIC := arctic-inference==0.3.0
+vllm-suffix: setup
+	rm -rf $(VENV)/arctic && mkdir -p $(VENV)/arctic
+	$(PY) -m pip download --disable-pip-version-check -q --no-deps -d $(VENV)/arctic $(ARCTIC)
+	$(PY) -m pip install --disable-pip-version-check -q --target $(VENV)/arctic/nanobind nanobind==2.9.2
+	cd $(VENV)/arctic && tar xzf arctic_inference-*.tar.gz && rm arctic_inference-*.tar.gz
+	PYTHONPATH=$(abspath $(VENV))/arctic/nanobind cmake -S $(VENV)/arctic/arctic_inference-*/csrc/suffix_decoding \
+		-B $(VENV)/arctic/build -DPython_EXECUTABLE=$(abspath $(PY)) -DCMAKE_BUILD_TYPE=Release > $(VENV)/arctic/build.log
+	cmake --build $(VENV)/arctic/build -j 2 >> $(VENV)/arctic/build.log
+	site=$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") \
+		&& rm -rf $$site/arctic_inference && mkdir -p $$site/arctic_inference/suffix_decoding \
+		&& touch $$site/arctic_inference/__init__.py \
+		&& cp $(VENV)/arctic/arctic_inference-*/arctic_inference/suffix_decoding/*.py $(VENV)/arctic/build/_C*.so \
+			$$site/arctic_inference/suffix_decoding/
+	$(PY) -c "from arctic_inference.suffix_decoding import SuffixDecodingCache; print('vLLM suffix speculation: ready')"

@@ -5,7 +5,8 @@
 Systems (fixed before the run; `specactor` is the configured default, never the best of several afterwards)
 - `vllm`: plain vLLM with its own sampler, no speculation, unseeded requests: what RL frameworks run today;
 - `vanilla`: vLLM with SpecActor's coupled sampler, no speculation (the tokens every coupled system must equal);
-- `vllm_spec_draft`, `vllm_spec_ngram`: vLLM's own speculative decoding as a user would configure it;
+- `vllm_spec_draft`, `vllm_spec_ngram`, `vllm_spec_suffix`: vLLM's own speculative decoding as a user would
+  configure it (the last, vLLM's suffix decoding, runs where `make vllm-suffix` built its suffix tree);
 - `oracle`: coupled speculation with a drafter that replays vanilla's tokens at no cost (same planner): the ceiling;
 - `specactor`: coupled speculation as configured by default (draft LM, the cost-model draft planner);
 - `specactor_ngram`, `specactor_suffix`, `specactor_fastest`: the same with the n-gram drafter, the history
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -45,7 +47,7 @@ from pathlib import Path
 
 from actor.engine import engine_preload, set_env_defaults
 from bench.engine_process import in_fresh_process
-from bench.rollout_report import plot, table
+from bench.rollout_report import plot, speculation_report, table
 from bench.stats import paired
 from configs.schema import Device
 from transport.messages import total
@@ -73,8 +75,9 @@ TARGETS = {"cpu": dict(zero_layers=16, num_heads=32, intermediate_size=8192),  #
            # beside wide MLPs would make it 1.4-2.2x, its activations rather than its weights the memory moved
            "cuda": dict(zero_layers=24, num_heads=64, intermediate_size=6144, hidden_size=2048)}
 ENGINE = {"cpu": [], "cuda": ["cluster.device=cuda", "model.dtype=bfloat16", "rollout.kv_cache_mib=16384"]}  # overrides
-SYSTEMS = ["vllm", "vanilla", "vllm_spec_draft", "vllm_spec_ngram", "oracle", "specactor", "specactor_decoupled",
-           "specactor_ngram", "specactor_suffix", "specactor_fastest", "specactor_fastest_decoupled"]
+SYSTEMS = ["vllm", "vanilla", "vllm_spec_draft", "vllm_spec_ngram", "vllm_spec_suffix", "oracle", "specactor",
+           "specactor_decoupled", "specactor_ngram", "specactor_suffix", "specactor_fastest",
+           "specactor_fastest_decoupled"]
 COUPLED = {"vanilla": "none", "oracle": "bench.oracle.OracleDrafter", "specactor": "draft_lm",
            "specactor_decoupled": "draft_lm", "specactor_ngram": "ngram", "specactor_suffix": "suffix",
            "specactor_fastest": "fastest_of_n", "specactor_fastest_decoupled": "fastest_of_n"}
@@ -127,6 +130,8 @@ def make_llm(name: str, target: Path, draft: Path, oracle: Path | None, device: 
     elif name == "vllm_spec_ngram":
         kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k,
                                         "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    elif name == "vllm_spec_suffix":  # its other settings at vLLM's defaults
+        kwargs["speculative_config"] = {"method": "suffix", "num_speculative_tokens": k}
     llm = LLM(**kwargs, disable_log_stats=False)
     if name.startswith("vllm_spec") and device == "cpu":
         llm.collective_rpc(fix_cpu_rejection_sampler)  # else vLLM-CPU rejects nearly every draft at T > 0
@@ -193,7 +198,8 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
         steps = len(run["batch_curve"])
         if coupled:  # where the time of a step went
             after = llm.collective_rpc(profile)[0]
-            spent = {k: after[k] - before[k] for k in after if k.endswith("_s")}
+            grew = {k: after[k] - before[k] for k in after}
+            spent = {k: v for k, v in grew.items() if k.endswith("_s")}
             # the step's own parts (a decoupled drafter's thread runs beside them; its wait is in drafter_s)
             spent["engine_s"] = run["makespan_s"] - sum(spent[k] for k in ("sampler_s", "bridge_s", "drafter_s"))
             run["profile_ms_per_step"] = {k.removesuffix("_s"): round(1000 * v / steps, 3) for k, v in spent.items()}
@@ -204,23 +210,7 @@ def run_system(name: str, target: Path, draft: Path, prompts: list[str], seeds: 
             records = llm.collective_rpc(take_records, args=(request_ids,))[0].values() if coupled else []
             spec = total(r.stats for r in records)
             verify, accepted = spec.verify_steps, spec.accepted_tokens
-            if spec.prepared_steps:  # decoupled: drafting steps whose drafts were ready, outcomes prepared a step,
-                # and per kind the share of prepared outcomes that came about whose guess was the target's token
-                run["prepared_hit_rate"] = round(spec.prepared_steps / max(verify, 1), 3)
-                grew = {k: after[k] - before[k] for k in after if k.startswith("ahead_") and not k.endswith("_s")}
-                run["prepared_outcomes_per_step"] = round(grew["ahead_outcomes"] / steps, 2)
-                kinds = ("chain", "rejection", "chain_second", "rejection_second")
-                run["guess_accuracy"] = {kind: round(grew[f"ahead_{kind}_hits"] / max(
-                    grew[f"ahead_{kind.removesuffix('_second')}_reached"], 1), 3) for kind in kinds}
-            if spec.planned_steps:  # the draft planner: tokens it allowed per request and step, its step-cost error
-                run["planner"] = {"planned_tokens": round(spec.planned_tokens / spec.planned_steps, 3),
-                                  "cost_error": round(spec.cost_error / spec.planned_steps, 3)}
-            choices = spec.drafter_choices
-            if choices:  # a composite drafter: the share of draft steps each member drafted
-                run["choice_shares"] = {s: round(n / sum(choices.values()), 3) for s, n in sorted(choices.items())}
-            if spec.drafter_labels:  # and each member's token acceptance, on every proposal it made
-                run["member_token_acceptance"] = {m: round(yes / max(yes + no, 1), 3)
-                                                  for m, (yes, no) in sorted(spec.drafter_labels.items())}
+            run.update(speculation_report(spec, grew if coupled else {}, verify, steps))
         run.update(steps=steps, verify_steps=verify, tokens=sum(len(t) for t in run["sequences"]),
                    acceptance_length=round((accepted + verify) / verify, 3) if verify else 1.0)
         if sweep:  # equal-length requests at each concurrency: the hardest prompt (its answers run far longer than
@@ -267,8 +257,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="runs/bench/rollout.json")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, help="override the preset's number of interleaved repeats")
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=SYSTEMS,
-                        help="a subset to run (vanilla always runs: it is the reference)")
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS,
+                        help="a subset to run (vanilla always runs: it is the reference); default: all, "
+                             "vllm_spec_suffix where `make vllm-suffix` built its dependency")
     parser.add_argument("--speculative-tokens", type=int, default=SPECULATIVE_TOKENS,
                         help="k: the most draft tokens per request and step of every speculating system")
     parser.add_argument("--no-sweep", action="store_true", help="skip the fixed-batch sweep")
@@ -284,6 +275,10 @@ def main(argv: list[str] | None = None) -> dict:
                         help="each engine first generates the workload drawn with another task seed (other prompts "
                              "and seeds), unmeasured: its planner is warm, as a training actor's after its first steps")
     args = parser.parse_args(argv)
+    suffix_tree = importlib.util.find_spec("arctic_inference") is not None
+    if "vllm_spec_suffix" in (args.systems or []) and not suffix_tree:
+        parser.error("vllm_spec_suffix needs arctic-inference's suffix tree: run `make vllm-suffix` first")
+    args.systems = args.systems or [n for n in SYSTEMS if n != "vllm_spec_suffix" or suffix_tree]
     if args.epochs_before < 0:
         parser.error(f"--epochs-before must be 0 or more, got {args.epochs_before}")
     if args.speculative_tokens < 1:

@@ -1,8 +1,35 @@
-"""How a rollout benchmark's result is shown: its table on the console and its PNG (bench/rollout.py)."""
+"""How a rollout benchmark's result is shown: what a coupled system's speculation did (`speculation_report`), the
+table on the console and the PNG (bench/rollout.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+
+def speculation_report(spec, grew: dict, verify: int, steps: int) -> dict:
+    """A coupled system's run, from its requests' summed speculation stats (`spec`), what its engine's profile
+    counters grew by (`grew`), its verify steps and engine steps: for decoupled drafting, the verify steps whose
+    drafts were ready, the outcomes prepared a step and, per kind, the share of prepared outcomes that came about
+    whose guess was the target's token; the draft planner's tokens allowed per request and step and its step-cost
+    error; for a composite drafter, each member's share of the draft steps and its token acceptance on every
+    proposal it made."""
+    run = {}
+    if spec.prepared_steps:
+        run["prepared_hit_rate"] = round(spec.prepared_steps / max(verify, 1), 3)
+        run["prepared_outcomes_per_step"] = round(grew["ahead_outcomes"] / steps, 2)
+        kinds = ("chain", "rejection", "chain_second", "rejection_second")
+        run["guess_accuracy"] = {kind: round(grew[f"ahead_{kind}_hits"] / max(
+            grew[f"ahead_{kind.removesuffix('_second')}_reached"], 1), 3) for kind in kinds}
+    if spec.planned_steps:
+        run["planner"] = {"planned_tokens": round(spec.planned_tokens / spec.planned_steps, 3),
+                          "cost_error": round(spec.cost_error / spec.planned_steps, 3)}
+    choices = spec.drafter_choices
+    if choices:
+        run["choice_shares"] = {s: round(n / sum(choices.values()), 3) for s, n in sorted(choices.items())}
+    if spec.drafter_labels:
+        run["member_token_acceptance"] = {m: round(yes / max(yes + no, 1), 3)
+                                          for m, (yes, no) in sorted(spec.drafter_labels.items())}
+    return run
 
 
 def plot(result: dict, path: Path) -> None:

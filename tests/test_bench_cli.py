@@ -103,6 +103,17 @@ def test_bad_arguments_are_refused_by_name_before_any_model_is_built(flag, value
     assert f"{flag} must be" in capsys.readouterr().err
 
 
+def test_vllms_suffix_method_is_run_only_where_its_dependency_was_built(capsys, monkeypatch):
+    """vLLM's `suffix` speculation imports arctic-inference's suffix tree (`make vllm-suffix`): asked for without it,
+    the benchmark says so before any model is built."""
+    import bench.rollout
+
+    monkeypatch.setattr(bench.rollout.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit) as e:
+        main(["--systems", "vllm_spec_suffix"])
+    assert e.value.code == 2 and "make vllm-suffix" in capsys.readouterr().err
+
+
 def test_weight_sync_benchmark_measures_every_channel_against_raw_zeromq(tmp_path):
     """Every system delivers whole versions (the subscriber acknowledges each one), and the JSON pairs each with
     raw ZeroMQ and names CURVE's cost."""
