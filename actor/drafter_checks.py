@@ -1,10 +1,11 @@
 """What the drafter bridge (actor/draft_bridge.py) shows a drafter plugin and checks of each call into it: histories
 as read-only views of copies, never of the engine's buffer (`Histories`); that the call left torch's process-wide
-settings as it found them and raised no exit (`guarded`), which call is running on the engine's thread and since
-when (`CallWatch`: a drafter that never returns is found by it, not by a check), that its proposals are integer ids within the vocabulary
+settings as it found them and raised no exit (`guarded`), that its proposals are integer ids within the vocabulary
 (`token_ids_within`), its confidences numbers, one per draft token (`confidences_for`), and a composite's reports
 what a trajectory can carry (`sources_within`, `labels_within`). A call that fails a check switches the drafter
-off; drafts only ever save time, so the engine decodes on without it."""
+off; drafts only ever save time, so the engine decodes on without it. A call that never returns is found instead:
+the constructor's by its deadline (`built_within`), any other by which call the engine's thread is in and since
+when (`CallWatch`)."""
 
 from __future__ import annotations
 
@@ -111,20 +112,21 @@ class CallWatch:
     the actor's replacements start with the drafter switched off (driver/rollouts.py)."""
 
     def __init__(self):
-        self.hook, self.since = "", 0.0
+        self.call: tuple[str, float] | None = None  # the hook and when it began (one object: read whole elsewhere)
 
     @contextmanager
     def running(self, hook: str):
-        self.hook, self.since = hook, time.monotonic()
+        self.call = (hook, time.monotonic())
         try:
             yield
         finally:
-            self.hook = ""
+            self.call = None
 
     def stuck(self, after_s: float) -> str:
         """The call running for more than `after_s` seconds, said as a reason (\"\": none)."""
-        hook, seconds = self.hook, time.monotonic() - self.since
-        return f"its {hook} call had not returned after {seconds:.0f} s" if hook and seconds > after_s else ""
+        call = self.call
+        seconds = time.monotonic() - call[1] if call else 0.0
+        return f"its {call[0]} call had not returned after {seconds:.0f} s" if call and seconds > after_s else ""
 
 
 @contextmanager

@@ -65,9 +65,10 @@ DRAFTER_BUILD_S = 300.0
 
 def drafter_build_deadline(cfg: DictConfig) -> float | None:
     """How long the drafter's constructor may take: DRAFTER_BUILD_S, and at most half of `rollout.start_timeout_s`
-    (past that the actor is taken for one that never started, and its replacement would hang the same way)."""
+    (past that the actor is taken for one that never started, and its replacement would hang the same way); None
+    (no deadline) where a run never times starts out (`rollout.start_timeout_s` 0)."""
     start = cfg.rollout.start_timeout_s
-    return min(DRAFTER_BUILD_S, start / 2) if start > 0 else DRAFTER_BUILD_S
+    return min(DRAFTER_BUILD_S, start / 2) if start > 0 else None
 
 
 def make_engine(cfg: DictConfig, model_dir: Path, drafter_off: str = ""):

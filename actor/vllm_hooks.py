@@ -236,8 +236,7 @@ def install(worker, drafter_path: str | None = None, drafter_options: dict | Non
         try:
             if switched_off:
                 raise RuntimeError(switched_off)
-            drafter = built_within(lambda: load_drafter(drafter_path, drafter_options or {},
-                                                         device=str(runner.device)),  # a draft LM: there
+            drafter = built_within(functools.partial(_build_drafter, runner.device, drafter_path, drafter_options),
                                    build_deadline_s)
         except Exception as e:  # drafts only save time: this engine decodes without them, every trajectory says why
             runner.drafter.bind(runner, drafter_path, max_batch, planning)
@@ -351,6 +350,14 @@ def remember_outputs(worker, outputs: list[tuple[list[int], list[int], int]]) ->
     if isinstance(bridge, DrafterBridge):
         for prompt, response, version in outputs:
             bridge.call("remember", lambda d: d.remember(prompt, response, version))
+
+
+def _build_drafter(device: torch.device, path: str, options: dict | None):
+    """The drafter, built on its own thread (`built_within`) as it would be on the engine's: on the engine's CUDA
+    device as the current one (a thread starts on device 0), its tensors there (a draft LM)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return load_drafter(path, options or {}, device=str(device))
 
 
 def stuck_drafter(worker, after_s: float) -> str:

@@ -211,7 +211,8 @@ def _check_kv_cache(path: Path, cfg: DictConfig) -> None:
     mib, r = cfg.rollout.kv_cache_mib, cfg.rollout
     per_token = kv_bytes_per_token(cfg.model.path, 4 if cfg.model.dtype.value == "float32" else 2)
     if per_token is not None:
-        need = per_token * cfg.model.max_model_len / (r.tensor_parallel_size if cfg.cluster.device.value == "cuda" else 1)
+        shards = r.tensor_parallel_size if cfg.cluster.device.value == "cuda" else 1
+        need = per_token * cfg.model.max_model_len / shards
         if mib << 20 < need:
             raise ConfigError(f"{path}: key 'rollout.kv_cache_mib' = {mib} cannot hold one request of "
                               f"model.max_model_len = {cfg.model.max_model_len} tokens: it needs at least "
@@ -224,8 +225,8 @@ def _check_kv_cache(path: Path, cfg: DictConfig) -> None:
 
 def kv_bytes_per_token(spec: str, dtype_bytes: int) -> int | None:
     """What one token of context takes in the KV cache of model `spec` (keys and values, every layer), where its config
-    says so plainly (full attention over its KV heads); None for compressed or windowed attention, or a config in
-    another shape."""
+    says so plainly (full attention over the KV heads it names); None for compressed or windowed attention, a config
+    that does not name its KV heads (multi-query models mark it otherwise), or one in another shape."""
     if spec.startswith(BUILTIN_PREFIX):
         recipe, model = BUILTIN_MODELS[spec[len(BUILTIN_PREFIX):]]
         arch = getattr(recipe, model)
@@ -235,10 +236,9 @@ def kv_bytes_per_token(spec: str, dtype_bytes: int) -> int | None:
         windowed = c.get("use_sliding_window", c.get("sliding_window") is not None)
         if c.get("kv_lora_rank") or windowed or any(t != "full_attention" for t in c.get("layer_types") or []):
             return None
-        heads = int(c["num_attention_heads"])
-        head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // heads)
-        return 2 * int(c["num_hidden_layers"]) * int(c.get("num_key_value_heads") or heads) * head_dim * dtype_bytes
-    except (KeyError, TypeError, ValueError, AttributeError):
+        head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // int(c["num_attention_heads"]))
+        return 2 * int(c["num_hidden_layers"]) * int(c["num_key_value_heads"]) * head_dim * dtype_bytes
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError):
         return None
 
 

@@ -24,6 +24,9 @@ from transport.auth import ClientKeys, keypair
 CATCH_UP_S = 900  # a replacement's engine start and first weights (a large checkpoint takes minutes to load)
 GAP_CHECK_S = 5.0  # how often, while waiting on the learner, the driver asks rank 0 for lost trajectories
 ASK_STUCK_S = 5.0  # how long a silent actor has to say which drafter call its engine is stuck in
+# a drafter call this old in an actor taken for hung is why (a healthy one takes milliseconds to seconds); its silence
+# itself is no measure, as it counts from before the engine started
+STUCK_CALL_S = 30.0
 
 
 class RolloutPool:
@@ -34,7 +37,7 @@ class RolloutPool:
         before this pool, and why (they start without it)."""
         self.cfg, self.model_dir, self.learners, self.version, self.plan = cfg, model_dir, learners, version, plan
         self.allowed = cfg.rollout.max_restarts - earlier_restarts
-        # threads: run(), stop() or a replacement's wait_for_version(), and evaluations waiting on run()
+        # threads: run(), stop() or a replacement's wait_for_version(), evaluations waiting on run(), stuck_drafter()
         self.cls = ray.remote(num_cpus=1, num_gpus=num_gpus, max_concurrency=4)(RolloutActor)
         self.restarts = 0
         self.drafters_off = dict(drafters_off or {})  # actor -> why its replacements run without the drafter (it hung)
@@ -96,7 +99,7 @@ class RolloutPool:
                 if silent > limit:
                     print(f"rollout actor {i} {what} for {silent:.0f} s (rollout.{key} = {limit:g}): taken for hung "
                           "and stopped", file=sys.stderr)
-                    self._stuck_drafter(i, limit / 2)
+                    self._stuck_drafter(i, min(STUCK_CALL_S, limit / 2))
                     ray.kill(self.actors[i])
 
     def _stuck_drafter(self, i: int, after_s: float) -> None:
@@ -140,7 +143,7 @@ class RolloutPool:
                 print(f"rollout actor {i} stopped ({error}); replacement {self.restarts} failed to catch up",
                       file=sys.stderr)
                 if isinstance(e, ray.exceptions.GetTimeoutError):  # alive: stuck in its drafter, perhaps
-                    self._stuck_drafter(i, CATCH_UP_S / 2)
+                    self._stuck_drafter(i, STUCK_CALL_S)
                 error = f"replacement {self.restarts} catching up: {one_line(e)}"
         print(f"rollout actor {i} stopped ({error}); replacement {self.restarts} runs weights v{target} from data "
               f"cursor {self.plan.cursor(i, first_ordinal)}", file=sys.stderr)

@@ -277,7 +277,8 @@ def test_every_key_fuzzed_loads_or_names_itself():
 @pytest.mark.parametrize("fields, expected", [
     ({}, 2 * 36 * 8 * 128 * 2),  # Qwen3-8B's shape: 36 layers, 8 KV heads of 128
     ({"head_dim": None}, 2 * 36 * 8 * 128 * 2),  # head_dim from hidden_size / heads
-    ({"num_key_value_heads": None}, 2 * 36 * 32 * 128 * 2),  # multi-head attention: a KV head per head
+    ({"num_key_value_heads": None}, None),  # KV heads not named (a multi-query model marks it its own way)
+    ({"num_attention_heads": 0, "head_dim": None}, None),
     ({"use_sliding_window": True}, None),  # windowed: a token past the window takes nothing
     ({"layer_types": ["full_attention", "sliding_attention"]}, None),
     ({"kv_lora_rank": 512}, None),  # compressed (MLA)
