@@ -614,7 +614,7 @@ def test_answers_that_are_not_what_the_contract_says_switch_the_drafter_off_and_
     assert "switched off" in b.failure and propose(b, [[1, 2], [3, 4]]) == [[], []]
     b, _ = bridge(Odd(odd), ["a-1", "b-1"])
     worker = SimpleNamespace(model_runner=SimpleNamespace(drafter=b))
-    assert swap_draft_weights(worker, [("w", 0)])  # (taken: an int reads as True)
+    swap_draft_weights(worker, [("w", 0)])  # returns, whatever the answer (an int reads as a truth value)
     assert ("switched off" in b.failure) == (not isinstance(odd, int))
 
 
