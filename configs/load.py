@@ -194,12 +194,21 @@ def _check_places(path: Path, cfg: DictConfig) -> None:
                           f"directory ({e.strerror})") from None
 
 
+def _hf_config(spec: str) -> dict:
+    """The config.json of checkpoint directory `spec` (checked by `check_model`); {} where it is not a JSON object."""
+    try:
+        config = json.loads((Path(spec).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
 def max_positions(spec: str) -> int | None:
     """How many positions model `spec` (checked by `_check_model`) holds; None where its config does not say."""
     if spec.startswith(BUILTIN_PREFIX):
         return BUILTIN_MODELS[spec[len(BUILTIN_PREFIX):]][0].max_position
     try:
-        return int(json.loads((Path(spec).expanduser() / "config.json").read_text())["max_position_embeddings"])
+        return int(_hf_config(spec)["max_position_embeddings"])
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -231,14 +240,14 @@ def kv_bytes_per_token(spec: str, dtype_bytes: int) -> int | None:
         recipe, model = BUILTIN_MODELS[spec[len(BUILTIN_PREFIX):]]
         arch = getattr(recipe, model)
         return 2 * arch.layers * arch.kv_heads * arch.head_dim * dtype_bytes
+    c = _hf_config(spec)
     try:
-        c = json.loads((Path(spec).expanduser() / "config.json").read_text())
         windowed = c.get("use_sliding_window", c.get("sliding_window") is not None)
         if c.get("kv_lora_rank") or windowed or any(t != "full_attention" for t in c.get("layer_types") or []):
             return None
         head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // int(c["num_attention_heads"]))
         return 2 * int(c["num_hidden_layers"]) * int(c["num_key_value_heads"]) * head_dim * dtype_bytes
-    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError):
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return None
 
 
