@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from tasks.base import ANSWER_MARK, Problem, epoch_index
+from tasks.base import ANSWER_MARK, Problem, epoch_index, format_prompt
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,11 @@ class ArithmeticTask:
         """Problem `cursor` of a fixed number of operations (for evaluation splits by difficulty)."""
         rng = random.Random(f"arithmetic-ops:{self.seed}:{ops}:{cursor}")
         return self.make(ops, rng, f"arith-{self.seed}-ops{ops}-{cursor}")
+
+    def longest_prompt(self) -> str:
+        """A prompt at least as long as any this task makes: `max_ops` operations, every operand the widest."""
+        widest = str(self.max_operand)
+        return format_prompt(widest + f"+{widest}" * self.max_ops + "=?")
 
     def make(self, ops: int, rng: random.Random, problem_id: str) -> Problem:
         total = rng.randint(1, self.max_operand)

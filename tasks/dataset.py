@@ -5,7 +5,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from tasks.arithmetic import ArithmeticTask
-from tasks.base import Dataset, Problem, format_prompt
+from tasks.base import Dataset, Problem
 from tasks.jsonl import DataFormatError, JsonlDataset, load_jsonl
 
 EVAL_SEED_OFFSET = 7_919  # the built-in eval set's problems come from seed + this (and never equal a training one)
@@ -33,9 +33,8 @@ def check_prompt_lengths(data: DictConfig, tokenizer, max_model_len: int) -> Non
         return None if n < max_model_len else (f"the prompt is {n} tokens, and model.max_model_len = {max_model_len} "
                                                "leaves no room to answer it")
 
-    if "arithmetic" in (data.source, data.eval_source):  # its longest: max_ops operations of the widest operand
-        widest = str(data.max_operand)
-        if wrong := fits(format_prompt(widest + f"+{widest}" * data.max_ops + "=?")):
+    if "arithmetic" in (data.source, data.eval_source):
+        if wrong := fits(ArithmeticTask(max_ops=data.max_ops, max_operand=data.max_operand).longest_prompt()):
             raise DataFormatError(f"key 'data.max_ops' = {data.max_ops} (operands up to data.max_operand = "
                                   f"{data.max_operand}): the longest built-in question does not fit: {wrong}")
 

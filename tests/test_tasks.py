@@ -188,3 +188,12 @@ def test_a_jsonl_eval_set_is_its_first_records(tmp_path):
     path.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(9)))
     cfg = load_config("grpo_tiny", [f"data.eval_source={path}", "data.eval_size=4"])
     assert [p.answer for p in eval_set(cfg.data, cfg.seed)] == ["1", "2", "3", "4"]
+
+
+@pytest.mark.parametrize("max_ops, max_operand", [(1, 9), (4, 9), (24, 99)])
+def test_no_problem_of_the_built_in_task_is_longer_than_its_longest_prompt(max_ops, max_operand):
+    """The launcher checks `longest_prompt` against model.max_model_len before the run starts (tasks/dataset.py)."""
+    task = ArithmeticTask(seed=5, max_ops=max_ops, max_operand=max_operand, tail_exponent=0.0)
+    longest = task.longest_prompt()
+    assert all(len(task[i].prompt) <= len(longest) for i in range(300))
+    assert max(len(task.with_ops(max_ops, i).prompt) for i in range(50)) >= len(longest) - max_ops  # it is tight
