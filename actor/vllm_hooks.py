@@ -245,6 +245,14 @@ def install(worker, drafter_path: str | None = None, drafter_options: dict | Non
         runner.drafter.bind(runner, drafter, max_batch, planning, decoupled)
 
 
+def _build_drafter(device: torch.device, path: str, options: dict | None):
+    """The drafter, built on its own thread (`built_within`) as it would be on the engine's: on the engine's CUDA
+    device as the current one (a thread starts on device 0), its tensors there (a draft LM)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return load_drafter(path, options or {}, device=str(device))
+
+
 def quiet_expected(logger: str, *prefixes: str) -> None:
     """Drops a logger's records that start with one of `prefixes`: vLLM notices about what is done on purpose."""
     logging.getLogger(logger).addFilter(lambda record: not record.getMessage().startswith(prefixes))
@@ -350,14 +358,6 @@ def remember_outputs(worker, outputs: list[tuple[list[int], list[int], int]]) ->
     if isinstance(bridge, DrafterBridge):
         for prompt, response, version in outputs:
             bridge.call("remember", lambda d: d.remember(prompt, response, version))
-
-
-def _build_drafter(device: torch.device, path: str, options: dict | None):
-    """The drafter, built on its own thread (`built_within`) as it would be on the engine's: on the engine's CUDA
-    device as the current one (a thread starts on device 0), its tensors there (a draft LM)."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    return load_drafter(path, options or {}, device=str(device))
 
 
 def stuck_drafter(worker, after_s: float) -> str:
