@@ -27,7 +27,8 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from actor.draft_planner import DraftCost
-from drafters.base import DraftRequest
+from actor.drafter_checks import guarded, sources_within
+from drafters.base import CompositeDrafter, DraftRequest
 
 # a preparation still running this long after its verify step is a hung drafter: the bridge switches it off (its
 # thread is left to itself) and the engine decodes on, instead of stalling until the actor is taken for dead
@@ -95,6 +96,26 @@ class DraftsAhead:
         it was the target's token where that outcome came about (a prior of 2 outcomes at 0.6 / 0.15 before then)."""
         return {(kind, guess): (self.right[kind, guess] + 2 * (0.6, 0.15)[guess]) / (self.reached[kind] + 2)
                 for kind, guess in self.right}
+
+    def prepare(self, drafter, chains: list[tuple[DraftRequest, list[int], int]],
+                rates: Callable[[list[str]], np.ndarray], predicted: float, k: int, members: set[str]) -> None:
+        """The drafter, on the thread, proposes from the histories of the outcomes `outcomes` picks for each chain
+        (a request, the drafts handed over for it, their count): k + 1 tokens each, the guess of the target's next
+        token, then k drafts. `rates`: the requests' acceptance rates; `predicted`: the verify step's seconds;
+        `members`: a composite's member names so far."""
+        more = drafter.prepares_rejections or drafter.prepares_guesses
+        asked = ahead(outcomes(chains, rates([r.request_id for r, _, _ in chains]) if more else None, self.cost,
+                               predicted, k + 1, drafter.prepares_rejections,
+                               self.guess_rates() if drafter.prepares_guesses else None), k + 1)
+        name = type(drafter).__name__
+
+        def propose():
+            with guarded(drafter):
+                proposals, confidences = drafter.propose_ahead(asked, k + 1), drafter.confidences()
+                return proposals, confidences, sources_within(drafter.sources(), len(asked), members, name) \
+                    if isinstance(drafter, CompositeDrafter) else None
+
+        self.launch(asked, propose)
 
     def launch(self, requests: list[DraftRequest], propose: Callable[[], tuple[list, list | None, list | None]]
                ) -> None:

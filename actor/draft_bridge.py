@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from actor.draft_ahead import DraftsAhead, ahead, outcomes
+from actor.draft_ahead import DraftsAhead
+from actor.draft_commits import Commits
 from actor.drafter_checks import (CallWatch, Histories, confidences_for, guarded, labels_within, printable,
                                   sources_within, token_ids_within)
 from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, Rest, StepCost, Survival, geometric, plan
@@ -46,6 +47,7 @@ class DrafterBridge:
         self.max_batch, self.planning = 0, True
         self.live: set[str] = set()  # the requests of the last step's batch
         self.known: set[str] = set()  # every request the drafter has state for
+        self.commits = Commits()  # what the drafter has heard of each request's commits
         self.step_cost, self.draft_cost, self.acceptance, self.rest = StepCost(), DraftCost(), Acceptance(), Rest()
         self.calibration, self.rated = Calibration(), False  # rated: the drafter gives confidences
         self.histories, self.members = Histories(), set()  # what drafters see; a composite's member names so far
@@ -81,6 +83,10 @@ class DrafterBridge:
         self.vocab_size = runner.model_config.get_vocab_size()
         self.max_model_len = runner.model_config.max_model_len
         self.survival = Survival(self.max_model_len)
+        runner._sample.planning = built
+        dropped = getattr(runner, "_on_request_state_removed", None)  # vLLM's hook as it drops a request's state
+        if dropped is not None:
+            runner._on_request_state_removed = lambda r, state: (self.commits.left(r, state), dropped(r, state))
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
         start = time.perf_counter()
@@ -91,21 +97,24 @@ class DrafterBridge:
             self.seconds += self.step_end - start
 
     def _propose(self, start, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
-        """One engine step's drafts: forget the requests that left -> hear what was committed -> plan each request's
-        budget -> draft -> record the plan in the requests' stats."""
+        """One engine step's drafts: a step of rest drafts nothing and does nothing per request; else forget the
+        requests that left -> hear what was committed -> plan each request's budget -> draft -> record the plan."""
         if self.drafter is None:
             raise RuntimeError("DrafterBridge.propose before install(): no drafter bound")
         batch = self.runner.input_batch
         req_ids = batch.req_ids[: batch.num_reqs]
         self._observe_step(start, req_ids)
         self.waited = self.settle()  # no drafter call while its thread still runs (counted in drafter_seconds)
+        if self._rests(len(req_ids)):
+            return [[] for _ in req_ids]
         gone = self._forget(req_ids)
-        rows = [row for row, committed in enumerate(sampled_token_ids[: len(req_ids)]) if committed]
-        self._hear([(req_ids[row], list(sampled_token_ids[row])) for row in rows], gone)
-        if self.failure or (self.max_batch and len(req_ids) > self.max_batch):  # no drafting above the bound
-            rows = []
         lengths = num_tokens_no_spec[: len(req_ids)].tolist()  # plain ints: a numpy scalar per request costs more
         prompt_lengths = batch.num_prompt_tokens[: len(req_ids)].tolist()
+        commits = self.commits.since_last_plan(req_ids, sampled_token_ids, lengths, prompt_lengths, token_ids_cpu)
+        self._hear([(req_ids[row], tokens) for row, tokens in commits], gone)
+        drafting = not self.failure and not (self.max_batch and len(req_ids) > self.max_batch)  # none above the bound
+        self.runner._sample.planning = drafting
+        rows = [row for row, _ in commits] if drafting else []
         self.positions.update(zip(req_ids, (n - p for n, p in zip(lengths, prompt_lengths))))
         budgets, explore = self._plan(req_ids, rows, lengths)
         requests = self._requests(req_ids, rows, budgets, lengths, token_ids_cpu)
@@ -118,26 +127,41 @@ class DrafterBridge:
                 drafts = [[] for _ in req_ids]
         self._record(req_ids, rows, drafts)
         if self.ahead is not None and requests and not self.failure:  # the last drafter call of this step
-            self._prepare_ahead(requests, drafts)
+            self.ahead.prepare(self.drafter, [(r, drafts[row], len(drafts[row])) for row, r in requests],
+                               self.acceptance.rates, self.predicted, self.k, self.members)
         return drafts
 
-    def _forget(self, req_ids: list[str]) -> list[str]:
-        """The requests vLLM no longer holds (finished or aborted), their state dropped. A request out of this step's
-        batch may only be waiting (unscheduled, preempted by a weight update): it is kept."""
+    def _rests(self, rows: int) -> bool:
+        """Whether this step of `rows` requests is one of the planner's rest (`Rest`): no drafts, and no work per
+        request; the drafter hears the rest's commits later (actor/draft_commits.py)."""
+        rests = (self.planning and not self.failure and not self.verifying and self.undrafted_steps < EXPLORE_EVERY
+                 and not (self.max_batch and rows > self.max_batch) and self.rest.keeps(rows))
+        if rests:
+            self.commits.rested, self.undrafted_steps = True, self.undrafted_steps + 1
+            self.predicted = float(self.step_cost.predict(rows))
+        return rests
+
+    def _forget(self, req_ids: list[str]) -> list[tuple[str, list[int]]]:
+        """The requests vLLM no longer holds (finished or aborted), their state dropped, each with its outputs the
+        drafter has not heard of. A request out of this step's batch may only be waiting (unscheduled, preempted by a
+        weight update): it is kept."""
         self.known.update(req_ids)
         gone = [r for r in self.known - set(req_ids) if r not in self.runner.requests]
+        gone += [r for r in self.commits.tails if r not in self.known]  # it came and went during a rest
+        left = []
         for req_id in gone:
             self.acceptance.remove(req_id)
             self.histories.drop(req_id)
             self.shown.pop(req_id, None)
-            position = self.positions.pop(req_id, -1)
+            unheard, length = self.commits.forget(req_id)
+            position = self.positions.pop(req_id, -1) if length is None else length
             if position >= 0:  # it ended (or was aborted) after its last step: at least a token on
                 self.survival.ended(position + 1)
             self.known.discard(req_id)
-        self.live = set(req_ids)
-        return gone
+            left.append((req_id, unheard))
+        return left
 
-    def _hear(self, commits: list[tuple[str, list[int]]], gone: list[str]) -> None:
+    def _hear(self, commits: list[tuple[str, list[int]]], gone: list[tuple[str, list[int]]]) -> None:
         """What the verifier committed: each drafted request's acceptance and labels, then the drafter told."""
         for req_id, committed in commits:
             if req_id in self.verifying:
@@ -154,8 +178,6 @@ class DrafterBridge:
         explore = self.undrafted_steps >= EXPLORE_EVERY
         if not self.planning:
             return [self.k] * len(rows), explore
-        if not explore and self.rest.keeps(len(req_ids)):
-            return [0] * len(rows), False
         unseen = [lengths[row] - self.shown.get(req_ids[row], 0) for row in rows]
         gains = self._gains([req_ids[row] for row in rows])
         # decoupled: as if drafting were free, since prepared drafts cost the engine nothing; a miss is re-planned
@@ -197,20 +219,20 @@ class DrafterBridge:
             reason = printable(self.failure or f"drafter {self.name}: {members_off}")
             for req_id in req_ids:
                 sampler.stats_for(req_id).drafter_failure = reason[:MAX_FAILURE]  # what a trajectory may carry
-        stats_for = sampler.stats_for
-        for row in rows:
-            stats = stats_for(req_ids[row])
-            stats.planned_steps += 1
-            stats.planned_tokens += len(drafts[row])
+        for row in rows:  # (the steps are counted where every request is, in the sampler: `CoupledSampling.planning`)
+            if drafts[row]:
+                sampler.stats_for(req_ids[row]).planned_tokens += len(drafts[row])
         self.undrafted_steps = 0 if any(drafts) else self.undrafted_steps + 1
         self.predicted = float(self.step_cost.predict(len(req_ids) + sum(len(d) for d in drafts)))
 
-    def _tell(self, gone: list[str], commits: list[tuple[str, list[int]]]) -> None:
+    def _tell(self, gone: list[tuple[str, list[int]]], commits: list[tuple[str, list[int]]]) -> None:
         """The drafter hears which requests left and what was committed (drafting or not), and a composite's
         members' labels go to their requests' stats; its own time, not the bridge's."""
         start, sampler = time.perf_counter(), self.runner._sample
         with self.watch.running("commit"), guarded(self.drafter):
-            for req_id in gone:
+            for req_id, unheard in gone:
+                if unheard:
+                    self.drafter.commit(req_id, unheard)
                 self.drafter.remove(req_id)
             for req_id, committed in commits:
                 self.drafter.commit(req_id, committed)
@@ -226,7 +248,7 @@ class DrafterBridge:
         request's stats from then on (`SpecStats.drafter_failure`: TensorBoard's spec/drafter_failed and
         spec/alarm)."""
         self.failure = f"drafter {self.name} switched off: {type(error).__name__}: {error}"
-        self.verifying = {}
+        self.verifying, self.runner._sample.planning = {}, False
         log.error("%s; this engine decodes on without drafts", self.failure, exc_info=error)
 
     def settle(self) -> float:
@@ -264,16 +286,16 @@ class DrafterBridge:
             self.calibration.observe(confidences, proposal, committed)
 
     def _observe_step(self, start: float, req_ids: list[str]) -> None:
-        """Teaches the step cost the step that just ran if it continued the last batch; charges the plan's error."""
-        continuing = self.live.intersection(req_ids)
-        if self.step_end is None or not continuing or not self.runner._sample.step_tokens:
+        """Teaches the step cost the step that just ran if it continued the last batch; its error is charged to the
+        requests of the next step (by the sampler)."""
+        sampler, continuing = self.runner._sample, not self.live.isdisjoint(req_ids)
+        self.live, sampler.step_error = set(req_ids), 0.0
+        if self.step_end is None or not continuing or not sampler.step_tokens:
             return
         measured = start - self.step_end
         error = abs(self.predicted - measured) / measured if self.step_cost.seen.any() and measured > 0 else 0.0
-        self.step_cost.observe(self.runner._sample.step_tokens, measured)
-        stats_for = self.runner._sample.stats_for
-        for req_id in continuing:
-            stats_for(req_id).cost_error += error
+        sampler.step_error = error
+        self.step_cost.observe(sampler.step_tokens, measured)
 
     def _draft(self, requests: list[tuple[int, DraftRequest]], drafts: list[list[int]], base_tokens: int,
                verify_all: bool) -> None:
@@ -376,21 +398,3 @@ class DrafterBridge:
     def _unseen(self, request: DraftRequest) -> int:
         """History tokens the drafter would see for the first time (its catch-up) if `request` drafted now."""
         return len(request.token_ids) - self.shown.get(request.request_id, 0)
-
-    def _prepare_ahead(self, requests: list[tuple[int, DraftRequest]], drafts: list[list[int]]) -> None:
-        """The drafter, on its thread, proposes from the histories of the outcomes `outcomes` picks for each request."""
-        chains = [(r, drafts[row], len(drafts[row])) for row, r in requests]
-        drafter, k = self.drafter, self.k + 1  # k + 1: the guess of the target's next token, then k drafts
-        more = drafter.prepares_rejections or drafter.prepares_guesses
-        rates = self.acceptance.rates([r.request_id for r, _, _ in chains]) if more else None
-        asked = ahead(outcomes(chains, rates, self.ahead.cost, self.predicted, k, drafter.prepares_rejections,
-                               self.ahead.guess_rates() if drafter.prepares_guesses else None), k)
-
-        def propose():
-            with guarded(drafter):
-                proposals, confidences = drafter.propose_ahead(asked, k), drafter.confidences()
-                return proposals, confidences, sources_within(drafter.sources(), len(asked), self.members, self.name) \
-                    if isinstance(drafter, CompositeDrafter) else None
-
-        self.ahead.launch(asked, propose)
-

@@ -96,6 +96,10 @@ class CoupledSampling:
         self.calls = 0  # sampling steps served: proof that this sampler, not vLLM's, ran
         self.seconds = 0.0  # time spent in it (a benchmark's per-step profile)
         self.step_tokens = 0  # tokens the engine computed in the step it last sampled for (the planner's cost model)
+        # set by the drafter bridge: whether the draft planner decides this step's drafts (each decoding request's
+        # `planned_steps` counted here, in the loop over requests every step has), and its relative error on the step
+        # before (charged to `cost_error`)
+        self.planning, self.step_error = False, 0.0
 
     def __call__(self, logits: torch.Tensor, spec) -> object:
         start = time.perf_counter()
@@ -175,17 +179,22 @@ class CoupledSampling:
                 emitted: list[int]) -> None:
         """Each request's emitted tokens' logprobs this step, stored at their output positions: a position sampled
         again (a request preempted after its token was sampled, then resumed) overwrites its logprob and drops the
-        later ones, never shifts them. Partial-prefill rows (negative positions) emit nothing."""
-        start = 0
+        later ones, never shifts them. Partial-prefill rows (negative positions) emit nothing. Where the planner is in
+        charge, each emitting request counts the step as planned, with the planner's error on the step before."""
+        start, planning, error = 0, self.planning, self.step_error
         for req_id, count, k in zip(req_ids, rows, emitted):
             first = positions[start]
             if first >= 0:
-                recorded = self.held[req_id].logprobs
+                record = self.held[req_id]
+                recorded = record.logprobs
                 if first > len(recorded):
                     raise RuntimeError(f"coupled sampler: request {caller_id(req_id)} sampled output position "
                                        f"{first} with only {len(recorded)} recorded before it")
                 del recorded[first:]
                 recorded.extend(logprobs[start : start + k])
+                if planning:
+                    record.stats.planned_steps += 1
+                    record.stats.cost_error += error
             start += count
 
     def _count(self, req_ids: list[str], drafted: list[int], accepted: list[int]) -> None:

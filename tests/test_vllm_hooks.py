@@ -23,6 +23,20 @@ def test_a_position_sampled_again_overwrites_its_logprob_and_never_shifts_the_la
         sampler._record(["r-x"], [1], [5], [-0.1], [1])
 
 
+def test_where_the_planner_is_in_charge_each_emitting_request_counts_the_step_and_the_planners_error():
+    """`planned_steps` and `cost_error` are counted in the loop every sampling step runs over its requests, so that a
+    step of the planner's rest costs the drafter bridge nothing per request."""
+    sampler = CoupledSampling(runner=None)
+    sampler.held.update({"a-x": RequestRecord(), "b-x": RequestRecord()})
+    sampler._record(["a-x", "b-x"], [1, 1], [0, 0], [-0.1, -0.1], [1, 1])  # no planner (vanilla, or switched off)
+    sampler.planning, sampler.step_error = True, 0.25
+    sampler._record(["a-x", "b-x"], [1, 1], [1, -2], [-0.1, -0.1], [1, 1])  # b-x: a partial prefill emits nothing
+    sampler.step_error = 0.5
+    sampler._record(["a-x", "b-x"], [2, 1], [2, 3, 0], [-0.1, -0.1, -0.1], [2, 1])
+    a, b = sampler.held["a-x"].stats, sampler.held["b-x"].stats
+    assert (a.planned_steps, a.cost_error, b.planned_steps, b.cost_error) == (2, 0.75, 1, 0.5)
+
+
 def test_an_unseeded_requests_noise_seed_is_its_ids_and_no_global_rng_moves_it():
     first = noise_seed("7-0-abcdef12")
     torch.manual_seed(123), torch.rand(5)

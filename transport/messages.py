@@ -45,10 +45,10 @@ class SpecStats(msgspec.Struct, omit_defaults=True):
     accepted_tokens: int = 0  # of which the verifier accepted
     invalid_drafts: int = 0  # proposals dropped as invalid (token ids outside the vocabulary)
     draft_seconds: float = 0.0  # its share of the time the drafter spent proposing (the engine waited for)
-    planned_steps: int = 0  # decode steps the draft planner decided for it (drafting or not)
+    planned_steps: int = 0  # decode steps under the draft planner (a plan or its rest; drafting or not)
     planned_tokens: int = 0  # draft tokens the planner allowed it over those steps
     prepared_steps: int = 0  # of its drafting steps, those whose drafts were prepared a step ahead (decoupled)
-    cost_error: float = 0.0  # sum over those steps of the planner's relative error on the engine step's seconds
+    cost_error: float = 0.0  # sum over those steps of the planner's relative error on the step before's seconds
     # draft steps per member of a composite drafter (fastest_of_n)
     drafter_choices: Annotated[dict[Name, int], msgspec.Meta(max_length=MAX_DRAFTERS)] = {}
     # per member of a composite drafter: [tokens of its proposals the verifier would have accepted, rejected]

@@ -82,7 +82,8 @@ def test_planner_learns_acceptance_from_commits_and_withholds_drafts_that_cannot
         b.step_cost.observe(tokens, 0.01 * tokens)
     assert propose(b, [[7], [7]]) == [[], []]
     stats = runner._sample.records["a"].stats
-    assert stats.planned_steps == 3 and stats.planned_tokens == 3 + 3  # 3 drafts handed over twice, then 0
+    assert stats.planned_tokens == 3 + 3  # 3 drafts handed over twice, then 0
+    assert runner._sample.planning  # the sampler counts the planned steps (tests/test_vllm_hooks.py)
     assert drafter.commits[-2:] == [("a-1", [7]), ("b-1", [7])]  # commits still reach the drafter
 
 
@@ -251,6 +252,47 @@ def test_confidences_are_read_as_probabilities_and_non_numbers_stop_the_engine_w
     for bad in (["sure"], [None], [[0.5]]):
         with pytest.raises(RuntimeError, match="drafter D: confidences must be numbers"):
             confidences_for(bad, 1, "D")
+
+
+def test_during_the_planners_rest_the_drafter_hears_every_commit_once_in_order_even_of_a_request_that_ends():
+    """A step of rest does no work per request: the drafter hears its commits at the next plan (read from the
+    engine's buffer), or, for a request vLLM drops meanwhile, from vLLM's hook as it drops it, before its removal."""
+    class HeardAtRemoval(Recording):
+        def remove(self, request_id):  # what it had heard of the request when it was removed
+            self.removed.append((request_id, [t for r, ids in self.commits if r == request_id for t in ids]))
+
+    drafter = HeardAtRemoval([[], []])
+    b, runner = bridge(drafter, ["a-1", "b-1"])
+    buffer, lengths = np.zeros((2, 32), dtype=np.int64), np.full(2, 3)  # 3 prompt tokens each
+    outputs: dict[str, list[int]] = {"a-1": [], "b-1": []}
+    dropped = []
+    runner._on_request_state_removed = lambda req_id, state: dropped.append(req_id)  # vLLM's own hook (a no-op)
+    b.bind(runner, drafter, 0, True)  # binds over it
+
+    def step(committed: list[list[int]]) -> list[list[int]]:
+        for row, (req_id, ids) in enumerate(zip(runner.input_batch.req_ids, committed)):
+            buffer[row, lengths[row] : lengths[row] + len(ids)] = ids
+            lengths[row] += len(ids)
+            outputs[req_id] += ids
+        return b.propose(committed, lengths, buffer)
+
+    for tokens in range(1, 64):  # a compute-bound engine: the planner plans no drafts
+        b.step_cost.observe(tokens, 0.01 * tokens)
+    assert step([[10], [20]]) == [[], []]  # a plan
+    heard = len(drafter.commits)
+    b.rest.rows, b.rest.left = 2, 3  # the planner rests for the next 3 steps
+    assert step([[11, 12], [21]]) == [[], []] and step([[13], [22]]) == [[], []]
+    assert len(drafter.commits) == heard  # nothing heard during the rest
+    state = SimpleNamespace(prompt_token_ids=[0, 0, 0], output_token_ids=list(outputs["b-1"]))
+    runner._on_request_state_removed("b-1", state)  # b-1 ended at the last step: vLLM drops it
+    del runner.requests["b-1"]
+    runner.input_batch.req_ids, runner.input_batch.num_reqs = ["a-1"], 1
+    step([[14]])  # the batch shrank: a plan again
+    assert dropped == ["b-1"]  # vLLM's own hook still runs
+    for req_id in ("a-1", "b-1"):
+        assert [t for r, ids in drafter.commits if r == req_id for t in ids] == outputs[req_id]
+    assert drafter.removed == [("b-1", outputs["b-1"])]  # its last outputs heard, then its removal
+    assert b.survival.ended_at[len(outputs["b-1"]) + 1] == 1.0
 
 
 def test_a_drafters_commits_count_as_its_own_time_not_the_bridges(monkeypatch):
