@@ -70,8 +70,8 @@ class Drafter(ABC):
 
     @abstractmethod
     def commit(self, request_id: str, committed: list[int]) -> None:
-        """`committed` tokens were appended to `request_id` by the verifier since its last commit (one step's, or several
-        after steps without drafts)."""
+        """`committed` tokens were appended to `request_id` by the verifier since its last commit (one step's, or
+        several after steps without drafts)."""
 
     @abstractmethod
     def remove(self, request_id: str) -> None:
