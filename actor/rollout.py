@@ -25,8 +25,8 @@ from omegaconf import DictConfig
 
 from actor.engine import completion_text, make_engine, sampling_params
 from actor.evaluation import EVAL_SEED_BASE, Evaluation
-from actor.vllm_hooks import (RequestRecord, apply_weights, join_weight_group, new_policy_version, pull_weights,
-                               remember_outputs, stuck_drafter, swap_draft_weights, take_records)
+from actor.vllm_hooks import (RequestRecord, apply_weights, join_weight_group, new_policy_version, profile,
+                               pull_weights, remember_outputs, stuck_drafter, swap_draft_weights, take_records)
 from sampling.coupled import group_seed
 from tasks.dataset import eval_set, open_dataset
 from tasks.reward import length_penalized, score
@@ -84,6 +84,8 @@ class RolloutActor:
         self.rewinds: queue.Queue[int] = queue.Queue()  # asked by rewind(), done by run()
         self.eval_problems: dict | None = None  # the run's held-out set, built at the first evaluation
         self.stats = {"groups": 0, "trajectories": 0, "tokens": 0, "weight_updates": 0, "generate_seconds": 0.0,
+                      "engine_steps": 0,  # and of generate_seconds, the engine's (vllm_hooks.profile, at stop):
+                      "sampler_seconds": 0.0, "bridge_seconds": 0.0, "drafter_seconds": 0.0,
                       "idle_seconds": 0.0,  # nothing admissible to run: waiting for the learner's next weights
                       "preempting_updates": 0,  # weight versions applied with training groups still in flight
                       "sent_while_generating": 0,  # streamed while other requests were still in the engine
@@ -118,8 +120,11 @@ class RolloutActor:
             start = time.time()
             outputs = self.engine.step()
             self.stats["generate_seconds"] += time.time() - start
+            self.stats["engine_steps"] += 1
             self._route(outputs, samples, finished, evaluating)
         self.engine.abort_request(list(samples) + list(evaluating))  # unfinished groups are abandoned, never half-sent
+        spent = self.llm.collective_rpc(profile)[0]  # the coupled sampler's, the drafter bridge's, the drafter's
+        self.stats.update({f"{part}_seconds": spent[f"{part}_s"] for part in ("sampler", "bridge", "drafter")})
         for evaluation in set(evaluating.values()) | set(self.evaluations.queue):
             evaluation.done.set()  # an evaluation cut short by stop() reports what it has
         return {**self.stats, "abandoned_requests": len(samples), "version": self.version,

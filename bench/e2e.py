@@ -22,9 +22,10 @@ The asynchronous systems run at `algorithm.max_staleness` S (`--staleness`, 1 un
 system (rotating order). Per system: seconds per step (the run's wall time from its first step's TensorBoard event
 to its last over the steps between: the first step holds the engines' start; a mean, since at staleness 1 the gaps
 alternate between a long and a short one and their median is either), the actors' engine seconds per step
-(`rollout_s`), a profile of where a step's time goes (means per step: the learner's GRPO step and its wait for the
-step's groups; the actors' idle seconds, nothing admissible to run until new weights; the share of rows with zero
-advantage, which get no backward pass), acceptance length per step (live; for fastest-of-N also each member's token
+(`rollout_s`) and of those its engine steps and the seconds of the coupled sampler, the drafter bridge and the
+drafter (`engine_profile`), a profile of where a step's time goes (means per step: the learner's GRPO step and its
+wait for the step's groups; the actors' idle seconds, nothing admissible to run until new weights; the share of rows
+with zero advantage, which get no backward pass), acceptance length per step (live; for fastest-of-N also each member's token
 acceptance on every proposal it made, chosen or not; and for the distilled draft LM, replayed on each step's
 trajectories beside the run's starting draft LM), and the final held-out reward (T = 1), which must
 agree across the asynchronous systems within the noise between repeats of one system: the coupled sampler makes
@@ -122,6 +123,11 @@ def run(system: str, steps: int, overrides: list[str], logdir: Path, log: Path) 
     return {
         "step_s": seconds_per_step(times),
         "rollout_s": sum(a["generate_seconds"] for a in summary["actors"]) / steps,
+        # of the actors' engine time per step: its engine steps, and the seconds of the coupled sampler, the drafter
+        # bridge (planning, bookkeeping) and the drafter itself (0 for the last two without speculation)
+        "engine_profile": {"engine_steps": sum(a["engine_steps"] for a in summary["actors"]) / steps,
+                           **{f"{part}_s": sum(a[f"{part}_seconds"] for a in summary["actors"]) / steps
+                              for part in ("sampler", "bridge", "drafter")}},
         # where a step's time goes: the learner's GRPO step, the learner waiting for the step's groups, and the
         # actors waiting for weights with nothing admissible to run (the staleness bound), per actor and step
         "profile": {"train_s": mean("rl/train_seconds"), "learner_wait_s": mean("rl/wait_seconds"),
@@ -263,6 +269,8 @@ def main(argv: list[str] | None = None) -> dict:
             "rollout_s": statistics.median(r["rollout_s"] for r in runs[name]),
             "profile": {key: round(statistics.median(r["profile"][key] for r in runs[name]), 3)
                         for key in first["profile"]},
+            "engine_profile": {key: round(statistics.median(r["engine_profile"][key] for r in runs[name]), 4)
+                               for key in first["engine_profile"]},
             "drafting": {key: round(statistics.median(r["drafting"][key] for r in runs[name]), 3)
                          for key in first["drafting"]},
             "acceptance_by_step": first["acceptance_by_step"],

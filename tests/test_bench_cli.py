@@ -252,7 +252,8 @@ def test_each_member_of_fastest_of_n_gets_its_acceptance_over_the_run(tmp_path, 
         writer.close()
         (logdir / "summary.json").write_text(json.dumps(
             {"learner": {"trained": 32, "dropped_stale": 0},
-             "actors": [{"actor": 0, "generate_seconds": 2.0, "idle_seconds": 0.0}]}))
+             "actors": [{"actor": 0, "generate_seconds": 2.0, "idle_seconds": 0.0, "engine_steps": 200,
+                         "sampler_seconds": 0.4, "bridge_seconds": 0.2, "drafter_seconds": 0.1}]}))
         return subprocess.CompletedProcess(command, 0)
 
     monkeypatch.setattr(bench.e2e.subprocess, "run", launch)
@@ -260,6 +261,7 @@ def test_each_member_of_fastest_of_n_gets_its_acceptance_over_the_run(tmp_path, 
     assert run["member_acceptance_by_step"] == {"suffix": [[0, 0.5], [1, 0.6], [2, 0.7], [3, 0.8]],
                                                 "draft_lm": [[0, 0.8], [1, 0.8], [3, 0.8]]}
     assert run["acceptance_by_step"] == [2.0] * 4
+    assert run["engine_profile"] == {"engine_steps": 50, "sampler_s": 0.1, "bridge_s": 0.05, "drafter_s": 0.025}
 
 
 def test_the_gpu_check_fits_its_window_and_runs_with_only_what_a_gpu_machine_has(tmp_path):

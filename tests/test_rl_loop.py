@@ -52,6 +52,8 @@ def test_launch_runs_logs_and_loses_nothing(tmp_path, ranks):
     assert learner["trained"] == 3 * 2 * 4 and learner["dropped_messages"] == {}
     assert learner["lost"] == 0 and learner["dropped_invalid"] == 0
     assert sum(a["sent_while_generating"] for a in actors) > 0  # groups stream out while others still generate
+    # the engine's own profile, read from the engine at stop: every engine step samples through the coupled sampler
+    assert all(a["engine_steps"] > 0 and 0 < a["sampler_seconds"] < a["generate_seconds"] for a in actors)
     assert (logdir / "config.yaml").is_file() and load_config(str(logdir / "config.yaml")).trainer.steps == 3
     events = EventAccumulator(str(logdir)).Reload()
     tags = set(events.Tags()["scalars"])
