@@ -57,13 +57,12 @@ class DrafterBridge:
         self.positions: dict[str, int] = {}  # per request, its output tokens as of its last step (for `survival`)
         self.predicted, self.undrafted_steps = 0.0, 0  # the planner's engine seconds for this step; steps undrafted
         self.step_end: float | None = None  # when the last propose() returned: the next step's engine time starts
-        # in propose(), and of that in the drafter's propose(), commit() and remove() (a benchmark's profile)
-        self.seconds = self.drafter_seconds = 0.0
+        self.seconds = self.drafter_seconds = 0.0  # in propose(), and of that in the drafter's calls (a profile)
         self.failure = ""  # why the drafter was switched off ("": it was not)
         self.watch = CallWatch()  # the drafter's call the engine's thread is in (a hung one: driver/rollouts.py)
         self.ahead: DraftsAhead | None = None  # speculation.decoupled: the next step's drafts, prepared meanwhile
-        self.waited = 0.0  # this step: seconds the engine waited for the preparation in flight
-        self.waited_total = 0.0  # over the engine's life (a benchmark's profile)
+        # seconds the engine waited for the preparation in flight: this step, and over its life (a benchmark's profile)
+        self.waited = self.waited_total = 0.0
         self.unseen_total = 0  # history tokens shown to the drafter for the first time, over the engine's life
 
     def load_model(self, *args, **kwargs) -> None:  # vLLM hands over the target model; drafters bring their own
@@ -136,8 +135,9 @@ class DrafterBridge:
         request; the drafter hears the rest's commits later (actor/draft_commits.py)."""
         rests = (self.planning and not self.failure and not self.verifying and self.undrafted_steps < EXPLORE_EVERY
                  and not (self.max_batch and rows > self.max_batch) and self.rest.keeps(rows))
-        if rests:
-            self.commits.rested, self.undrafted_steps = True, self.undrafted_steps + 1
+        if rests:  # (`planning` again: a plan above `max_batch` set it off)
+            self.commits.rested = self.runner._sample.planning = True
+            self.undrafted_steps += 1
             self.predicted = float(self.step_cost.predict(rows))
         return rests
 
@@ -153,8 +153,8 @@ class DrafterBridge:
             self.acceptance.remove(req_id)
             self.histories.drop(req_id)
             self.shown.pop(req_id, None)
-            unheard, length = self.commits.forget(req_id)
-            position = self.positions.pop(req_id, -1) if length is None else length
+            seen, (unheard, length) = self.positions.pop(req_id, -1), self.commits.forget(req_id)
+            position = seen if length is None else length  # (vLLM's own count where it saw the request leave)
             if position >= 0:  # it ended (or was aborted) after its last step: at least a token on
                 self.survival.ended(position + 1)
             self.known.discard(req_id)

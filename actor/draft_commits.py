@@ -1,7 +1,8 @@
 """What the drafter has heard of each request's committed tokens (actor/draft_bridge.py tells it). A step of the
 planner's rest does no work per request, so the drafter does not hear that step's commits then: it hears them at the
 next plan, read from the engine's buffer, or, for a request vLLM drops meanwhile, from the request's state as vLLM
-drops it (the runner's `_on_request_state_removed`). Either way it hears every committed token once, in order."""
+drops it (the runner's `_on_request_state_removed`). Either way it hears every committed token once, in order,
+a request preempted across a rest included."""
 
 from __future__ import annotations
 
@@ -15,11 +16,18 @@ class Commits:
     def since_last_plan(self, req_ids: list[str], sampled_token_ids, lengths: list[int], prompt_lengths: list[int],
                         token_ids_cpu) -> list[tuple[int, list[int]]]:
         """Per row with tokens the drafter has not heard of, the row and those tokens: this step's (`sampled_token_ids`)
-        or, after a rest, every one since the last plan (the engine's buffer, `token_ids_cpu`, holds them)."""
+        or, after a rest, every one since the last plan (the engine's buffer, `token_ids_cpu`, holds them); so too for
+        a request out of the batch at the plan after a rest (preempted) that is back."""
+        told = self.told
         if not self.rested:
-            commits = [(row, list(ids)) for row, ids in enumerate(sampled_token_ids[: len(req_ids)]) if ids]
+            commits = []
+            for row, (r, n, ids) in enumerate(zip(req_ids, lengths, sampled_token_ids[: len(req_ids)])):
+                start = told.get(r, n - len(ids))
+                if start < n - len(ids):  # it missed the plan after a rest: that rest's tokens too
+                    commits.append((row, token_ids_cpu[row, start:n].tolist()))
+                elif ids:
+                    commits.append((row, list(ids)))
         else:
-            told = self.told
             commits = [(row, token_ids_cpu[row, told.get(r, p) : n].tolist())
                        for row, (r, n, p) in enumerate(zip(req_ids, lengths, prompt_lengths)) if n > told.get(r, p)]
         self.told.update(zip(req_ids, lengths))

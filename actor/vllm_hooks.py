@@ -196,6 +196,7 @@ class CoupledSampling:
                     record.stats.planned_steps += 1
                     record.stats.cost_error += error
             start += count
+        self.step_error = 0.0  # charged once (the bridge sets it at each step it is called)
 
     def _count(self, req_ids: list[str], drafted: list[int], accepted: list[int]) -> None:
         for req_id, d, a in zip(req_ids, drafted, accepted):

@@ -33,8 +33,9 @@ def test_where_the_planner_is_in_charge_each_emitting_request_counts_the_step_an
     sampler._record(["a-x", "b-x"], [1, 1], [1, -2], [-0.1, -0.1], [1, 1])  # b-x: a partial prefill emits nothing
     sampler.step_error = 0.5
     sampler._record(["a-x", "b-x"], [2, 1], [2, 3, 0], [-0.1, -0.1, -0.1], [2, 1])
+    sampler._record(["a-x"], [1], [4], [-0.1], [1])  # the bridge was not called after the last step: no new error
     a, b = sampler.held["a-x"].stats, sampler.held["b-x"].stats
-    assert (a.planned_steps, a.cost_error, b.planned_steps, b.cost_error) == (2, 0.75, 1, 0.5)
+    assert (a.planned_steps, a.cost_error, b.planned_steps, b.cost_error) == (3, 0.75, 1, 0.5)
 
 
 def test_an_unseeded_requests_noise_seed_is_its_ids_and_no_global_rng_moves_it():

@@ -57,9 +57,10 @@ def propose(b: DrafterBridge, committed: list[list[int]]) -> list[list[int]]:
 
 def test_commits_reach_the_drafter_on_steps_without_drafting():
     drafter = Recording([[1, 2], [3]])
-    b, _ = bridge(drafter, ["a-x", "b-y"], max_batch=1)  # two requests > max_batch: no drafts this step
+    b, runner = bridge(drafter, ["a-x", "b-y"], max_batch=1)  # two requests > max_batch: no drafts this step
     assert propose(b, [[5], [6, 7]]) == [[], []]
     assert drafter.commits == [("a-x", [5]), ("b-y", [6, 7])]
+    assert not runner._sample.planning  # nothing planned above the bound: no planned steps counted
 
 
 def test_invalid_proposals_are_dropped_and_counted_per_request():
@@ -188,6 +189,7 @@ def test_confidences_that_do_not_rate_every_draft_token_switch_the_drafter_off_w
         assert propose(b, [[5]]) == [[]]
     assert "Rated: 1 confidences for a proposal of 2 tokens" in b.failure
     assert runner._sample.records["a"].stats.drafter_failure == b.failure and b.failure in caplog.text
+    assert not runner._sample.planning  # switched off: no step is planned from now on
 
 
 class Raises(Recording, CompositeDrafter):
@@ -256,43 +258,58 @@ def test_confidences_are_read_as_probabilities_and_non_numbers_stop_the_engine_w
 
 def test_during_the_planners_rest_the_drafter_hears_every_commit_once_in_order_even_of_a_request_that_ends():
     """A step of rest does no work per request: the drafter hears its commits at the next plan (read from the
-    engine's buffer), or, for a request vLLM drops meanwhile, from vLLM's hook as it drops it, before its removal."""
+    engine's buffer), or, for a request vLLM drops meanwhile, from vLLM's hook as it drops it, before its removal;
+    a request preempted at the plan after a rest hears that rest's tokens once it is back."""
     class HeardAtRemoval(Recording):
         def remove(self, request_id):  # what it had heard of the request when it was removed
-            self.removed.append((request_id, [t for r, ids in self.commits if r == request_id for t in ids]))
+            self.removed.append((request_id, self.heard(request_id)))
 
-    drafter = HeardAtRemoval([[], []])
-    b, runner = bridge(drafter, ["a-1", "b-1"])
-    buffer, lengths = np.zeros((2, 32), dtype=np.int64), np.full(2, 3)  # 3 prompt tokens each
-    outputs: dict[str, list[int]] = {"a-1": [], "b-1": []}
+        def heard(self, request_id):
+            return [t for r, ids in self.commits if r == request_id for t in ids]
+
+    drafter = HeardAtRemoval([[], [], []])
+    b, runner = bridge(drafter, ["a-1", "b-1", "p-1"])
+    outputs: dict[str, list[int]] = {r: [] for r in runner.requests}  # 3 prompt tokens each
     dropped = []
     runner._on_request_state_removed = lambda req_id, state: dropped.append(req_id)  # vLLM's own hook (a no-op)
     b.bind(runner, drafter, 0, True)  # binds over it
 
-    def step(committed: list[list[int]]) -> list[list[int]]:
-        for row, (req_id, ids) in enumerate(zip(runner.input_batch.req_ids, committed)):
-            buffer[row, lengths[row] : lengths[row] + len(ids)] = ids
-            lengths[row] += len(ids)
-            outputs[req_id] += ids
-        return b.propose(committed, lengths, buffer)
+    def step(batch: list[str], committed: list[list[int]]) -> list[list[int]]:  # the engine's rows, condensed
+        runner.input_batch.req_ids, runner.input_batch.num_reqs = batch, len(batch)
+        runner.input_batch.num_prompt_tokens = np.full(len(batch), 3)
+        for req_id, ids in zip(batch, committed):
+            outputs.setdefault(req_id, []).extend(ids)
+        buffer = np.zeros((len(batch), 32), dtype=np.int64)
+        for row, req_id in enumerate(batch):
+            buffer[row, 3 : 3 + len(outputs[req_id])] = outputs[req_id]
+        return b.propose(committed, np.array([3 + len(outputs[r]) for r in batch]), buffer)
+
+    def leaves(req_id: str) -> None:  # vLLM drops it (it finished), its state with it
+        runner._on_request_state_removed(req_id, SimpleNamespace(prompt_token_ids=[0, 0, 0],
+                                                                 output_token_ids=list(outputs[req_id])))
+        del runner.requests[req_id]
 
     for tokens in range(1, 64):  # a compute-bound engine: the planner plans no drafts
         b.step_cost.observe(tokens, 0.01 * tokens)
-    assert step([[10], [20]]) == [[], []]  # a plan
+    assert step(["a-1", "b-1", "p-1"], [[10], [20], [40]]) == [[]] * 3  # a plan
     heard = len(drafter.commits)
-    b.rest.rows, b.rest.left = 2, 3  # the planner rests for the next 3 steps
-    assert step([[11, 12], [21]]) == [[], []] and step([[13], [22]]) == [[], []]
+    b.rest.rows, b.rest.left = 3, 3  # the planner rests for the next 3 steps
+    assert step(["a-1", "b-1", "p-1"], [[11, 12], [21], [41]]) == [[]] * 3
+    assert step(["a-1", "b-1", "p-1"], [[13], [22], [42]]) == [[]] * 3
+    runner.requests["c-1"] = runner.requests["a-1"]
+    assert step(["a-1", "b-1", "p-1", "c-1"], [[14], [23], [43], [30]]) == [[]] * 4  # c-1 came
     assert len(drafter.commits) == heard  # nothing heard during the rest
-    state = SimpleNamespace(prompt_token_ids=[0, 0, 0], output_token_ids=list(outputs["b-1"]))
-    runner._on_request_state_removed("b-1", state)  # b-1 ended at the last step: vLLM drops it
-    del runner.requests["b-1"]
-    runner.input_batch.req_ids, runner.input_batch.num_reqs = ["a-1"], 1
-    step([[14]])  # the batch shrank: a plan again
-    assert dropped == ["b-1"]  # vLLM's own hook still runs
-    for req_id in ("a-1", "b-1"):
-        assert [t for r, ids in drafter.commits if r == req_id for t in ids] == outputs[req_id]
-    assert drafter.removed == [("b-1", outputs["b-1"])]  # its last outputs heard, then its removal
-    assert b.survival.ended_at[len(outputs["b-1"]) + 1] == 1.0
+    leaves("b-1"), leaves("c-1")  # both ended at the last step; c-1 came and went during the rest
+    step(["a-1"], [[15]])  # the batch shrank: a plan again; p-1 is preempted (still held, out of the batch)
+    b.rest.left = 0  # (two plans of no drafts: the planner would rest again)
+    step(["a-1", "p-1"], [[16], [44]])  # p-1 is back at a plan that follows none of the rest
+    assert dropped == ["b-1", "c-1"]  # vLLM's own hook still runs
+    for req_id in outputs:
+        assert drafter.heard(req_id) == outputs[req_id]
+    assert drafter.removed == [("b-1", outputs["b-1"]), ("c-1", outputs["c-1"])]  # each heard whole, then removed
+    ended = b.survival.ended_at[:-1]  # where each ended (its output length + 1), the older discounted once
+    assert ended[len(outputs["b-1"]) + 1] > 0.99 and ended[len(outputs["c-1"]) + 1] == 1.0 and ended.sum() < 2
+    assert set(b.positions) == set(b.commits.told) == {"a-1", "p-1"} and not b.commits.tails  # nothing kept
 
 
 def test_a_drafters_commits_count_as_its_own_time_not_the_bridges(monkeypatch):
