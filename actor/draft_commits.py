@@ -18,18 +18,13 @@ class Commits:
         """Per row with tokens the drafter has not heard of, the row and those tokens: this step's (`sampled_token_ids`)
         or, after a rest, every one since the last plan (the engine's buffer, `token_ids_cpu`, holds them); so too for
         a request out of the batch at the plan after a rest (preempted) that is back."""
-        told = self.told
-        if not self.rested:
-            commits = []
-            for row, (r, n, ids) in enumerate(zip(req_ids, lengths, sampled_token_ids[: len(req_ids)])):
-                start = told.get(r, n - len(ids))
-                if start < n - len(ids):  # it missed the plan after a rest: that rest's tokens too
-                    commits.append((row, token_ids_cpu[row, start:n].tolist()))
-                elif ids:
-                    commits.append((row, list(ids)))
-        else:
-            commits = [(row, token_ids_cpu[row, told.get(r, p) : n].tolist())
-                       for row, (r, n, p) in enumerate(zip(req_ids, lengths, prompt_lengths)) if n > told.get(r, p)]
+        commits = []
+        for row, (r, n, p, ids) in enumerate(zip(req_ids, lengths, prompt_lengths, sampled_token_ids[: len(req_ids)])):
+            start = self.told.get(r, p if self.rested else n - len(ids))  # (unheard of: from its prompt's end)
+            if start < n - len(ids):  # tokens from before this step: a rest's, or one it missed the plan after
+                commits.append((row, token_ids_cpu[row, start:n].tolist()))
+            elif ids:
+                commits.append((row, list(ids)))
         self.told.update(zip(req_ids, lengths))
         self.rested = False
         return commits

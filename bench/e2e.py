@@ -25,9 +25,9 @@ alternate between a long and a short one and their median is either), the actors
 (`rollout_s`) and of those its engine steps and the seconds of the coupled sampler, the drafter bridge and the
 drafter (`engine_profile`), a profile of where a step's time goes (means per step: the learner's GRPO step and its
 wait for the step's groups; the actors' idle seconds, nothing admissible to run until new weights; the share of rows
-with zero advantage, which get no backward pass), acceptance length per step (live; for fastest-of-N also each member's token
-acceptance on every proposal it made, chosen or not; and for the distilled draft LM, replayed on each step's
-trajectories beside the run's starting draft LM), and the final held-out reward (T = 1), which must
+with zero advantage, which get no backward pass), acceptance length per step (live; for fastest-of-N also each
+member's token acceptance on every proposal it made, chosen or not; and for the distilled draft LM, replayed on each
+step's trajectories beside the run's starting draft LM), and the final held-out reward (T = 1), which must
 agree across the asynchronous systems within the noise between repeats of one system: the coupled sampler makes
 the trajectories independent of the drafter, but asynchrony makes them depend on when weights arrive. JSON, with a
 PNG of acceptance over steps beside it.
