@@ -27,7 +27,7 @@ from actor.draft_ahead import DraftsAhead
 from actor.draft_commits import Commits
 from actor.drafter_checks import (CallWatch, Histories, confidences_for, guarded, labels_within, printable,
                                   sources_within, token_ids_within)
-from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, Rest, StepCost, Survival, geometric, plan
+from actor.draft_planner import Acceptance, DraftCost, Explore, Rest, StepCost, Survival, geometric, plan
 from drafters.base import CompositeDrafter, Drafter, DraftRequest, prepares_ahead
 from drafters.calibration import Calibration
 from transport.messages import MAX_FAILURE, add_labels
@@ -55,7 +55,7 @@ class DrafterBridge:
         self.verifying: dict[str, tuple[int, list[int], list[float] | None]] = {}
         self.shown: dict[str, int] = {}  # per request, the history length in its last proposal (the drafter's view)
         self.positions: dict[str, int] = {}  # per request, its output tokens as of its last step (for `survival`)
-        self.predicted, self.undrafted_steps = 0.0, 0  # the planner's engine seconds for this step; steps undrafted
+        self.predicted, self.explore = 0.0, Explore()  # the planner's engine seconds for this step; when it explores
         self.step_end: float | None = None  # when the last propose() returned: the next step's engine time starts
         self.seconds = self.drafter_seconds = 0.0  # in propose(), and of that in the drafter's calls (a profile)
         self.failure = ""  # why the drafter was switched off ("": it was not)
@@ -118,6 +118,7 @@ class DrafterBridge:
         budgets, explore = self._plan(req_ids, rows, lengths)
         requests = self._requests(req_ids, rows, budgets, lengths, token_ids_cpu)
         drafts: list[list[int]] = [[] for _ in req_ids]
+        drafting = time.perf_counter()
         if requests:
             try:
                 self._draft(requests, drafts, len(req_ids), verify_all=explore or not self.planning)
@@ -125,6 +126,9 @@ class DrafterBridge:
                 self.switch_off(e)
                 drafts = [[] for _ in req_ids]
         self._record(req_ids, rows, drafts)
+        if explore and any(drafts):  # what exploring cost: its drafting, and the verify tokens it added
+            self.explore.explored(time.perf_counter() - drafting + self.predicted
+                                  - float(self.step_cost.predict(len(req_ids))))
         if self.ahead is not None and requests and not self.failure:  # the last drafter call of this step
             self.ahead.prepare(self.drafter, [(r, drafts[row], len(drafts[row])) for row, r in requests],
                                self.acceptance.rates, self.predicted, self.k, self.members)
@@ -133,11 +137,11 @@ class DrafterBridge:
     def _rests(self, rows: int) -> bool:
         """Whether this step of `rows` requests is one of the planner's rest (`Rest`): no drafts, and no work per
         request; the drafter hears the rest's commits later (actor/draft_commits.py)."""
-        rests = (self.planning and not self.failure and not self.verifying and self.undrafted_steps < EXPLORE_EVERY
+        rests = (self.planning and not self.failure and not self.verifying and not self.explore.due()
                  and not (self.max_batch and rows > self.max_batch) and self.rest.keeps(rows))
         if rests:  # (`planning` again: a plan above `max_batch` set it off)
             self.commits.rested = self.runner._sample.planning = True
-            self.undrafted_steps += 1
+            self.explore.stepped(drafted=False)
             self.predicted = float(self.step_cost.predict(rows))
         return rests
 
@@ -163,9 +167,12 @@ class DrafterBridge:
 
     def _hear(self, commits: list[tuple[str, list[int]]], gone: list[tuple[str, list[int]]]) -> None:
         """What the verifier committed: each drafted request's acceptance and labels, then the drafter told."""
-        for req_id, committed in commits:
-            if req_id in self.verifying:
-                self._learn(req_id, committed)
+        for req_id, committed in commits:  # each drafted request's acceptance, and its tokens' labels
+            sent, proposal, confidences = self.verifying.get(req_id, (0, None, None))
+            if sent:
+                self.acceptance.observe(req_id, sent, min(len(committed) - 1, sent))
+            if confidences is not None:
+                self.calibration.observe(confidences, proposal, committed)
         if not self.failure:
             try:
                 self._tell(gone, commits)
@@ -175,7 +182,7 @@ class DrafterBridge:
 
     def _plan(self, req_ids: list[str], rows: list[int], lengths: list[int]) -> tuple[list[int], bool]:
         """Each drafting row's budget (k without the planner) and whether this step explores."""
-        explore = self.undrafted_steps >= EXPLORE_EVERY
+        explore = self.explore.due()
         if not self.planning:
             return [self.k] * len(rows), explore
         unseen = [lengths[row] - self.shown.get(req_ids[row], 0) for row in rows]
@@ -222,7 +229,7 @@ class DrafterBridge:
         for row in rows:  # (the steps are counted where every request is, in the sampler: `CoupledSampling.planning`)
             if drafts[row]:
                 sampler.stats_for(req_ids[row]).planned_tokens += len(drafts[row])
-        self.undrafted_steps = 0 if any(drafts) else self.undrafted_steps + 1
+        self.explore.stepped(any(drafts))
         self.predicted = float(self.step_cost.predict(len(req_ids) + sum(len(d) for d in drafts)))
 
     def _tell(self, gone: list[tuple[str, list[int]]], commits: list[tuple[str, list[int]]]) -> None:
@@ -277,14 +284,6 @@ class DrafterBridge:
                 self.switch_off(e)
         return off
 
-    def _learn(self, req_id: str, committed: list[int]) -> None:
-        """What the verifier committed after this request's last draft: its acceptance, and its tokens' labels."""
-        sent, proposal, confidences = self.verifying[req_id]
-        if sent:
-            self.acceptance.observe(req_id, sent, min(len(committed) - 1, sent))
-        if confidences is not None:
-            self.calibration.observe(confidences, proposal, committed)
-
     def _observe_step(self, start: float, req_ids: list[str]) -> None:
         """Teaches the step cost the step that just ran if it continued the last batch; its error is charged to the
         requests of the next step (by the sampler)."""
@@ -296,6 +295,7 @@ class DrafterBridge:
         error = abs(self.predicted - measured) / measured if self.step_cost.seen.any() and measured > 0 else 0.0
         sampler.step_error = error
         self.step_cost.observe(sampler.step_tokens, measured)
+        self.explore.took(measured)
 
     def _draft(self, requests: list[tuple[int, DraftRequest]], drafts: list[list[int]], base_tokens: int,
                verify_all: bool) -> None:

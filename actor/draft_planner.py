@@ -23,31 +23,60 @@ from __future__ import annotations
 import numpy as np
 
 
-EXPLORE_EVERY = 32  # engine steps without a draft before one request drafts anyway (`plan(explore=True)`)
-REST_STEPS = 3  # engine steps a plan of no drafts is kept for without planning (`Rest`)
+EXPLORE_EVERY = 32  # engine steps without a draft before one request may draft anyway (`Explore`)
+EXPLORE_SHARE = 0.01  # of the engine's time without drafts, what exploring steps may cost (`Explore`)
+REST_STEPS = 3  # engine steps the first rest keeps a plan of no drafts for without planning (`Rest`)
+MAX_REST = 24  # the longest rest, in engine steps
 
 
 class Rest:
-    """Where the last two plans drafted nothing, the next `REST_STEPS` steps draft nothing without planning, unless the
-    batch shrinks to 3/4 of its size then (a smaller batch is where drafting starts to pay) or an exploring step is
-    due. What a plan weighs moves slowly while nothing is drafted (no acceptance is observed; the step cost and the
-    requests' survival move a step at a time), so a skipped plan would almost always have drafted nothing too. One
-    plan of no drafts (the planner measuring a smaller step) is no rest."""
+    """Where the last two plans drafted nothing, the next steps draft nothing without planning: `REST_STEPS` of them,
+    twice as many after each further plan of no drafts in a row (up to `MAX_REST`), unless the batch shrinks to half
+    its size then (a smaller batch is where drafting starts to pay) or an exploring step is due. What a plan weighs
+    moves slowly while nothing is drafted (no acceptance is observed; the step cost and the requests' survival move a
+    step at a time), so a skipped plan would almost always have drafted nothing too. One plan of no drafts (the
+    planner measuring a smaller step) is no rest."""
 
     def __init__(self):
         self.rows, self.left, self.idle = 0, 0, 0  # the batch size of the last plan; steps of rest left; idle plans
 
     def keeps(self, rows: int) -> bool:
         """Whether this step, of `rows` requests, keeps the plan of no drafts (counted as one step of the rest)."""
-        if self.left > 0 and 4 * rows > 3 * self.rows:
+        if self.left > 0 and 2 * rows > self.rows:
             self.left -= 1
             return True
         return False
 
     def planned(self, rows: int, drafted: bool) -> None:
-        """A plan was made for `rows` requests: the second plan of no drafts in a row is kept for the next steps."""
+        """A plan was made for `rows` requests: from the second plan of no drafts in a row, it is kept for a rest."""
         self.idle = 0 if drafted else self.idle + 1
-        self.rows, self.left = rows, REST_STEPS if self.idle >= 2 else 0
+        self.rows, self.left = rows, min(REST_STEPS << (self.idle - 2), MAX_REST) if self.idle >= 2 else 0
+
+
+class Explore:
+    """When a planner that drafts nothing drafts for one request anyway (`plan(explore=True)`), so that its estimates
+    never freeze where drafting stopped: after `EXPLORE_EVERY` steps without a draft, and once those steps took the
+    engine `1 / EXPLORE_SHARE` times what the last exploring step cost (its drafting, and the verify tokens it added).
+    Where drafting does not pay, exploring then costs about `EXPLORE_SHARE` of the engine's time, whatever a draft
+    costs against a step on the hardware (a draft model's catch-up on one request can cost half a CPU step)."""
+
+    def __init__(self):
+        self.steps, self.seconds, self.cost = 0, 0.0, 0.0  # steps and engine seconds since the last draft; its cost
+
+    def due(self) -> bool:
+        return self.steps >= EXPLORE_EVERY and self.seconds * EXPLORE_SHARE >= self.cost
+
+    def stepped(self, drafted: bool) -> None:
+        """An engine step was planned (or rested): whether it drafted."""
+        self.steps, self.seconds = (0, 0.0) if drafted else (self.steps + 1, self.seconds)
+
+    def took(self, seconds: float) -> None:
+        """The engine's last step took `seconds`."""
+        self.seconds += seconds
+
+    def explored(self, cost: float) -> None:
+        """An exploring step drafted, at `cost` seconds of drafting and verifying."""
+        self.cost = cost
 
 
 class StepCost:

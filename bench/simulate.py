@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from actor.draft_planner import EXPLORE_EVERY, Acceptance, DraftCost, Rest, StepCost, Survival, geometric, plan
+from actor.draft_planner import Acceptance, DraftCost, Explore, Rest, StepCost, Survival, geometric, plan
 from drafters.calibration import Calibration
 
 
@@ -139,7 +139,7 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
     survival = Survival(2 * max(lengths, default=0) + k)  # as the bridge's, whose longest is the model's length
     ready = [False] * n  # decoupled: this request's next drafts were prepared during the last step
     guesses = random.Random(0)  # "outcomes": which guesses past a rejected draft were right, the same every run
-    undrafted, rest = 0, Rest()
+    explore, rest = Explore(), Rest()
     while True:
         running = [i for i in range(n) if position[i] < lengths[i]]
         if not running:
@@ -147,12 +147,12 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
         ids = [str(i) for i in running]
         drafts = [0] * len(running)
         unseen = [prompt[i] + position[i] - shown[i] for i in running]  # what drafting now would catch up on
-        if drafting and (undrafted >= EXPLORE_EVERY or not rest.keeps(len(running))):
+        if drafting and (explore.due() or not rest.keeps(len(running))):
             survive = survival.factors([position[i] for i in running], k)
             gains = geometric(acceptance.rates(ids), k) * survive
             # decoupled: planned as if drafting were free (prepared drafts are), misses re-planned below, as the bridge
             budgets, _ = plan(gains, len(running), step_cost, None if decoupled else draft_cost,
-                              explore=undrafted >= EXPLORE_EVERY, unseen=unseen)
+                              explore=explore.due(), unseen=unseen)
             rest.planned(len(running), any(budgets))
             drafts = [min(b, lengths[i] - position[i] - 1) for b, i in zip(budgets, running)]
         planned = list(drafts)  # decoupled: the requests whose next drafts the bridge prepares, drafted now or not
@@ -210,23 +210,19 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
         step_cost.observe(len(running) + total, engine)
         if sum(now):  # the drafting cost the planner learns: what the engine waits for when it drafts now
             draft_cost.observe(max(now), sum(now), unseen_now, drafting_now)
-        undrafted = 0 if total else undrafted + 1
+        if total and explore.due():  # it explored: at that cost (as the bridge, which hears of a step's seconds later)
+            explore.explored(drafting_now + engine - costs.engine(len(running), 0))
+        explore.stepped(total > 0)
+        explore.took(engine + waited_here)
         curve.append((round(clock, 4), len(running)))
     return {"makespan_s": clock, "steps": len(curve), "drafting_waited_s": waited, "batch_curve": curve}
 
 
 def matches_at_rate(lengths: list[int], k: int, rate: float, seed: int = 0) -> list[list[int]]:
     """Match lengths of a drafter whose every token is accepted with probability `rate` given the ones before it."""
-    rng, out = random.Random(seed), []
-    for length in lengths:
-        row = []
-        for _ in range(length):
-            m = 0
-            while m < k and rng.random() < rate:
-                m += 1
-            row.append(m)
-        out.append(row)
-    return out
+    rng = random.Random(seed)  # a position matches m tokens: the first m draws below `rate`, the next one not (or k)
+    return [[next(m for m in range(k + 1) if m == k or rng.random() >= rate) for _ in range(length)]
+            for length in lengths]
 
 
 def validate(trace: dict) -> dict:

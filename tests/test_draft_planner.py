@@ -4,7 +4,8 @@ observations, tracks acceptance per request, and drafts where verifying pays and
 import numpy as np
 import pytest
 
-from actor.draft_planner import REST_STEPS, Acceptance, DraftCost, Rest, StepCost, Survival, geometric, plan
+from actor.draft_planner import (EXPLORE_EVERY, EXPLORE_SHARE, MAX_REST, REST_STEPS, Acceptance, DraftCost, Explore, Rest,
+                                 StepCost, Survival, geometric, plan)
 
 
 def rated(rates: list[float], k: int) -> np.ndarray:
@@ -124,17 +125,47 @@ def test_survival_is_the_chance_that_a_draft_lands_inside_the_request():
     assert beyond == pytest.approx([1.0] * 4)  # longer than every request that ended: no end known
 
 
-def test_a_second_plan_of_no_drafts_rests_the_planner_until_the_batch_shrinks_or_drafts_pay():
+def test_a_second_plan_of_no_drafts_rests_the_planner_until_the_batch_halves_or_drafts_pay():
     rest = Rest()
     rest.planned(64, drafted=False)  # one plan of no drafts (the planner measuring a smaller step): no rest
     assert not rest.keeps(64)
     rest.planned(64, drafted=False)
     assert [rest.keeps(60) for _ in range(REST_STEPS + 1)] == [True] * REST_STEPS + [False]
-    rest.planned(64, drafted=False)  # still idle: rests again
-    assert rest.keeps(49) and not rest.keeps(48)  # 48 = 3/4 of 64: a smaller batch is where drafting starts to pay
-    rest.planned(48, drafted=True)
-    rest.planned(48, drafted=False)  # the first idle plan after drafting
-    assert not rest.keeps(48)
+    rest.planned(64, drafted=False)  # still idle: rests again, twice as long
+    assert [rest.keeps(33) for _ in range(2 * REST_STEPS + 1)] == [True] * 2 * REST_STEPS + [False]
+    for _ in range(8):  # idle on: each rest twice the last, up to MAX_REST
+        rest.planned(64, drafted=False)
+    assert sum(rest.keeps(64) for _ in range(4 * MAX_REST)) == MAX_REST
+    rest.planned(64, drafted=False)
+    assert rest.keeps(33) and not rest.keeps(32)  # half the batch: a smaller batch is where drafting starts to pay
+    rest.planned(32, drafted=True)
+    rest.planned(32, drafted=False)  # the first idle plan after drafting
+    assert not rest.keeps(32)
+
+
+def test_exploring_is_due_after_enough_steps_and_a_share_of_their_time():
+    explore = Explore()
+    for _ in range(EXPLORE_EVERY - 1):
+        explore.stepped(drafted=False)
+        explore.took(0.001)
+    assert not explore.due()
+    explore.stepped(drafted=False)
+    assert explore.due()  # nothing explored yet: the step count alone
+    explore.explored(cost=0.002)  # an exploring step that cost two plain steps
+    explore.stepped(drafted=True)
+    for _ in range(EXPLORE_EVERY):
+        explore.stepped(drafted=False)
+        explore.took(0.001)
+    assert not explore.due()  # 32 ms of steps: exploring again now would spend 6% of them
+    steps = 0
+    while not explore.due():
+        explore.stepped(drafted=False)
+        explore.took(0.001)
+        steps += 1
+    assert explore.seconds * EXPLORE_SHARE == pytest.approx(0.002, abs=1e-3 * EXPLORE_SHARE)
+    assert EXPLORE_EVERY + steps == round(0.002 / EXPLORE_SHARE / 0.001)
+    explore.stepped(drafted=True)  # a plan that drafts starts the count again
+    assert explore.steps == 0 and explore.seconds == 0.0
 
 
 def test_plan_drafts_fully_where_verifying_is_nearly_free():
