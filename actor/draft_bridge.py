@@ -55,7 +55,7 @@ class DrafterBridge:
         self.verifying: dict[str, tuple[int, list[int], list[float] | None]] = {}
         self.shown: dict[str, int] = {}  # per request, the history length in its last proposal (the drafter's view)
         self.positions: dict[str, int] = {}  # per request, its output tokens as of its last step (for `survival`)
-        self.predicted, self.explore = 0.0, Explore()  # the planner's engine seconds for this step; when it explores
+        self.predicted, self.explore = 0.0, Explore()  # the engine seconds of the step planned last; when to explore
         self.step_end: float | None = None  # when the last propose() returned: the next step's engine time starts
         self.seconds = self.drafter_seconds = 0.0  # in propose(), and of that in the drafter's calls (a profile)
         self.failure = ""  # why the drafter was switched off ("": it was not)
@@ -142,7 +142,6 @@ class DrafterBridge:
         if rests:  # (`planning` again: a plan above `max_batch` set it off)
             self.commits.rested = self.runner._sample.planning = True
             self.explore.stepped(drafted=False)
-            self.predicted = float(self.step_cost.predict(rows))
         return rests
 
     def _forget(self, req_ids: list[str]) -> list[tuple[str, list[int]]]:
@@ -292,9 +291,8 @@ class DrafterBridge:
         if self.step_end is None or not continuing or not sampler.step_tokens:
             return
         measured = start - self.step_end
-        error = abs(self.predicted - measured) / measured if self.step_cost.seen.any() and measured > 0 else 0.0
-        sampler.step_error = error
-        self.step_cost.observe(sampler.step_tokens, measured)
+        predicted = self.step_cost.observe(sampler.step_tokens, measured)
+        sampler.step_error = abs(predicted - measured) / measured if predicted > 0 and measured > 0 else 0.0
         self.explore.took(measured)
 
     def _draft(self, requests: list[tuple[int, DraftRequest]], drafts: list[list[int]], base_tokens: int,

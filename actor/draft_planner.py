@@ -20,6 +20,8 @@ Correctness never depends on it: drafts only change how fast the coupled sampler
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 
@@ -83,38 +85,46 @@ class StepCost:
     """Seconds of one engine step as a function of the tokens it computes, learned from observations."""
 
     BUCKETS = 2.0 ** np.arange(0, 16, 0.5)  # bucket b holds steps with BUCKETS[b] <= tokens < BUCKETS[b + 1]
+    EDGES = tuple(BUCKETS.tolist())  # (the same, for `bisect`: observed every engine step)
+    STALE = 8  # observations after which `observe` makes the curve again for its own prediction
 
     def __init__(self, decay: float = 0.8):
         self.decay = decay
         self.tokens = np.zeros(len(self.BUCKETS))  # per bucket: averaged tokens and seconds of its steps
         self.seconds = np.zeros(len(self.BUCKETS))
         self.seen = np.zeros(len(self.BUCKETS), dtype=bool)
+        self.measured = False  # any step observed
         self.curve: tuple[np.ndarray, np.ndarray, float] | None = None  # the kept buckets and the slope beyond them
+        self.changed = 0  # observations since the curve was made
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        b = min(int(np.searchsorted(self.BUCKETS, tokens, side="right")) - 1, len(self.BUCKETS) - 1)
-        b = max(b, 0)
+    def observe(self, tokens: int, seconds: float) -> float:
+        """Learns a step of `tokens` that took `seconds`; returns what the curve predicted for it (0 before any
+        observation). That prediction comes from the curve as made up to `STALE` observations ago: between plans (the
+        planner's rest) every step is observed, and remaking the curve each time would be most of a rest step's work."""
+        b = min(max(bisect.bisect_right(self.EDGES, tokens) - 1, 0), len(self.BUCKETS) - 1)
+        fresh = self.curve is None or self.changed >= self.STALE
+        predicted = self._at(float(tokens), self._curve() if fresh else self.curve) if self.measured else 0.0
         # one stalled step (a weight update, a busy host) moves a measured bucket, never replaces it; a bucket's first
         # step is taken as measured: where the curve only extrapolates it can be several times wrong, and a guard
         # around a wrong prediction would keep it wrong for every later step of that size
         if self.seen[b]:
-            predicted = float(self.predict(tokens))
-            seconds = min(max(seconds, predicted / 2), 2 * predicted)
+            clipped = min(max(seconds, predicted / 2), 2 * predicted)
             self.tokens[b] = self.decay * self.tokens[b] + (1 - self.decay) * tokens
-            self.seconds[b] = self.decay * self.seconds[b] + (1 - self.decay) * seconds
+            self.seconds[b] = self.decay * self.seconds[b] + (1 - self.decay) * clipped
+            self.changed += 1
         else:
-            self.tokens[b], self.seconds[b], self.seen[b] = tokens, seconds, True
-        self.curve = None
+            self.tokens[b], self.seconds[b], self.seen[b], self.measured = tokens, seconds, True, True
+            self.curve = None
+        return predicted
 
     def predict(self, tokens: np.ndarray | int) -> np.ndarray:
         """Predicted seconds (0 before any observation: drafting looks free until the engine is measured)."""
-        if not self.seen.any():
+        if not self.measured:
             return np.zeros_like(np.asarray(tokens, dtype=float))
-        x, y, slope = self._curve()
+        curve = self._curve()
         if np.ndim(tokens) == 0:  # a step's own prediction, several times a step: without arrays
-            t = float(tokens)
-            return np.float64(y[-1] + slope * (t - x[-1]) if t > x[-1] else
-                              y[0] * max(t, 1.0) / max(x[0], 1.0) if t < x[0] else np.interp(t, x, y))
+            return np.float64(self._at(float(tokens), curve))
+        x, y, slope = curve
         tokens = np.asarray(tokens, dtype=float)
         inside = np.interp(tokens, x, y)
         # below the smallest bucket: as if proportional to tokens, the cheapest a smaller step could be, so that a
@@ -122,20 +132,27 @@ class StepCost:
         below = y[0] * np.maximum(tokens, 1) / max(x[0], 1)
         return np.where(tokens > x[-1], y[-1] + slope * (tokens - x[-1]), np.where(tokens < x[0], below, inside))
 
+    @staticmethod
+    def _at(t: float, curve: tuple[np.ndarray, np.ndarray, float]) -> float:
+        """`predict` of one step on `curve`."""
+        x, y, slope = curve
+        return float(y[-1] + slope * (t - x[-1]) if t > x[-1] else
+                     y[0] * max(t, 1.0) / max(x[0], 1.0) if t < x[0] else np.interp(t, x, y))
+
     def _curve(self) -> tuple[np.ndarray, np.ndarray, float]:
-        """The kept buckets' tokens and seconds, and the slope beyond the largest (cached until the next observation).
+        """The kept buckets' tokens and seconds, and the slope beyond the largest (made again after an observation).
         Fewer tokens never cost more: a bucket slower than some larger one is left out. Errors are one-sided (a stall
         only ever makes a step slower), so one stalled small step, never measured again, must not lift the curve:
         raising each bucket to the largest smaller one instead would make every larger step look as slow as that
         stall, drafting look free, and every request draft."""
-        if self.curve is None:
+        if self.curve is None or self.changed:
             x, y = self.tokens[self.seen], self.seconds[self.seen]
             kept = y <= np.minimum.accumulate(y[::-1])[::-1]
             x, y = x[kept], y[kept]
             slope = 0.0
             if len(x) >= 2:  # beyond the largest bucket: the trend of the last two buckets, never falling
                 slope = max((y[-1] - y[-2]) / max(x[-1] - x[-2], 1e-9), 0.0)
-            self.curve = x, y, slope
+            self.curve, self.changed = (x, y, slope), 0
         return self.curve
 
 
@@ -276,7 +293,7 @@ def plan(gains: list[list[float]] | np.ndarray, base_tokens: int, step: StepCost
     expected to commit for requests not in `gains` (decoupled: those whose drafts were prepared), which drafting for
     these delays too."""
     n = len(gains)
-    if not step.seen.any():  # nothing measured yet: draft fully, and learn what verifying costs
+    if not step.measured:  # nothing measured yet: draft fully, and learn what verifying costs
         return [len(g) for g in gains], 0.0
     if explore and n:
         chosen, engine = plan(gains, base_tokens, step, draft, unseen=unseen, elsewhere=elsewhere)

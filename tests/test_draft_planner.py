@@ -262,3 +262,14 @@ def test_a_step_larger_than_any_seen_is_taken_as_measured_and_a_stall_where_the_
     assert float(cost.predict(known)) <= 2 * before
     cost.observe(far, 50 * float(cost.predict(far)))
     assert float(cost.predict(far)) == pytest.approx(50 * float(learned(weight_bound).predict(far)), rel=0.01)
+
+
+def test_observe_predicts_from_a_curve_at_most_a_few_observations_old():
+    cost = StepCost()
+    for n in (8, 64):
+        cost.observe(n, 0.01)
+    made = cost.predict(np.array([8, 64]))  # a plan makes the curve
+    for _ in range(StepCost.STALE):  # steps of rest: observed, and predicted from the curve as made
+        assert cost.observe(64, 0.04) == pytest.approx(0.01)
+    assert cost.observe(64, 0.04) > 0.011  # then made again from what it saw
+    assert cost.predict(64) > made[1]  # a plan always predicts from every observation
