@@ -118,7 +118,7 @@ class DrafterBridge:
         budgets, explore = self._plan(req_ids, rows, lengths)
         requests = self._requests(req_ids, rows, budgets, lengths, token_ids_cpu)
         drafts: list[list[int]] = [[] for _ in req_ids]
-        drafting = time.perf_counter()
+        started = time.perf_counter()
         if requests:
             try:
                 self._draft(requests, drafts, len(req_ids), verify_all=explore or not self.planning)
@@ -126,8 +126,8 @@ class DrafterBridge:
                 self.switch_off(e)
                 drafts = [[] for _ in req_ids]
         self._record(req_ids, rows, drafts)
-        if explore and any(drafts):  # what exploring cost: its drafting, and the verify tokens it added
-            self.explore.explored(time.perf_counter() - drafting + self.predicted
+        if explore and sum(map(bool, drafts)) == 1:  # what exploring cost: drafting, and the verify tokens it added
+            self.explore.explored(time.perf_counter() - started + self.predicted
                                   - float(self.step_cost.predict(len(req_ids))))
         if self.ahead is not None and requests and not self.failure:  # the last drafter call of this step
             self.ahead.prepare(self.drafter, [(r, drafts[row], len(drafts[row])) for row, r in requests],
@@ -293,7 +293,7 @@ class DrafterBridge:
         measured = start - self.step_end
         predicted = self.step_cost.observe(sampler.step_tokens, measured)
         sampler.step_error = abs(predicted - measured) / measured if predicted > 0 and measured > 0 else 0.0
-        self.explore.took(measured)
+        self.explore.took(min(measured, 2 * predicted) if predicted > 0 else measured)  # (a stall counts as 2 steps)
 
     def _draft(self, requests: list[tuple[int, DraftRequest]], drafts: list[list[int]], base_tokens: int,
                verify_all: bool) -> None:

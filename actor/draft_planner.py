@@ -52,13 +52,14 @@ class Rest:
     def planned(self, rows: int, drafted: bool) -> None:
         """A plan was made for `rows` requests: from the second plan of no drafts in a row, it is kept for a rest."""
         self.idle = 0 if drafted else self.idle + 1
-        self.rows, self.left = rows, min(REST_STEPS << (self.idle - 2), MAX_REST) if self.idle >= 2 else 0
+        self.rows, self.left = rows, min(REST_STEPS << min(self.idle - 2, 8), MAX_REST) if self.idle >= 2 else 0
 
 
 class Explore:
     """When a planner that drafts nothing drafts for one request anyway (`plan(explore=True)`), so that its estimates
     never freeze where drafting stopped: after `EXPLORE_EVERY` steps without a draft, and once those steps took the
-    engine `1 / EXPLORE_SHARE` times what the last exploring step cost (its drafting, and the verify tokens it added).
+    engine `1 / EXPLORE_SHARE` times what the last exploring step cost (its drafting, and the verify tokens it added;
+    a step that drafted for one request only, as a forced exploring step does).
     Where drafting does not pay, exploring then costs about `EXPLORE_SHARE` of the engine's time, whatever a draft
     costs against a step on the hardware (a draft model's catch-up on one request can cost half a CPU step)."""
 

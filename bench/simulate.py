@@ -9,10 +9,10 @@ Every coupled system commits the same tokens, so a request's schedule is fixed b
 for it: `1 + min(drafts, match)`, where `match` is the trace's match length of the drafter at that position (the
 oracle matches everywhere). What is left is time. The simulator steps a continuous batch on a simulated clock: the
 trace's prefill, then decode steps over the running requests until each has its tokens; per step the real draft
-planner (`actor/draft_planner.plan` with its `StepCost`, `DraftCost`, `Acceptance` and `Rest`, fed the simulated
-steps as the engine feeds it measured ones) chooses each request's drafts, and the step costs the engine's seconds
-for the tokens it computes plus drafting's seconds (serial), or only the drafting the engine waits for (decoupled:
-see below).
+planner (`actor/draft_planner.plan` with its `StepCost`, `DraftCost`, `Acceptance`, `Rest` and `Explore`, fed the
+simulated steps as the engine feeds it measured ones) chooses each request's drafts, and the step costs the engine's
+seconds for the tokens it computes plus drafting's seconds (serial), or only the drafting the engine waits for
+(decoupled: see below).
 
 - `--validate`: costs fitted from the trace itself (the engine's seconds per step against the tokens it computed,
   pooled over the systems; each drafter's seconds per step against the requests and drafts), then vanilla, oracle and
@@ -168,7 +168,7 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
             for m, b in zip(missed, budgets):
                 drafts[m] = b
         asked = list(drafts)  # what the drafter proposes (and is paid for); `drafts`: what the engine verifies
-        if confidence is not None and any(drafts):
+        if confidence is not None and any(drafts) and not explore.due():  # (as the bridge: exploring verifies all)
             rated = [confidence[i][position[i]][:d] for d, i in zip(drafts, running)]
             keep, _ = plan([calibration.gains(c) * survive[m, : len(c)] for m, c in enumerate(rated)], len(running),
                            step_cost, None)
@@ -210,10 +210,10 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
         step_cost.observe(len(running) + total, engine)
         if sum(now):  # the drafting cost the planner learns: what the engine waits for when it drafts now
             draft_cost.observe(max(now), sum(now), unseen_now, drafting_now)
-        if total and explore.due():  # it explored: at that cost (as the bridge, which hears of a step's seconds later)
-            explore.explored(drafting_now + engine - costs.engine(len(running), 0))
+        if explore.due() and sum(map(bool, drafts)) == 1:  # it explored, at that cost (as the bridge, which hears of a
+            explore.explored(drafting_now + engine - costs.engine(len(running), 0))  # step's engine seconds later)
         explore.stepped(total > 0)
-        explore.took(engine + waited_here)
+        explore.took(engine)
         curve.append((round(clock, 4), len(running)))
     return {"makespan_s": clock, "steps": len(curve), "drafting_waited_s": waited, "batch_curve": curve}
 

@@ -4,8 +4,8 @@ observations, tracks acceptance per request, and drafts where verifying pays and
 import numpy as np
 import pytest
 
-from actor.draft_planner import (EXPLORE_EVERY, EXPLORE_SHARE, MAX_REST, REST_STEPS, Acceptance, DraftCost, Explore, Rest,
-                                 StepCost, Survival, geometric, plan)
+from actor.draft_planner import (EXPLORE_EVERY, EXPLORE_SHARE, MAX_REST, REST_STEPS, Acceptance, DraftCost, Explore,
+                                 Rest, StepCost, Survival, geometric, plan)
 
 
 def rated(rates: list[float], k: int) -> np.ndarray:
@@ -162,8 +162,7 @@ def test_exploring_is_due_after_enough_steps_and_a_share_of_their_time():
         explore.stepped(drafted=False)
         explore.took(0.001)
         steps += 1
-    assert explore.seconds * EXPLORE_SHARE == pytest.approx(0.002, abs=1e-3 * EXPLORE_SHARE)
-    assert EXPLORE_EVERY + steps == round(0.002 / EXPLORE_SHARE / 0.001)
+    assert abs(EXPLORE_EVERY + steps - 0.002 / EXPLORE_SHARE / 0.001) <= 1  # 0.2 s of steps: 1% of them is 2 ms
     explore.stepped(drafted=True)  # a plan that drafts starts the count again
     assert explore.steps == 0 and explore.seconds == 0.0
 

@@ -13,6 +13,7 @@ import torch
 import pytest
 
 from actor.draft_bridge import DrafterBridge
+from actor.draft_planner import EXPLORE_EVERY, EXPLORE_SHARE
 from actor.drafter_checks import confidences_for
 from actor.vllm_hooks import (CoupledSampling, RequestRecord, caller_id, new_policy_version, remember_outputs,
                               stuck_drafter, swap_draft_weights)
@@ -310,6 +311,38 @@ def test_during_the_planners_rest_the_drafter_hears_every_commit_once_in_order_e
     ended = b.survival.ended_at[:-1]  # where each ended (its output length + 1), the older discounted once
     assert ended[len(outputs["b-1"]) + 1] > 0.99 and ended[len(outputs["c-1"]) + 1] == 1.0 and ended.sum() < 2
     assert set(b.positions) == set(b.commits.told) == {"a-1", "p-1"} and not b.commits.tails  # nothing kept
+
+
+def test_a_planner_that_drafts_nothing_explores_one_request_at_about_a_hundredth_of_the_engines_time(monkeypatch):
+    """Where no drafting pays, the bridge rests, and every so often drafts for one request anyway (`Explore`): first
+    after EXPLORE_EVERY steps, then only once the engine's steps since took 1 / EXPLORE_SHARE times what that
+    exploring step cost (its drafting and the verify tokens it added)."""
+    clock = [0.0]  # the bridge's clock: 10 ms of engine between steps, 5 ms in each drafter call
+
+    class Slow(Recording):
+        def propose(self, requests, k):
+            clock[0] += 0.005
+            return super().propose(requests, k)
+
+    monkeypatch.setattr("actor.draft_bridge.time.perf_counter", lambda: clock[0])
+    b, runner = bridge(Slow([[1, 2, 3, 4]] * 2), ["a-1", "b-1"])
+    for tokens in range(1, 64):  # a compute-bound engine: verifying a token costs a request's share of a step
+        b.step_cost.observe(tokens, 0.005 * tokens)
+    runner._sample.step_tokens = 2
+
+    def steps_until_drafts() -> int:
+        for n in range(1, 2000):
+            clock[0] += 0.01
+            drafts = propose(b, [[5], [6]])
+            if any(drafts):
+                assert sorted(map(len, drafts)) == [0, 4]  # one request, all its drafts
+                return n
+        raise AssertionError("never explored")
+
+    assert steps_until_drafts() == EXPLORE_EVERY + 1  # nothing explored before: the step count alone
+    assert b.explore.cost == pytest.approx(0.005 + 4 * 0.005, rel=0.3)  # its drafting and its 4 verify tokens
+    propose(b, [[5, 1], [6]])  # the verify step
+    assert 0.8 < steps_until_drafts() * 0.01 * EXPLORE_SHARE / b.explore.cost < 1.2
 
 
 def test_a_drafters_commits_count_as_its_own_time_not_the_bridges(monkeypatch):
