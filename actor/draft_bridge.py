@@ -126,8 +126,8 @@ class DrafterBridge:
                 self.switch_off(e)
                 drafts = [[] for _ in req_ids]
         self._record(req_ids, rows, drafts)
-        if explore and sum(map(bool, drafts)) == 1:  # what exploring cost: drafting, and the verify tokens it added
-            self.explore.explored(time.perf_counter() - started + self.predicted
+        if explore:  # what exploring cost: drafting, and the verify tokens it added
+            self.explore.explored(sum(map(bool, drafts)), time.perf_counter() - started + self.predicted
                                   - float(self.step_cost.predict(len(req_ids))))
         if self.ahead is not None and requests and not self.failure:  # the last drafter call of this step
             self.ahead.prepare(self.drafter, [(r, drafts[row], len(drafts[row])) for row, r in requests],

@@ -77,9 +77,11 @@ class Explore:
         """The engine's last step took `seconds`."""
         self.seconds += seconds
 
-    def explored(self, cost: float) -> None:
-        """An exploring step drafted, at `cost` seconds of drafting and verifying."""
-        self.cost = cost
+    def explored(self, requests: int, cost: float) -> None:
+        """An exploring step drafted for `requests` requests, at `cost` seconds of drafting and verifying: its cost
+        is learnt where it drafted for one (a forced explore; a plan that drafted anyway is no measure of it)."""
+        if requests == 1:
+            self.cost = cost
 
 
 class StepCost:

@@ -210,10 +210,10 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
         step_cost.observe(len(running) + total, engine)
         if sum(now):  # the drafting cost the planner learns: what the engine waits for when it drafts now
             draft_cost.observe(max(now), sum(now), unseen_now, drafting_now)
-        if explore.due() and sum(map(bool, drafts)) == 1:  # it explored, at that cost (as the bridge, which hears of a
-            explore.explored(drafting_now + engine - costs.engine(len(running), 0))  # step's engine seconds later)
+        if drafting and explore.due():  # it explored, at that cost
+            explore.explored(sum(map(bool, drafts)), drafting_now + engine - costs.engine(len(running), 0))
         explore.stepped(total > 0)
-        explore.took(engine)
+        explore.took(engine)  # (after `stepped`: as the bridge, which hears of a step's engine seconds later)
         curve.append((round(clock, 4), len(running)))
     return {"makespan_s": clock, "steps": len(curve), "drafting_waited_s": waited, "batch_curve": curve}
 

@@ -151,7 +151,8 @@ def test_exploring_is_due_after_enough_steps_and_a_share_of_their_time():
     assert not explore.due()
     explore.stepped(drafted=False)
     assert explore.due()  # nothing explored yet: the step count alone
-    explore.explored(cost=0.002)  # an exploring step that cost two plain steps
+    explore.explored(requests=1, cost=0.002)  # an exploring step that cost two plain steps
+    explore.explored(requests=5, cost=1.0)  # a plan that drafted anyway: no measure of exploring
     explore.stepped(drafted=True)
     for _ in range(EXPLORE_EVERY):
         explore.stepped(drafted=False)
