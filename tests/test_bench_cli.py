@@ -103,6 +103,14 @@ def test_bad_arguments_are_refused_by_name_before_any_model_is_built(flag, value
     assert f"{flag} must be" in capsys.readouterr().err
 
 
+def test_the_undrafted_steps_benchmark_refuses_no_rollouts_before_any_engine_starts(capsys):
+    from bench.undrafted_steps import main as undrafted_steps
+
+    with pytest.raises(SystemExit):
+        undrafted_steps(["--rollouts", "0"])
+    assert "--rollouts must be 1 or more" in capsys.readouterr().err
+
+
 def test_vllms_suffix_method_is_run_only_where_its_dependency_was_built(capsys, monkeypatch):
     """vLLM's `suffix` speculation imports arctic-inference's suffix tree (`make vllm-suffix`): asked for without it,
     the benchmark says so before any model is built."""

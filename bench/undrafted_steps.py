@@ -1,0 +1,131 @@
+"""What vLLM's plain path saves on an engine step that verifies no drafts (actor/undrafted_steps.py), measured in one
+speculating engine with adjacent steps paired:
+
+    python -m bench.undrafted_steps [--rollouts 60] [--out bench/results/undrafted_steps_cpu2.json]
+
+The `policy` rollout preset's third epoch (the end-to-end benchmark's rollout: a 0.8M policy whose steps are mostly
+vLLM's and the bridge's overhead) under the draft LM and the planner, which drafts on few steps. Each rollout is
+stepped by hand, and consecutive steps (2j, 2j+1) form a pair: in the measured rollouts one step of each pair runs an
+undrafted step on vLLM's speculative path (its metadata built, every request's empty drafts handed to the scheduler)
+and the other on the plain path, alternating which comes first; in the control rollouts, interleaved with them, both
+run the plain path (an A/A pair, labelled alike: what adjacent steps differ by anyway, a batch shrinking as its
+requests end). Pairs with a step that verified drafts are left out. A busy host's speed drifts over seconds, not over
+one ~5 ms step, so a pair sees the same host. Every rollout must emit the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+PLAIN = [True]  # the worker's switch, set by the stepping loop (the engine runs in this process)
+DRAFTED: list[bool] = []  # per engine step, whether it verified drafts (such pairs are left out)
+
+
+def _switchable(worker) -> None:
+    """Puts vLLM's own `_prepare_inputs` and `take_draft_token_ids` beside actor/undrafted_steps.py's, per PLAIN."""
+    runner, cls = worker.model_runner, type(worker.model_runner)
+    plain_prepare, plain_take = runner._prepare_inputs, runner.take_draft_token_ids
+    vllm_prepare, vllm_take = cls._prepare_inputs.__get__(runner), cls.take_draft_token_ids.__get__(runner)
+
+    def prepare(scheduler_output, *args, **kwargs):
+        DRAFTED.append(bool(scheduler_output.scheduled_spec_decode_tokens))
+        return (plain_prepare if PLAIN[0] else vllm_prepare)(scheduler_output, *args, **kwargs)
+
+    runner._prepare_inputs = prepare
+    runner.take_draft_token_ids = lambda: (plain_take if PLAIN[0] else vllm_take)()
+
+
+def _rollout(llm, prompt_ids: list[list[int]], params: list, pattern) -> tuple[list, list]:
+    """Steps every request to its end with PLAIN = pattern(step) before each step: the step seconds, by step, and the
+    tokens (and, in DRAFTED, which steps verified drafts)."""
+    from vllm.inputs.engine import tokens_input
+
+    engine = llm.llm_engine
+    for i, (ids, p) in enumerate(zip(prompt_ids, params)):
+        engine.add_request(f"r{i}", tokens_input(ids), p)
+    seconds, tokens, step = [], {}, 0
+    DRAFTED.clear()
+    while engine.has_unfinished_requests():
+        PLAIN[0] = pattern(step)
+        start = time.perf_counter()
+        outputs = engine.step()
+        seconds.append(time.perf_counter() - start)
+        tokens.update((o.request_id, list(o.outputs[0].token_ids)) for o in outputs if o.finished)
+        step += 1
+    return seconds, [tokens[f"r{i}"] for i in range(len(params))]
+
+
+def median_ci(values: list[float]) -> list[float]:
+    """The median and a distribution-free 95% interval for it (order statistics)."""
+    ordered, n = sorted(values), len(values)
+    half = 1.96 * math.sqrt(n) / 2
+    return [statistics.median(ordered), ordered[max(int(n / 2 - half), 0)], ordered[min(int(n / 2 + half), n - 1)]]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rollouts", type=int, default=60, help="measured rollouts, and as many control ones")
+    parser.add_argument("--out", default="bench/results/undrafted_steps_cpu2.json")
+    args = parser.parse_args(argv)
+    if args.rollouts < 1:
+        parser.error(f"--rollouts must be 1 or more, got {args.rollouts}")
+    from actor.engine import close_engine, make_engine, set_env_defaults
+
+    set_env_defaults()
+    from vllm import SamplingParams
+
+    from bench.rollout import PRESETS, SPECULATIVE_TOKENS, TEMPERATURE, workload
+    from configs.load import load_config
+    from models.zoo import resolve
+
+    policy, preset = resolve("builtin:dense"), PRESETS["policy"]
+    llm = make_engine(load_config("grpo_tiny", [
+        f"model.path={policy}", "model.max_model_len=1024", "rollout.kv_cache_mib=2048", "speculation.method=draft_lm",
+        f"speculation.num_speculative_tokens={SPECULATIVE_TOKENS}"]), policy)
+    try:
+        llm.collective_rpc(_switchable)
+        tokenizer = llm.get_tokenizer()
+        prompts, _ = workload(preset, 0)
+        prompt_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+
+        def params(epoch: int) -> list:
+            return [SamplingParams(seed=s, temperature=TEMPERATURE, max_tokens=preset["max_tokens"], detokenize=False)
+                    for s in workload(preset, 0, epoch=epoch)[1]]
+
+        for epoch in range(2):  # unmeasured: the planner and the draft LM's history as in the third epoch
+            _rollout(llm, prompt_ids, params(epoch), lambda step: True)
+        measured, control, tokens = [], [], None
+        for rollout in range(2 * args.rollouts):
+            first_plain = rollout % 4 < 2  # which step of a pair runs plainly (or would), alternating
+            ab = rollout % 2 == 0
+            seconds, emitted = _rollout(llm, prompt_ids, params(2),
+                                        (lambda step: (step % 2 == 0) == first_plain) if ab else (lambda step: True))
+            if tokens not in (None, emitted):
+                raise RuntimeError(f"rollout {rollout} emitted other tokens than the first")
+            tokens = emitted
+            for j in range(0, len(seconds) - 1, 2):  # (vLLM's path, the plain one), or where it would be
+                if not (DRAFTED[j] or DRAFTED[j + 1]):
+                    first, second = seconds[j], seconds[j + 1]
+                    (measured if ab else control).append((second, first) if first_plain else (first, second))
+    finally:
+        close_engine(llm)
+    step_ms = 1000 * statistics.median(s for pair in measured for s in pair)
+    result = {"preset": "policy", "epoch": 3, "drafter": "draft_lm", "planner": True, "rollouts": args.rollouts,
+              "pairs": len(measured), "control_pairs": len(control), "step_ms": round(step_ms, 3)}
+    for name, pairs in (("measured", measured), ("control", control)):
+        ratio = median_ci([x / y for x, y in pairs])
+        saved = median_ci([1000 * (x - y) for x, y in pairs])
+        result[name] = {"step_ratio": [round(v, 4) for v in ratio], "ms_saved": [round(v, 4) for v in saved]}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
