@@ -1,7 +1,7 @@
 """What vLLM's plain path saves on an engine step that verifies no drafts (actor/undrafted_steps.py), measured in one
 speculating engine with adjacent steps paired:
 
-    python -m bench.undrafted_steps [--rollouts 60] [--out bench/results/undrafted_steps_cpu2.json]
+    python -m bench.undrafted_steps [--rollouts 60] [--out runs/bench/undrafted_steps.json]
 
 The `policy` rollout preset's third epoch (the end-to-end benchmark's rollout: a 0.8M policy whose steps are mostly
 vLLM's and the bridge's overhead) under the draft LM and the planner, which drafts on few steps. Each rollout is
@@ -70,7 +70,7 @@ def median_ci(values: list[float]) -> list[float]:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rollouts", type=int, default=60, help="measured rollouts, and as many control ones")
-    parser.add_argument("--out", default="bench/results/undrafted_steps_cpu2.json")
+    parser.add_argument("--out", default="runs/bench/undrafted_steps.json")
     args = parser.parse_args(argv)
     if args.rollouts < 1:
         parser.error(f"--rollouts must be 1 or more, got {args.rollouts}")
