@@ -5,7 +5,7 @@ request's draft list (empty ones too) to the scheduler after every step. Most st
 pays carry no drafts, so both are skipped where nothing is drafted: `_prepare_inputs` runs as an engine without
 speculation runs it (one logit row per request), and an all-empty proposal reaches the scheduler as no proposal,
 whose requests' draft lists the scheduler already emptied when it scheduled them. No token changes: the coupled
-sampler draws the same sample on either path. What it saves: docs/benchmarks.md, "Overhead where nothing is drafted".
+sampler draws the same sample on either path. What it saves: docs/benchmarks.md, `bench/undrafted_steps.py`.
 """
 
 from __future__ import annotations
