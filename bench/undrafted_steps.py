@@ -10,7 +10,9 @@ undrafted step on vLLM's speculative path (its metadata built, every request's e
 and the other on the plain path, alternating which comes first; in the control rollouts, interleaved with them, both
 run the plain path (an A/A pair, labelled alike: what adjacent steps differ by anyway, a batch shrinking as its
 requests end). Pairs with a step that verified drafts are left out. A busy host's speed drifts over seconds, not over
-one ~5 ms step, so a pair sees the same host. Every rollout must emit the same tokens.
+one ~5 ms step, so a pair sees the same host. Every rollout must emit the same tokens. It also profiles what else a
+speculating engine spends on its steps: the drafter bridge's own and the drafter's milliseconds per step, on the
+planner's rest steps and on planned ones.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from pathlib import Path
 
 PLAIN = [True]  # the worker's switch, set by the stepping loop (the engine runs in this process)
 DRAFTED: list[bool] = []  # per engine step, whether it verified drafts (such pairs are left out)
+BRIDGE: list = []  # the engine's drafter bridge, for the profile
+RESTED: list[bool] = []  # per drafter bridge call, whether the step was one of the planner's rest
 
 
 def _switchable(worker) -> None:
@@ -38,23 +42,37 @@ def _switchable(worker) -> None:
 
     runner._prepare_inputs = prepare
     runner.take_draft_token_ids = lambda: (plain_take if PLAIN[0] else vllm_take)()
+    bridge = runner.drafter
+    rests = bridge._rests
+
+    def recorded_rests(rows: int) -> bool:
+        RESTED.append(rests(rows))
+        return RESTED[-1]
+
+    bridge._rests, BRIDGE[:] = recorded_rests, [bridge]
 
 
-def _rollout(llm, prompt_ids: list[list[int]], params: list, pattern) -> tuple[list, list]:
+def _rollout(llm, prompt_ids: list[list[int]], params: list, pattern, profile: dict) -> tuple[list, list]:
     """Steps every request to its end with PLAIN = pattern(step) before each step: the step seconds, by step, and the
-    tokens (and, in DRAFTED, which steps verified drafts)."""
+    tokens (and, in DRAFTED, which steps verified drafts); adds each step's bridge and drafter seconds to `profile`,
+    by whether the planner rested."""
     from vllm.inputs.engine import tokens_input
 
     engine = llm.llm_engine
     for i, (ids, p) in enumerate(zip(prompt_ids, params)):
         engine.add_request(f"r{i}", tokens_input(ids), p)
-    seconds, tokens, step = [], {}, 0
+    seconds, tokens, step, bridge = [], {}, 0, BRIDGE[0]
     DRAFTED.clear()
     while engine.has_unfinished_requests():
-        PLAIN[0] = pattern(step)
+        PLAIN[0], calls, spent, drafter = pattern(step), len(RESTED), bridge.seconds, bridge.drafter_seconds
         start = time.perf_counter()
         outputs = engine.step()
         seconds.append(time.perf_counter() - start)
+        if len(RESTED) > calls:  # (a step that ended the last requests calls no proposer)
+            kind = profile["rest" if RESTED[-1] else "planned"]
+            kind[0] += 1
+            kind[1] += bridge.seconds - spent - (bridge.drafter_seconds - drafter)
+            kind[2] += bridge.drafter_seconds - drafter
         tokens.update((o.request_id, list(o.outputs[0].token_ids)) for o in outputs if o.finished)
         step += 1
     return seconds, [tokens[f"r{i}"] for i in range(len(params))]
@@ -97,14 +115,16 @@ def main(argv: list[str] | None = None) -> dict:
             return [SamplingParams(seed=s, temperature=TEMPERATURE, max_tokens=preset["max_tokens"], detokenize=False)
                     for s in workload(preset, 0, epoch=epoch)[1]]
 
+        profile = {"rest": [0, 0.0, 0.0], "planned": [0, 0.0, 0.0]}  # steps, bridge s, drafter s
         for epoch in range(2):  # unmeasured: the planner and the draft LM's history as in the third epoch
-            _rollout(llm, prompt_ids, params(epoch), lambda step: True)
+            _rollout(llm, prompt_ids, params(epoch), lambda step: True, {"rest": [0] * 3, "planned": [0] * 3})
         measured, control, tokens = [], [], None
         for rollout in range(2 * args.rollouts):
             first_plain = rollout % 4 < 2  # which step of a pair runs plainly (or would), alternating
             ab = rollout % 2 == 0
             seconds, emitted = _rollout(llm, prompt_ids, params(2),
-                                        (lambda step: (step % 2 == 0) == first_plain) if ab else (lambda step: True))
+                                        (lambda step: (step % 2 == 0) == first_plain) if ab else (lambda step: True),
+                                        profile)
             if tokens not in (None, emitted):
                 raise RuntimeError(f"rollout {rollout} emitted other tokens than the first")
             tokens = emitted
@@ -121,6 +141,10 @@ def main(argv: list[str] | None = None) -> dict:
         ratio = median_ci([x / y for x, y in pairs])
         saved = median_ci([1000 * (x - y) for x, y in pairs])
         result[name] = {"step_ratio": [round(v, 4) for v in ratio], "ms_saved": [round(v, 4) for v in saved]}
+    # the rest of a speculating engine's cost on a step without drafts: the bridge's own work and the drafter's
+    result["profile_ms_per_step"] = {kind: {"steps": n, "bridge": round(1000 * b / max(n, 1), 4),
+                                            "drafter": round(1000 * d / max(n, 1), 4)}
+                                     for kind, (n, b, d) in profile.items()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
