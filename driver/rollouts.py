@@ -89,7 +89,8 @@ class RolloutPool:
     def stop_silent(self) -> None:
         """Kills every actor rank 0 has heard nothing from for `rollout.stall_timeout_s` while it waits for groups
         (a hung engine, a stopped process), or that has not spoken at all within `rollout.start_timeout_s` (an engine
-        that never finishes starting): it then stops like a dead one, and `wait` replaces it."""
+        that never finishes starting), and replaces it at once like a dead one (not when its run ref next resolves:
+        the call waiting on groups may return first, and the next call find a step's actor missing)."""
         rank0, r = self.learners.rank0, self.cfg.rollout
         for key, limit, silences, what in [("stall_timeout_s", r.stall_timeout_s, rank0.silences, "sent nothing"),
                                           ("start_timeout_s", r.start_timeout_s, rank0.unstarted, "never spoke")]:
@@ -101,6 +102,7 @@ class RolloutPool:
                           "and stopped", file=sys.stderr)
                     self._stuck_drafter(i, min(STUCK_CALL_S, limit / 2))
                     ray.kill(self.actors[i])
+                    self.replace(i)
 
     def _stuck_drafter(self, i: int, after_s: float) -> None:
         """Asks silent actor `i` whether its engine is in a drafter call older than `after_s`: if so, its
