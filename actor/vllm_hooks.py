@@ -124,8 +124,8 @@ class CoupledSampling:
         self._admit(req_ids)
         self.step_tokens = int(runner.query_start_loc.np[n])
         drafted = spec is not None and spec.max_spec_len > 0
-        # a step without drafts samples one row per request, its next token (actor/undrafted_steps.py gives such a
-        # step no speculative metadata; vLLM's own dummy runs may still bring metadata without drafts)
+        # a step without drafts (one actor/undrafted_steps.py gives no speculative metadata, or metadata that lists
+        # none) samples one row per request, its next token
         rows_per_request = (torch.tensor(spec.num_draft_tokens, dtype=torch.long) + 1 if drafted
                             else torch.ones(n, dtype=torch.long))
         logit_rows = runner.query_start_loc.gpu[1 : n + 1] - 1 if spec is None else spec.logits_indices

@@ -92,19 +92,16 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.rollouts < 1:
         parser.error(f"--rollouts must be 1 or more, got {args.rollouts}")
-    from actor.engine import close_engine, make_engine, set_env_defaults
+    from actor.engine import close_engine, set_env_defaults
 
     set_env_defaults()
     from vllm import SamplingParams
 
-    from bench.rollout import PRESETS, SPECULATIVE_TOKENS, TEMPERATURE, workload
-    from configs.load import load_config
+    from bench.rollout import PRESETS, SPECULATIVE_TOKENS, TEMPERATURE, make_llm, workload
     from models.zoo import resolve
 
-    policy, preset = resolve("builtin:dense"), PRESETS["policy"]
-    llm = make_engine(load_config("grpo_tiny", [
-        f"model.path={policy}", "model.max_model_len=1024", "rollout.kv_cache_mib=2048", "speculation.method=draft_lm",
-        f"speculation.num_speculative_tokens={SPECULATIVE_TOKENS}"]), policy)
+    preset = PRESETS["policy"]  # (unpadded: the policy itself is the target)
+    llm = make_llm("specactor", resolve("builtin:dense"), resolve("builtin:draft"), None, "cpu", SPECULATIVE_TOKENS)
     try:
         llm.collective_rpc(_switchable)
         tokenizer = llm.get_tokenizer()
@@ -134,6 +131,9 @@ def main(argv: list[str] | None = None) -> dict:
                     (measured if ab else control).append((second, first) if first_plain else (first, second))
     finally:
         close_engine(llm)
+    if not (measured and control):
+        raise SystemExit(f"bench.undrafted_steps: no pair of adjacent undrafted steps in the measured or the control "
+                         f"rollouts (the planner drafted on one step of every pair); run more than {args.rollouts}")
     step_ms = 1000 * statistics.median(s for pair in measured for s in pair)
     result = {"preset": "policy", "epoch": 3, "drafter": "draft_lm", "planner": True, "rollouts": args.rollouts,
               "pairs": len(measured), "control_pairs": len(control), "step_ms": round(step_ms, 3)}
