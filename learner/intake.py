@@ -68,7 +68,7 @@ class Intake:
     def receive(self, message: Trajectory | WeightAck | Heartbeat, version: int) -> list[Trajectory] | None:
         """A whole, fresh-enough group (sorted by sample index) when `message` completes one; else None."""
         incarnation = getattr(message, "seq", -1) >> INCARNATION_SHIFT  # -1: a weight acknowledgement
-        if message.actor_id in self.heard and incarnation >= self.watched.get(message.actor_id, 0):  # not a dead one's
+        if message.actor_id in self.heard and incarnation == self.watched.get(message.actor_id, 0):  # its followed one's
             self.heard[message.actor_id] = time.monotonic()
             self.spoken.add(message.actor_id)
         if isinstance(message, WeightAck):
@@ -89,7 +89,7 @@ class Intake:
         if reason is not None:
             self.counts.dropped_invalid += 1
             self.invalid[reason] += 1
-            if reason not in ("group", "behind", "owner", "ahead"):  # its owner's sample: the group is never whole
+            if reason not in ("group", "behind", "owner", "ahead", "incarnation"):  # the owner's: never whole
                 self.refused.add(message.group_id)
             return None
         if gap:  # (only a trajectory the run could use names an actor whose work to re-issue)
@@ -175,6 +175,8 @@ class Intake:
             return "behind"
         if self.plan.owner(t.group_id) != t.actor_id:  # only a cursor's owner may send its group
             return "owner"
+        if t.seq >> INCARNATION_SHIFT > self.watched.get(t.actor_id, 0):  # no such actor started yet
+            return "incarnation"
         # no actor admits it yet (bounds `pending`); mid-collect the lead counts this step's groups already in, so
         # the bound is looser by up to a step, never tighter than what actors admit
         if not self.plan.admits(t.group_id, version, self.max_staleness, self.lead(version)):
@@ -191,6 +193,8 @@ class Intake:
         # a log-probability is <= 0, and no float32 softmax gives a sampled token one below about -104
         if not all(BEHAVIOUR_FLOOR <= lp <= 1e-4 for lp in t.behaviour_logprobs):  # (and NaN compares false)
             return "logprobs"
+        if not 0 <= t.generate_seconds <= STAT_BOUND:  # (NaN compares false)
+            return "generate_seconds"
         if not _spec_stats_valid(t.spec):  # summed into the step's metrics
             return "spec"
         if any(not 0 <= v <= version for v in t.policy_versions):  # never ahead of the weights the learner has
@@ -201,8 +205,8 @@ class Intake:
         """Notes that `actor` sent every message below `seq` (and `seq` itself if `arrived`); returns how many of
         them never came, counted as lost. Only an actor's newest incarnation is followed (one entry per actor of
         the run): a dead one's late messages count nothing."""
-        if not 0 <= actor < self.plan.num_actors:
-            return 0
+        if not 0 <= actor < self.plan.num_actors or seq >> INCARNATION_SHIFT > self.watched.get(actor, 0):
+            return 0  # (an incarnation the driver has not started: a forged message, counted where it is refused)
         expected = self.next_seq.get(actor, 0)
         if seq >> INCARNATION_SHIFT != expected >> INCARNATION_SHIFT:
             if seq >> INCARNATION_SHIFT < expected >> INCARNATION_SHIFT:
@@ -281,12 +285,15 @@ class Intake:
                 "trained_groups": self.trained_groups, "dropped_invalid_by_reason": dict(self.invalid)}
 
 
+# the largest count or seconds a trajectory may report: a step's metrics sum them over its trajectories, and the sum
+# must stay finite (each bounded so, not merely finite: two 1e308 make inf)
+STAT_BOUND = 1e12
 BEHAVIOUR_FLOOR = -104.0  # the least logprob a float32 softmax gives a token it can sample (exp underflows below)
 
 
 def _spec_stats_valid(spec: SpecStats) -> bool:
-    """Every count, second and error non-negative and finite; per drafter name one count of choices and an
+    """Every count, second and error non-negative and at most STAT_BOUND; per drafter name one count of choices and an
     [accepted, rejected] pair of labels."""
-    return all(0 <= getattr(spec, name) < math.inf for name in SPEC_NUMBERS) \
+    return all(0 <= getattr(spec, name) <= STAT_BOUND for name in SPEC_NUMBERS) \
         and all(v >= 0 for v in spec.drafter_choices.values()) \
         and all(len(pair) == 2 and min(pair) >= 0 for pair in spec.drafter_labels.values())

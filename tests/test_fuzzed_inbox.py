@@ -48,7 +48,10 @@ def semantic_violations(t: Trajectory) -> dict[str, list[Trajectory]]:
             "spec": [replace(t, spec=SpecStats(drafter_labels={"ngram": [1]})),
                      replace(t, spec=SpecStats(drafter_choices={"x": -1})),
                      replace(t, spec=SpecStats(drafter_labels={"ngram": [1, -1]})),
-                     replace(t, spec=SpecStats(draft_seconds=float("nan"))), replace(t, spec=SpecStats(verify_steps=-1))],
+                     replace(t, spec=SpecStats(draft_seconds=float("nan"))), replace(t, spec=SpecStats(verify_steps=-1)),
+                     replace(t, spec=SpecStats(cost_error=1e308))],  # (finite, but two of them sum to inf)
+            "generate_seconds": [replace(t, generate_seconds=float("inf")), replace(t, generate_seconds=-1.0)],
+            "incarnation": [replace(t, seq=t.seq + (1 << 32))],  # a replacement the driver never started
             "versions": [replace(t, policy_versions=[VERSION + 1] * n)],
             "ahead": [replace(t, group_id=t.group_id + 6 * GROUPS)]}  # a step no actor admits yet
 
@@ -62,8 +65,11 @@ def hostile_messages(rng: random.Random) -> tuple[list[bytes], dict[str, int], d
     for i in range(FUZZED):
         base = trajectory(1, 2 * rng.randrange(GROUPS) + 1, 0, i, rng)
         encoded = msgspec.msgpack.encode(base)
-        kind = rng.randrange(9)
-        if kind == 0:
+        kind = rng.randrange(10)
+        if kind == 9:  # an unknown field nested past Python's recursion limit (msgspec recurses to skip it)
+            depth = rng.randint(1100, MAX_BYTES - len(encoded) - 16)  # (a 16-entry map: its 15 fields and "junk")
+            frame, reason = b"\xde\x00\x10" + encoded[1:] + b"\xa4junk" + b"\x91" * depth + b"\xc0", "malformed"
+        elif kind == 0:
             frame, reason = rng.randbytes(rng.randint(0, 300)), "malformed"
         elif kind == 1:
             frame, reason = encoded[: rng.randrange(len(encoded))], "malformed"

@@ -90,8 +90,12 @@ def test_sequence_gaps_count_lost_trajectories_per_actor_incarnation():
     for actor, seq in [(0, 0), (0, 1), (0, 4), (1, 0), (1, 2), (0, 5)]:
         intake.receive(trajectory(0, seq % 8, seq=seq, actor=actor), version=0)
     assert intake.counts.lost == 2 + 1
-    replacement = 1 << INCARNATION_SHIFT  # a replacement of actor 0 numbers from its incarnation: not a gap
-    intake.receive(trajectory(2, 0, seq=replacement, actor=0), version=0)
+    # a peer with actor 0's key numbering from an incarnation the driver has not started: no gap, no re-issue
+    intake.receive(Heartbeat(SCHEMA_VERSION, actor_id=0, seq=(1 << INCARNATION_SHIFT) + 1000), version=0)
+    intake.receive(trajectory(2, 0, seq=(1 << INCARNATION_SHIFT) + 99, actor=0), version=0)
+    assert intake.counts.lost == 3 and intake.take_gaps() == {}
+    intake.replaced(0, incarnation=1)  # the driver replaced actor 0: its replacement numbers from its incarnation
+    intake.receive(trajectory(2, 0, seq=1 << INCARNATION_SHIFT, actor=0), version=0)  # not a gap
     intake.receive(trajectory(2, 1, seq=6, actor=0), version=0)  # the dead one's last message, late: no gap either
     assert intake.counts.lost == 3
 

@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 _encoder = msgspec.msgpack.Encoder()
 
 
+# what decoding a peer's bytes may raise: msgspec's errors, and RecursionError for a value nested past Python's
+# recursion limit (msgspec skips an unknown field's value, however deep, by recursing)
+DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 MAXMSGSIZE_SLACK = 64 << 10  # a frame this far over `max_bytes` closes its peer's connection before it is buffered
 
 
@@ -119,7 +122,7 @@ class Inbox:
             return self._drop(sender, "oversized", f"{len(frame)} bytes > limit {self.max_bytes}")
         try:
             message = self._decoder.decode(frame.buffer)
-        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:  # (a string not UTF-8)
+        except (*DECODE_ERRORS, UnicodeDecodeError) as e:  # (a string not UTF-8)
             return self._drop(sender, "malformed", str(e))
         if message.schema != SCHEMA_VERSION:
             return self._drop(sender, "schema_version", f"schema {message.schema}, expected {SCHEMA_VERSION}")
@@ -217,6 +220,7 @@ class WeightPublisher:
 
 MAX_BUCKETS = 1 << 20  # a version of more buckets than this is not one a learner sent
 MAX_PENDING_VERSIONS = 4  # partial versions a subscriber assembles at once, per model
+MAX_ELEMENTS = 1 << 40  # the most elements a weight tensor's shape may name (its dimensions past 0 too: an empty one)
 MAX_HISTORIES = 8  # `History` messages a subscriber keeps until taken (the newest)
 MODELS = ("policy", "draft")  # the weights a publisher sends: the policy, and the draft LM it distils
 DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16", "float64", "int64", "int32",
@@ -228,7 +232,7 @@ def checked_size(spec: TensorSpec) -> tuple[torch.dtype, int]:
     dtype = DTYPES.get(spec.dtype)
     if dtype is None:
         raise ValueError(f"{spec.name}: dtype {spec.dtype!r} is not a weight dtype")
-    if any(d < 0 for d in spec.shape):
+    if any(d < 0 for d in spec.shape) or math.prod(max(d, 1) for d in spec.shape) > MAX_ELEMENTS:
         raise ValueError(f"{spec.name}: shape {spec.shape}")
     return dtype, math.prod(spec.shape) * dtype.itemsize
 
@@ -305,7 +309,7 @@ class WeightSubscriber:
                     for spec in header.tensors:
                         checked_size(spec)
                     content = header.tensors
-            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+            except (*DECODE_ERRORS, ValueError) as e:
                 self.dropped += 1
                 log.warning("dropped a malformed message on the weight channel: %s", e)
                 continue
