@@ -131,6 +131,10 @@ class DraftsAhead:
                 proposals, confidences, sources = propose()
                 if proposals is None:  # the drafter prepared nothing this time (`Drafter.propose_ahead`)
                     return prepared
+                if len(proposals) != len(requests) or (confidences is not None and len(confidences) != len(requests)):
+                    raise RuntimeError(f"propose_ahead returned {len(proposals)} proposals and "
+                                       f"{'no' if confidences is None else len(confidences)} confidence lists for "
+                                       f"{len(requests)} outcomes (drafters/base.py: one of each per request)")
                 for r, p, c, s in zip(requests, proposals, [None] * len(requests) if confidences is None else
                                       confidences, [""] * len(requests) if sources is None else sources):
                     tail = tuple(int(t) for t in r.token_ids[len(r.token_ids) - r.unverified:])

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from functools import reduce
 from typing import Any
 
 import numpy as np
@@ -28,14 +29,22 @@ def _flag(module, name: str):
 
 
 # The process-wide torch settings a drafter shares with the target it runs beside, each able to change the target's
-# logits or kernels: (what it is, how to read it, how to set it back).
+# logits or kernels: (what it is, how to read it, how to set it back). torch's per-backend fp32 precisions come before
+# `get_float32_matmul_precision`, which raises while they disagree: setting them back first makes it readable again.
+FP32_PRECISIONS = [(f"torch.backends.{path}.fp32_precision", *_flag(reduce(getattr, path.split("."), torch.backends),
+                                                                     "fp32_precision"))
+                   for path in ("cuda.matmul", "cudnn.conv", "cudnn.rnn", "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")]
 SHARED_STATE = [
     ("torch.get_num_threads()", torch.get_num_threads, torch.set_num_threads),
     ("torch.get_default_dtype()", torch.get_default_dtype, torch.set_default_dtype),
-    ("torch.are_deterministic_algorithms_enabled()", torch.are_deterministic_algorithms_enabled,
-     torch.use_deterministic_algorithms),
+    ("torch.get_default_device()", torch.get_default_device, torch.set_default_device),
+    ("torch.are_deterministic_algorithms_enabled() and its warn_only",
+     lambda: (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
+     lambda both: torch.use_deterministic_algorithms(both[0], warn_only=both[1])),
+    *FP32_PRECISIONS,
     ("torch.get_float32_matmul_precision()", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
     ("torch.is_grad_enabled()", torch.is_grad_enabled, torch.set_grad_enabled),
+    ("torch.backends.mkldnn.enabled", *_flag(torch.backends.mkldnn, "enabled")),
     ("torch.backends.cuda.matmul.allow_tf32", *_flag(torch.backends.cuda.matmul, "allow_tf32")),
     ("torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
      *_flag(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction")),
@@ -46,7 +55,17 @@ SHARED_STATE = [
     ("torch.backends.cudnn.deterministic", *_flag(torch.backends.cudnn, "deterministic")),
     *((f"torch.is_autocast_enabled({device!r})", lambda device=device: torch.is_autocast_enabled(device),
        lambda on, device=device: torch.set_autocast_enabled(device, on)) for device in ("cpu", "cuda")),
+    *((f"torch.get_autocast_dtype({device!r})", lambda device=device: torch.get_autocast_dtype(device),
+       lambda dtype, device=device: torch.set_autocast_dtype(device, dtype)) for device in ("cpu", "cuda")),
 ]
+
+
+def _read(get: Callable[[], Any]) -> Any:
+    """A setting's value, or what reading it raised (as a string: it compares, and is never set back)."""
+    try:
+        return get()
+    except Exception as e:  # noqa: BLE001 -- e.g. get_float32_matmul_precision while the backends disagree
+        return f"unreadable: {type(e).__name__}: {e}"
 
 
 class Histories:
@@ -134,25 +153,31 @@ def guarded(drafter: Drafter):
     """Runs a drafter's call and checks that it left torch's process-wide settings (SHARED_STATE) as it found them:
     one it changed is set back at once, and the call raises (the bridge then switches the drafter off). A plugin's
     `SystemExit` or `GeneratorExit` is its error like any other (an interrupt from the keyboard is not)."""
-    before = [get() for _, get, _ in SHARED_STATE]
+    before = [_read(get) for _, get, _ in SHARED_STATE]
     try:
         yield
     except (SystemExit, GeneratorExit) as e:
         raise RuntimeError(f"drafter {type(drafter).__name__} raised {type(e).__name__}({e})") from e
     finally:
         changed = []
-        for (name, get, put), value in zip(SHARED_STATE, before):
-            if get() != value:
-                put(value)
+        for (name, get, put), value in zip(SHARED_STATE, before):  # in order: each read after those before it are back
+            if _read(get) != value:
                 changed.append(name)
+                if not (isinstance(value, str) and value.startswith("unreadable: ")):
+                    put(value)
     if changed:
         raise RuntimeError(f"drafter {type(drafter).__name__} changed {', '.join(changed)}, which the target shares "
                            "(set back; drafters/base.py: a drafter leaves process-wide state as it found it)")
 
 
+TEXT = (str, bytes, bytearray)
+
+
 def confidences_for(values, tokens: int, drafter: str) -> list[float]:
     """A plugin's confidences for a proposal of `tokens` tokens as floats in [0, 1] (NaN counts as 0)."""
     try:
+        if isinstance(values, TEXT) or any(isinstance(v, TEXT) for v in values[:tokens]):
+            raise TypeError("text is no number")  # (float() would parse it)
         floats = list(map(float, values[:tokens]))
     except (TypeError, ValueError) as e:
         raise RuntimeError(f"drafter {drafter}: confidences must be numbers, got {values!r}") from e
@@ -167,6 +192,8 @@ def token_ids_within(proposal, vocab_size: int) -> list[int] | None:
     try:
         ids = list(map(operator.index, proposal))
     except TypeError:
+        return None
+    if any(type(t) is bool for t in proposal):  # (operator.index takes True for 1)
         return None
     return ids if not ids or (min(ids) >= 0 and max(ids) < vocab_size) else None
 

@@ -37,9 +37,9 @@ def more_than(low: float, why: str = "") -> Rule:
     return Rule(lambda v: v > low, f"> {_number(low)}", why)
 
 
-def zero_or_at_least(low: float, zero: str, why: str = "") -> Rule:
-    """0 (which means `zero`) or at least `low`."""
-    return Rule(lambda v: v == 0 or v >= low, f"0 ({zero}) or >= {_number(low)}", why)
+def zero_or_between(low: float, high: float, zero: str, why: str = "") -> Rule:
+    """0 (which means `zero`) or in [low, high]."""
+    return Rule(lambda v: v == 0 or low <= v <= high, f"0 ({zero}) or in [{_number(low)}, {_number(high)}]", why)
 
 
 def between(low: float, high: float, ends: str = "[]", why: str = "") -> Rule:
@@ -47,6 +47,11 @@ def between(low: float, high: float, ends: str = "[]", why: str = "") -> Rule:
     def accepts(v: float) -> bool:
         return (low <= v if ends[0] == "[" else low < v) and (v <= high if ends[1] == "]" else v < high)
     return Rule(accepts, f"in {ends[0]}{_number(low)}, {_number(high)}{ends[1]}", why)
+
+
+def named(what: str) -> Rule:
+    """A string that names something (`what`): not empty nor only spaces (null, where allowed, means none)."""
+    return Rule(lambda v: bool(str(v).strip()), f"{what}, not empty")
 
 
 def either(words: list[str]) -> str:

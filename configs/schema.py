@@ -16,11 +16,13 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
-from configs.knobs import at_least, between, knob, more_than, one_of, zero_or_at_least
+from configs.knobs import at_least, between, knob, more_than, named, one_of, zero_or_between
 from sampling.coupled import MAX_RUN_SEED
 from tasks.arithmetic import ArithmeticTask
 from transport.messages import MAX_TOKENS
 
+# the longest timeout (about 116 days): Ray and Python's locks take timeouts as bounded integers (1e17 s overflows)
+MAX_TIMEOUT_S = 10_000_000
 STALL_FLOOR_S = 10.0  # the least rollout.stall_timeout_s: five of an actor's heartbeats (actor/rollout.HEARTBEAT_S)
 MAX_OPS = 10_000  # data.max_ops: beyond any context (a question of that many operations has 20,000+ characters)
 MAX_TRAINING_SET = 1_000_000  # data.size: larger finite sets are as good as endless (0)
@@ -123,14 +125,14 @@ class RolloutConfig:
         300.0, "an actor the learner has heard nothing from (no trajectory, no heartbeat) this long while it waits "
         "for groups is taken for hung, stopped and replaced like a dead one (0: never); beyond the longest weight "
         "application",
-        zero_or_at_least(STALL_FLOOR_S, "never", "an actor speaks every 2 s, and longer apart during a long engine "
+        zero_or_between(STALL_FLOOR_S, MAX_TIMEOUT_S, "never", "an actor speaks every 2 s, and longer apart during a long engine "
                          "step; below that a healthy actor is taken for hung, killed and replaced until "
                          "rollout.max_restarts ends the run"))
     start_timeout_s: float = knob(
         1800.0, "a first rollout actor that has sent nothing this long after the learner began waiting for groups "
         "(an engine that never finishes starting) is stopped and replaced like a dead one (0: never); beyond the "
         "longest engine start: loading the weights and, on GPUs, capturing graphs",
-        zero_or_at_least(STALL_FLOOR_S, "never", "below that a healthy engine is taken for hung while it starts"))
+        zero_or_between(STALL_FLOOR_S, MAX_TIMEOUT_S, "never", "below that a healthy engine is taken for hung while it starts"))
     update_wait_s: float = knob(
         30.0, "how long a new weight version waits for the training groups in flight to finish under the weights "
         "they started with before the actor applies it anyway, preempting them: their context is then recomputed "
@@ -170,7 +172,7 @@ class SpeculationConfig:
                        "(ngram, suffix, draft_lm, fastest_of_n), a dotted path to a drafters.base.Drafter subclass, "
                        "or the name of a specactor.drafters entry point")
     num_speculative_tokens: int = knob(4, "k: the most draft tokens proposed per request and engine step",
-                                       at_least(1))
+                                       between(1, 64, "[]", "the planner weighs each of them per request and step"))
     planner: bool = knob(True, "the cost-model planner (actor/draft_planner.py) chooses 0..num_speculative_tokens "
                          "drafts per request every step from measured step and drafting costs, each request's "
                          "acceptance and how likely it is to run on (where requests ended); false: always the full k")
@@ -254,7 +256,7 @@ class TrainerConfig:
         1800.0, "learner ranks that have not finished a step's training or publishing this long (a stopped process, "
         "a stuck collective: alive to Ray, so nothing else notices) are taken for lost, as a dead rank is, and the "
         "run restarts from its newest checkpoint (0: never)",
-        zero_or_at_least(STALL_FLOOR_S, "never", "beyond the longest step a healthy learner takes"))
+        zero_or_between(STALL_FLOOR_S, MAX_TIMEOUT_S, "never", "beyond the longest step a healthy learner takes"))
     deterministic: bool = knob(
         False, "true: bit-reproducible runs (needs algorithm.max_staleness 0): groups trained in data-cursor order, "
         "each step's groups generated together with nothing else in the engine (held-out evaluation waits for a "
@@ -288,15 +290,17 @@ class TransportConfig:
 class ClusterConfig:
     """Where the processes run."""
 
-    address: Optional[str] = knob(None, "null: start an embedded local Ray; else join this Ray cluster")
+    address: Optional[str] = knob(None, "null: start an embedded local Ray; else join this Ray cluster",
+                                  named("a Ray address (host:port, or auto)"))
     device: Device = knob(Device.cpu, "cuda: each rollout engine and learner rank gets dedicated GPUs")
     num_cpus: Optional[int] = knob(None, "embedded Ray only; null: all cores; raised to one per learner rank and "
                                    "actor", at_least(1))
     learner_resource: Optional[str] = knob(
         None, "the Ray custom resource the nodes meant for the learner ranks advertise (`ray start "
         "--resources='{\"learner\": 8}'`, one unit per GPU, or per process on CPU); the role is reserved whole as a "
-        "placement group. null: any node")
-    rollout_resource: Optional[str] = knob(None, "the same for the rollout actors. null: any node")
+        "placement group. null: any node", named("a resource name"))
+    rollout_resource: Optional[str] = knob(None, "the same for the rollout actors. null: any node",
+                                           named("a resource name"))
     share_gpu: bool = knob(False, "cuda, one learner rank and one rollout actor: both on one GPU, half each in Ray's "
                            "accounting (the engine takes rollout.kv_cache_mib of its memory besides its weights, the "
                            "learner the rest): the one-GPU run of configs/grpo_gpu1.yaml")
@@ -307,7 +311,7 @@ class LoggingConfig:
     """What a run writes, and where."""
 
     dir: str = knob("runs/default", "TensorBoard event files, config.yaml (resolved), checkpoints, summary.json, "
-                    "run.log")
+                    "run.log", named("a directory"))
     engine_level: LogLevel = knob(LogLevel.warning, "what the engines (vLLM, DeepSpeed, Ray workers) may print on "
                                   "the console; everything from info up (debug too when asked) goes to "
                                   "logging.dir/run.log")

@@ -187,6 +187,9 @@ def drafter_class(name: str) -> type[Drafter]:
             raise DrafterLoadError(f"drafter '{name}': cannot import {path}: {e}") from e
     if not (isinstance(cls, type) and issubclass(cls, Drafter)):
         raise DrafterLoadError(f"drafter '{name}': {cls!r} is not a subclass of drafters.base.Drafter")
+    if inspect.isabstract(cls):
+        raise DrafterLoadError(f"drafter '{name}': {cls.__name__} does not implement "
+                               f"{', '.join(sorted(cls.__abstractmethods__))} (drafters/base.py: Drafter)")
     return cls
 
 

@@ -41,8 +41,12 @@ def test_path_to_yaml_works(tmp_path):
     ("rollout.top_p=0", ["rollout.top_p", "(0, 1]"]),
     ("rollout.group_size=1", ["rollout.group_size"]),
     ("rollout.update_wait_s=-1", ["rollout.update_wait_s", ">= 0"]),
-    ("rollout.stall_timeout_s=1", ["rollout.stall_timeout_s", ">= 10", "hung"]),  # took healthy actors for hung
+    ("rollout.stall_timeout_s=1", ["rollout.stall_timeout_s", "[10, ", "hung"]),  # took healthy actors for hung
     ("rollout.stall_timeout_s=-5", ["rollout.stall_timeout_s", "0 (never)"]),
+    ("trainer.step_timeout_s=1e17", ["trainer.step_timeout_s", "10000000"]),  # passed, then overflowed in ray.get
+    ("speculation.num_speculative_tokens=100000", ["speculation.num_speculative_tokens", "[1, 64]"]),
+    ("cluster.address=''", ["cluster.address", "not empty"]),  # passed, then ray.init refused the address
+    ("logging.dir=''", ["logging.dir", "not empty"]),  # the working directory, which overwrite: true would clear
     ("learner.zero_stage=4", ["learner.zero_stage"]),
     ("model.path=/nowhere", ["model.path", "/nowhere", "config.json"]),
     ("model.path=builtin:huge", ["model.path", "builtin:huge"]),

@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from configs.describe import describe, sections
-from configs.knobs import between, is_section, one_of, zero_or_at_least
+from configs.knobs import between, is_section, one_of, zero_or_between
 from configs.schema import Config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,7 +59,7 @@ def test_every_key_has_a_meaning_and_every_section_a_summary():
 @pytest.mark.parametrize("rule,good,bad,says", [
     (between(0, 1, "(]"), [1, 0.5], [0, 1.5], "in (0, 1]"),
     (between(0, 1, "[)"), [0, 0.5], [1, -0.1], "in [0, 1)"),
-    (zero_or_at_least(10, "never"), [0, 10, 11.5], [-5, 1, 9.9], "0 (never) or >= 10"),
+    (zero_or_between(10, 10**7, "never"), [0, 10, 11.5, 1e7], [-5, 1, 9.9, 1e17], "0 (never) or in [10, 10000000]"),
     (one_of(0, 1, 2, 3), [0, 3], [4, -1], "0, 1, 2 or 3"),
 ])
 def test_a_rule_judges_and_words_the_same_range(rule, good, bad, says):

@@ -14,7 +14,7 @@ import pytest
 
 from actor.draft_bridge import DrafterBridge
 from actor.draft_planner import EXPLORE_EVERY, EXPLORE_SHARE
-from actor.drafter_checks import confidences_for
+from actor.drafter_checks import confidences_for, token_ids_within
 from actor.vllm_hooks import (CoupledSampling, RequestRecord, caller_id, new_policy_version, remember_outputs,
                               stuck_drafter, swap_draft_weights)
 from drafters.base import CompositeDrafter, Drafter
@@ -70,6 +70,7 @@ def test_invalid_proposals_are_dropped_and_counted_per_request():
     assert propose(b, [[5]] * 5) == [[1, 2], [], [], [], []]
     records: dict[str, RequestRecord] = runner._sample.records
     assert {r: c.stats.invalid_drafts for r, c in records.items()} == {"a": 0, "b": 1, "c": 1, "d": 1, "e": 1}
+    assert token_ids_within([True, 1], VOCAB) is None and token_ids_within([np.int64(1), 2], VOCAB) == [1, 2]
     assert all(c.stats.draft_seconds > 0 for c in records.values())  # each request's share of the drafter's time
 
 
@@ -252,7 +253,7 @@ def test_confidences_are_read_as_probabilities_and_non_numbers_stop_the_engine_w
     """Out of [0, 1] is clamped, NaN counts as 0 (never as sure), numpy and int values are read as floats; extra
     confidences past the proposal are ignored."""
     assert confidences_for([float("nan"), -0.5, 1.7, np.float32(0.25), 1, 0.9], 5, "D") == [0.0, 0.0, 1.0, 0.25, 1.0]
-    for bad in (["sure"], [None], [[0.5]]):
+    for bad in (["sure"], [None], [[0.5]], ["0.9"], [b"0.9"], "11"):  # (float() parses text)
         with pytest.raises(RuntimeError, match="drafter D: confidences must be numbers"):
             confidences_for(bad, 1, "D")
 
@@ -403,8 +404,20 @@ class Retunes(Recording):
         return super().propose(requests, k)
 
 
-@pytest.mark.parametrize("drafter, reason", [(Writes, "ValueError: assignment destination is read-only"),
-                                             (Retunes, "changed torch.get_default_dtype(), torch.is_grad_enabled()")])
+class RetunesBackends(Recording):
+    """Changes a backend's fp32 precision (after which torch.get_float32_matmul_precision raises) and where tensors
+    are made by default."""
+
+    def propose(self, requests, k):
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+        torch.set_default_device("meta")
+        return super().propose(requests, k)
+
+
+@pytest.mark.parametrize("drafter, reason", [
+    (Writes, "ValueError: assignment destination is read-only"),
+    (Retunes, "changed torch.get_default_dtype(), torch.is_grad_enabled()"),
+    (RetunesBackends, "changed torch.get_default_device(), torch.backends.mkldnn.matmul.fp32_precision")])
 def test_a_drafter_cannot_change_what_the_target_is_fed_or_how_it_computes(drafter, reason):
     """The boundary: a drafter's history is a read-only view of the engine's buffer (a write raises inside the
     drafter), and torch's process-wide settings a drafter changed are set back after its call; either way it is
@@ -413,9 +426,10 @@ def test_a_drafter_cannot_change_what_the_target_is_fed_or_how_it_computes(draft
     history = np.arange(40).reshape(2, -1) % VOCAB
     kept = history.copy()
     with torch.no_grad():
-        dtype = torch.get_default_dtype()
+        dtype, precision = torch.get_default_dtype(), torch.get_float32_matmul_precision()
         assert b.propose([[5], [6]], np.full(2, 8), history) == [[], []]
         assert torch.get_default_dtype() == dtype and not torch.is_grad_enabled()
+        assert torch.empty(1).device.type == "cpu" and torch.get_float32_matmul_precision() == precision
     assert np.array_equal(history, kept) and history.flags.writeable  # the buffer itself stays the engine's
     assert reason in b.failure
 
@@ -646,6 +660,19 @@ def test_a_preparation_that_never_ends_switches_the_drafter_off_and_the_engine_d
         assert propose(b, [[7], [8]]) == [[], []]
     finally:
         release.set()
+
+
+@pytest.mark.parametrize("answer", [[], [[7, 8], [7, 8], [7, 8]], [[7, 8]]])
+def test_a_preparation_of_other_than_one_proposal_per_outcome_switches_the_drafter_off(answer):
+    """As `propose`: `propose_ahead` answers one proposal per request it is asked about, or None (nothing prepared);
+    more, fewer or none at all is a broken contract, found when the engine next waits for the thread."""
+    class Miscounts(Recording):
+        def propose_ahead(self, requests, k):
+            return answer
+
+    b, _ = bridge(Miscounts([[1, 2], [3]]), ["a-x", "b-y"], planning=False, decoupled=True)
+    assert propose(b, [[5], [6]]) == [[1, 2], [3]]
+    assert propose(b, [[5], [6]]) == [[], []] and "propose_ahead returned" in b.failure
 
 
 @pytest.mark.parametrize("hook", ["propose", "commit", "new_policy"])

@@ -151,3 +151,5 @@ def test_loading_by_name_and_clear_errors():
         drafter_class("drafters.nowhere.Missing")
     with pytest.raises(DrafterLoadError, match="not a subclass"):
         drafter_class("collections.OrderedDict")
+    with pytest.raises(DrafterLoadError, match="does not implement commit, propose, remove"):  # (abstract)
+        drafter_class("drafters.base.Drafter")
