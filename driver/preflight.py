@@ -39,6 +39,10 @@ def check_drafters(path: Path, speculation: DictConfig) -> None:
                           f"{speculation.method!r} is draft_lm (method draft_lm, or fastest_of_n with draft_lm among "
                           "drafters)")
     if speculation.method == "none":
+        for key, value in (("options", speculation.options), ("decoupled", speculation.decoupled)):
+            if value:  # a key that would do nothing
+                raise ConfigError(f"{path}: key 'speculation.{key}' is read only where speculation.method names a "
+                                  "drafter (it is none)")
         return
     if speculation.method == "fastest_of_n":
         if len(speculation.drafters) > MAX_DRAFTERS or any(len(d) > MAX_NAME for d in speculation.drafters):

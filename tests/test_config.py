@@ -100,6 +100,8 @@ def test_path_to_yaml_works(tmp_path):
     ("logging.overwrite=0", ["logging.overwrite", "true or false"]),  # was taken as false
     # a drafter's options are its constructor's keywords: a name it does not take fails here, not in the actor
     ("speculation.method=ngram speculation.options.min_k=5", ["speculation.options", "min_k", "NgramDrafter"]),
+    ("speculation.options.max_n=3", ["speculation.options", "method names a drafter"]),  # method none: it did nothing
+    ("speculation.decoupled=true", ["speculation.decoupled", "method names a drafter"]),
     ("speculation.method=fastest_of_n speculation.drafters=[suffix,draft_lm] speculation.options.suffix.bogus=1",
      ["speculation.options.suffix", "bogus", "SuffixDrafter"]),
     # and its values as far as the drafter can judge them without being built (they failed in the actor: rc 1)
