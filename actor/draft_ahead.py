@@ -13,9 +13,10 @@ missed is drafted at once only where the cost model says it pays (else it decode
 waiting for the thread and that drafting are on the engine's critical path. Drafts only: every token is still the
 target's coupled sample.
 
-On a CPU the thread needs a core of its own beside the engine's one-thread forward (torch releases the GIL in its
-kernels); on a GPU engine the draft LM drafts on the engine's GPU on a CUDA stream of its own, or a drafter is
-given a GPU of its own through its `device` option."""
+On a CPU the thread needs a core of its own beside the engine's one-thread forward, and it still takes the
+interpreter's lock between its torch calls, which slows the engine's step by about a third of the thread's busy
+time (bench/draft_contention.py); on a GPU engine the draft LM drafts on the engine's GPU on a CUDA stream of its
+own, or a drafter is given a GPU of its own through its `device` option."""
 
 from __future__ import annotations
 

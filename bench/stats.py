@@ -1,4 +1,4 @@
-"""Paired statistics for benchmarks that run every system in each repeat."""
+"""Paired statistics: over the repeats of benchmarks that run every system in each, and over adjacent engine steps."""
 
 from __future__ import annotations
 
@@ -17,3 +17,11 @@ def paired(reference: list[float], system: list[float]) -> dict:
         mean = statistics.fmean(logs)
         out["speedup_ci95"] = [round(math.exp(mean - half), 3), round(math.exp(mean + half), 3)]
     return out
+
+
+def median_ci(values: list[float]) -> list[float]:
+    """The median and a distribution-free 95% interval for it (order statistics): for the many pairs of adjacent
+    engine steps a step-level benchmark times."""
+    ordered, n = sorted(values), len(values)
+    half = 1.96 * math.sqrt(n) / 2
+    return [statistics.median(ordered), ordered[max(int(n / 2 - half), 0)], ordered[min(int(n / 2 + half), n - 1)]]

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import time
 from pathlib import Path
+
+from actor.engine import set_env_defaults
+from bench.engine_process import in_fresh_process
+from bench.stats import median_ci
 
 PLAIN = [True]  # the worker's switch, set by the stepping loop (the engine runs in this process)
 DRAFTED: list[bool] = []  # per engine step, whether it verified drafts (such pairs are left out)
@@ -78,25 +81,11 @@ def _rollout(llm, prompt_ids: list[list[int]], params: list, pattern, profile: d
     return seconds, [tokens[f"r{i}"] for i in range(len(params))]
 
 
-def median_ci(values: list[float]) -> list[float]:
-    """The median and a distribution-free 95% interval for it (order statistics)."""
-    ordered, n = sorted(values), len(values)
-    half = 1.96 * math.sqrt(n) / 2
-    return [statistics.median(ordered), ordered[max(int(n / 2 - half), 0)], ordered[min(int(n / 2 + half), n - 1)]]
-
-
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rollouts", type=int, default=60, help="measured rollouts, and as many control ones")
-    parser.add_argument("--out", default="runs/bench/undrafted_steps.json")
-    args = parser.parse_args(argv)
-    if args.rollouts < 1:
-        parser.error(f"--rollouts must be 1 or more, got {args.rollouts}")
-    from actor.engine import close_engine, set_env_defaults
-
-    set_env_defaults()
+def _measure(rollouts: int) -> tuple[list, list, dict]:
+    """In the engine's fresh process: the measured and control pairs of undrafted step seconds, and the profile."""
     from vllm import SamplingParams
 
+    from actor.engine import close_engine
     from bench.rollout import PRESETS, SPECULATIVE_TOKENS, TEMPERATURE, make_llm, workload
     from models.zoo import resolve
 
@@ -116,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
         for epoch in range(2):  # unmeasured: the planner and the draft LM's history as in the third epoch
             _rollout(llm, prompt_ids, params(epoch), lambda step: True, {"rest": [0] * 3, "planned": [0] * 3})
         measured, control, tokens = [], [], None
-        for rollout in range(2 * args.rollouts):
+        for rollout in range(2 * rollouts):
             first_plain = rollout % 4 < 2  # which step of a pair runs plainly (or would), alternating
             ab = rollout % 2 == 0
             seconds, emitted = _rollout(llm, prompt_ids, params(2),
@@ -131,6 +120,18 @@ def main(argv: list[str] | None = None) -> dict:
                     (measured if ab else control).append((second, first) if first_plain else (first, second))
     finally:
         close_engine(llm)
+    return measured, control, profile
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rollouts", type=int, default=60, help="measured rollouts, and as many control ones")
+    parser.add_argument("--out", default="runs/bench/undrafted_steps.json")
+    args = parser.parse_args(argv)
+    if args.rollouts < 1:
+        parser.error(f"--rollouts must be 1 or more, got {args.rollouts}")
+    set_env_defaults()  # one engine thread, as a rollout actor's (inherited by the fresh process)
+    measured, control, profile = in_fresh_process(Path(args.out).with_suffix(".log"), _measure, args.rollouts)
     if not (measured and control):
         raise SystemExit(f"bench.undrafted_steps: no pair of adjacent undrafted steps in the measured or the control "
                          f"rollouts (the planner drafted on one step of every pair); run more than {args.rollouts}")

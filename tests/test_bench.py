@@ -64,3 +64,16 @@ def test_a_warm_up_on_other_prompts_warms_the_planner_and_gives_history_nothing(
     assert warm["systems"]["oracle"]["acceptance_length"] > 4.5
     assert (warm["systems"]["specactor_suffix"]["acceptance_length"]
             < again["systems"]["specactor_suffix"]["acceptance_length"])
+
+
+def test_the_contention_benchmark_times_steps_beside_a_drafting_thread_and_process(tmp_path):
+    """Each mode's steps are timed beside a drafting call that ran (its seconds measured), in as many triples as
+    asked at least."""
+    from bench.draft_contention import main as draft_contention
+
+    out = tmp_path / "contention.json"
+    result = draft_contention(["--triples", "6", "--out", str(out)])
+    assert json.loads(out.read_text()) == result and result["triples"] >= 6 and result["step_ms_without_drafting"] > 0
+    for mode in ("thread", "process"):
+        low, high = result[mode]["step_ratio"][1:]
+        assert result[mode]["drafting_call_ms"] > 0 and 0 < low <= result[mode]["step_ratio"][0] <= high

@@ -111,6 +111,14 @@ def test_the_undrafted_steps_benchmark_refuses_no_rollouts_before_any_engine_sta
     assert "--rollouts must be 1 or more" in capsys.readouterr().err
 
 
+def test_the_contention_benchmark_refuses_no_triples_before_any_engine_starts(capsys):
+    from bench.draft_contention import main as draft_contention
+
+    with pytest.raises(SystemExit):
+        draft_contention(["--triples", "0"])
+    assert "--triples must be 1 or more" in capsys.readouterr().err
+
+
 def test_vllms_suffix_method_is_run_only_where_its_dependency_was_built(capsys, monkeypatch):
     """vLLM's `suffix` speculation imports arctic-inference's suffix tree (`make vllm-suffix`): asked for without it,
     the benchmark says so before any model is built."""
