@@ -40,7 +40,7 @@ def find_config(name_or_path: str) -> Path:
 
 
 def _explain(e: OmegaConfBaseException) -> str:
-    message = str(getattr(e, "msg", e)).split("\n")[0]
+    message = str(getattr(e, "msg", None) or e).split("\n")[0]
     key = getattr(e, "full_key", None)
     return f"key '{key}': {message}" if key else message
 
@@ -51,6 +51,8 @@ def load_config(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
         from_file = OmegaConf.load(path)
     except (yaml.YAMLError, OmegaConfBaseException) as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     if not isinstance(from_file, DictConfig):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     cfg = OmegaConf.structured(Config)
@@ -66,6 +68,8 @@ def load_config(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
         try:
             given = OmegaConf.from_dotlist([item])
             cfg = OmegaConf.merge(cfg, given)
+        except yaml.YAMLError as e:  # the value is parsed as YAML: `[` unclosed, `*x` an unknown alias, ...
+            raise ConfigError(f"{where}: its value is not valid YAML ({str(e).splitlines()[0]})") from None
         except (OmegaConfBaseException, TypeError) as e:
             raise ConfigError(f"{where}: {_explain(e)}") from None
         _refuse_numbers_for_switches(given, cfg, where)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import time
@@ -29,6 +30,8 @@ from learner.exchange import gather_full_state
 from models.zoo import copy_tokenizer
 
 MANIFEST = "manifest.json"
+REQUIRED = {"state.json", "hf", "deepspeed"}  # what every checkpoint's manifest lists (files, or files under them)
+STEP_DIR = re.compile(r"step_([0-9]+)")  # checkpoints/step_N
 SHARED_WAIT_S = 60.0  # how long rank 0 waits to see another rank's files before it calls logging.dir unshared
 RUN_FILE = "run.json"  # in a run directory: {"run_id": ...} of the run that writes its checkpoints
 
@@ -54,9 +57,10 @@ def manifest(checkpoint: Path) -> dict | None:
     try:
         listed = json.loads((checkpoint / MANIFEST).read_text())
         whole = all(_intact(checkpoint / name, entry) for name, entry in listed["files"].items())
+        parts = {name.split("/")[0] for name in listed["files"]}
     except (OSError, ValueError, KeyError, AttributeError, TypeError):
         return None
-    return listed if whole else None
+    return listed if whole and REQUIRED <= parts else None  # (a manifest listing fewer parts is no checkpoint)
 
 
 def run_of(directory: Path) -> str | None:
@@ -77,8 +81,8 @@ def find_checkpoint(path: str) -> Path:
                                     "lists files that are not there whole, by size and sha256)")
         return root
     run_id = run_of(root)
-    steps = sorted((p for p in root.glob("checkpoints/step_*") if p.name.split("_")[1].isdigit()),
-                   key=lambda p: int(p.name.split("_")[1]), reverse=True)
+    steps = sorted((p for p in root.glob("checkpoints/step_*") if STEP_DIR.fullmatch(p.name)),
+                   key=lambda p: int(STEP_DIR.fullmatch(p.name)[1]), reverse=True)
     for step in steps:
         listed = manifest(step)
         if listed is not None and (run_id is None or listed.get("run_id") == run_id):

@@ -38,8 +38,11 @@ class Packed:
 
 
 def group_advantages(rewards: torch.Tensor, normalize_std: bool, eps: float = 1e-6) -> torch.Tensor:
-    """`rewards` is [groups, group_size]; each reward minus its group's mean, over the group's std if asked."""
+    """`rewards` is [groups, group_size]; each reward minus its group's mean, over the group's std if asked. A group
+    whose rewards are all equal gets exactly 0: its float mean can miss them by a rounding error, which a std near 0
+    would blow up into an advantage of noise (length-penalised rewards of equal length did)."""
     centered = rewards - rewards.mean(dim=1, keepdim=True)
+    centered = torch.where((rewards == rewards[:, :1]).all(dim=1, keepdim=True), 0.0, centered)
     return centered / (rewards.std(dim=1, keepdim=True) + eps) if normalize_std else centered
 
 

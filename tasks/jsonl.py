@@ -19,14 +19,14 @@ def load_jsonl(path: str | Path, fits: Callable[[str], str | None] | None = None
     """Every record of `path`, in order. Whitespace-only lines hold no record and are passed over; any
     other line that is not a valid record raises `DataFormatError` naming the file and line number. `fits`, if
     given, says what is wrong with a record's prompt (None: nothing), e.g. that the model cannot hold it."""
-    path = Path(path)
+    path = Path(path).expanduser()
     if not path.is_file():
         raise DataFormatError(f"{path}: no such data file")
     problems = []
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # (a byte-order mark starts some files)
             except UnicodeDecodeError as e:
                 raise DataFormatError(f"{path}:{lineno}: not UTF-8 ({e.reason} at byte {e.start})") from None
             if line.strip():
@@ -45,6 +45,8 @@ def _parse(line: str, where: str, problem_id: str) -> Problem:
         raise DataFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
     except RecursionError:
         raise DataFormatError(f"{where}: nested too deeply to be a record") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise DataFormatError(f"{where}: {e}") from None
     if not isinstance(record, dict):
         raise DataFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
     for key in ("question", "answer"):
@@ -52,9 +54,14 @@ def _parse(line: str, where: str, problem_id: str) -> Problem:
             raise DataFormatError(f"{where}: missing key '{key}'")
         if not isinstance(record[key], str) or not record[key].strip():
             raise DataFormatError(f"{where}: '{key}' must be a non-empty string")
+        try:
+            record[key].encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate escape ("\\ud800"): no tokenizer or message can carry it
+            raise DataFormatError(f"{where}: '{key}' holds a lone surrogate, which is not text") from None
     solution = record["answer"].strip()
-    if ANSWER_MARK not in solution:
-        raise DataFormatError(f"{where}: 'answer' has no '{ANSWER_MARK} <final answer>'")
+    if solution.count(ANSWER_MARK) != 1:  # (the reward refuses a response with two: its own reference would score 0)
+        raise DataFormatError(f"{where}: 'answer' must hold '{ANSWER_MARK} <final answer>' once, "
+                              f"not {solution.count(ANSWER_MARK)} times")
     final = solution.rsplit(ANSWER_MARK, 1)[1].strip()
     if normalize_number(final) is None:
         raise DataFormatError(f"{where}: final answer {final!r} after '{ANSWER_MARK}' is not a number")

@@ -23,12 +23,13 @@ REWARD_BOUND = 1.0  # every reward this module gives (length-penalised or not) l
 
 
 def normalize_number(text: str) -> Decimal | None:
-    """'1,234' -> 1234, '+7' -> 7, '3.50' -> 3.5; None if `text` is not exactly one number."""
+    """'1,234' -> 1234, '+7' -> 7, '3.50' -> 3.50 (equal to 3.5); None if `text` is not exactly one number. Exact,
+    however many digits (normalize() would round to the context's 28: distinct long numbers compared equal)."""
     text = text.strip()
     if not _NUMBER.fullmatch(text):
         return None
     try:
-        return Decimal(text.replace(",", "")).normalize()
+        return Decimal(text.replace(",", ""))
     except InvalidOperation:
         return None
 

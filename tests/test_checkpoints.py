@@ -14,7 +14,22 @@ def write(root, step: int, run_id: str, payload: bytes = b"weights") -> None:
     final = root / "checkpoints" / f"step_{step}"
     (partial(final) / "hf").mkdir(parents=True)
     (partial(final) / "hf" / "model.safetensors").write_bytes(payload)
+    (partial(final) / "deepspeed").mkdir()
+    (partial(final) / "deepspeed" / "state.pt").write_bytes(b"optimizer")
     seal(final, {"version": step, "run_id": run_id})
+
+
+def test_a_resume_takes_only_a_checkpoint_dir_by_its_name_and_whole_parts(tmp_path):
+    """checkpoints/step_N exactly (a copy named step_4_extra, or step_² whose digit int() cannot read, is no step),
+    and a manifest that lists every part: one emptied to list none is no checkpoint."""
+    (tmp_path / RUN_FILE).write_text(json.dumps({"run_id": "a"}))
+    write(tmp_path, 2, "a")
+    write(tmp_path, 3, "a")
+    for stray in ("step_4_extra", "step_\u00b2"):
+        (tmp_path / "checkpoints" / stray).mkdir()
+        (tmp_path / "checkpoints" / stray / "manifest.json").write_text(json.dumps({"run_id": "a", "files": {}}))
+    (tmp_path / "checkpoints" / "step_3" / "manifest.json").write_text(json.dumps({"run_id": "a", "files": {}}))
+    assert find_checkpoint(str(tmp_path)).name == "step_2"
 
 
 def test_sealed_checkpoints_are_found_newest_first_and_partial_ones_never(tmp_path):

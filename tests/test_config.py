@@ -60,6 +60,8 @@ def test_path_to_yaml_works(tmp_path):
     ("rollout.min_p=0.1", ["rollout.min_p"]),  # a sampling parameter the coupled sampler does not honour
     ("logging.engine_level=loud", ["logging.engine_level", "loud"]),
     ("trainer.steps", ["key=value"]),
+    ("speculation.drafters=[ngram", ["speculation.drafters=[ngram", "not valid YAML"]),  # was a yaml traceback
+    ("trainer=5", ["trainer=5", "TrainerConfig"]),  # a section given a value: the message was "None"
     ("rollout.max_tokens=5000", ["rollout.max_tokens", "model.max_model_len"]),
     ("data.source=${no.such.key}", ["data.source", "no.such.key"]),
     ("transport.auth=none transport.host=0.0.0.0", ["transport.auth", "curve"]),  # plain TCP beyond loopback
@@ -139,6 +141,9 @@ def test_bad_file_names_the_key_and_file(tmp_path):
     path.write_text("model: [unclosed\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml.*not valid YAML"):
         load_run_config(str(path))
+    path.write_bytes(b"\xff\xfe\x00model: 1\n")  # UTF-16, say: was a UnicodeDecodeError traceback
+    with pytest.raises(ConfigError, match=r"bad\.yaml: not UTF-8 text"):
+        load_run_config(str(path))
 
 
 @pytest.mark.parametrize("name", ["grpo_moe", "grpo_gpu1"])
@@ -212,7 +217,9 @@ def test_resume_from_must_name_a_checkpoint_that_is_behind_trainer_steps(tmp_pat
     with pytest.raises(ConfigError, match="trainer.resume_from.*complete checkpoint"):
         load_run_config("grpo_tiny", [f"trainer.resume_from={tmp_path}"])
     final = tmp_path / "checkpoints" / "step_30"
-    partial(final).mkdir(parents=True)
+    for part in ("hf", "deepspeed"):
+        (partial(final) / part).mkdir(parents=True)
+        (partial(final) / part / "weights").write_bytes(b"w")
     seal(final, {"version": 30, "data_cursor": 120, "counts": {}, "run_id": "r"})
     with pytest.raises(ConfigError, match="at step 30 but trainer.steps = 30"):
         load_run_config("grpo_tiny", [f"trainer.resume_from={tmp_path}", "trainer.steps=30"])

@@ -393,3 +393,19 @@ def test_the_rank_rendezvous_listens_on_the_nodes_address_only_and_holds_its_por
     with pytest.raises(OSError):
         socket.create_server(("127.0.0.1", int(port)))
     learner.listener.close()
+
+
+@pytest.mark.parametrize("group_size", [2, 3, 6, 8, 16])
+def test_a_group_of_equal_rewards_has_no_advantage_whatever_their_value(group_size):
+    """GRPO learns nothing from a group whose samples scored alike: exactly 0 for every sample (a length-penalised
+    reward's float mean misses it by a rounding error, and over a std near 0 that became an advantage of noise,
+    trained as a live row), while a group that differs still gets its normalised advantages."""
+    from learner.grpo import group_advantages
+    from tasks.reward import length_penalized
+
+    equal = [length_penalized(1.0, n, 400, 0.1) for n in (1, 7, 133, 399)]
+    rewards = torch.tensor([[r] * group_size for r in equal] + [[1.0] + [0.0] * (group_size - 1)])
+    for normalize_std in (True, False):
+        advantages = group_advantages(rewards, normalize_std)
+        assert torch.equal(advantages[:-1], torch.zeros(len(equal), group_size))
+        assert advantages[-1, 0] > 0 and (advantages[-1, 1:] < 0).all()

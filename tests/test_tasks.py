@@ -90,6 +90,8 @@ def test_with_ops_fixes_difficulty():
     (" 3+4=7\n####7\n", "7", 1.0, True),
     ("#### 1,234", "1234", 1.0, True),
     ("#### 7.0", "7", 1.0, True),
+    ("#### 3.50", "3.5", 1.0, True),
+    ("#### " + "1" * 40, "1" * 39 + "2", 0.0, True),  # past 28 digits: still exact (normalize() rounded them equal)
     (" 3+4=8\n#### 8", "7", 0.0, True),
     (" 3+4=7", "7", 0.0, False),
     ("#### seven", "7", 0.0, False),
@@ -128,7 +130,10 @@ def test_jsonl_loads_gsm8k_records(tmp_path):
     ("[1, 2]", "expected a JSON object"),
     (json.dumps({"answer": "#### 3"}), "missing key 'question'"),
     (json.dumps({"question": "q", "answer": 3}), "'answer' must be a non-empty string"),
-    (json.dumps({"question": "q", "answer": "three"}), "has no '####"),
+    (json.dumps({"question": "q", "answer": "three"}), "once, not 0 times"),
+    (json.dumps({"question": "q", "answer": "a #### 3\nb #### 4"}), "once, not 2 times"),  # its reference scored 0
+    ('{"question": "q\\ud800", "answer": "#### 3"}', "lone surrogate"),  # loaded, then no tokenizer could take it
+    ('{"question": "q", "answer": "#### 3", "x": ' + "1" * 5000 + "}", "integer string conversion"),  # a ValueError
     (json.dumps({"question": "q", "answer": "#### three"}), "is not a number"),
     (json.dumps({"question": "q", "answer": "#### nan"}), "is not a number"),
     ("[" * 100_000 + "]" * 100_000, "nested too deeply"),  # not a RecursionError traceback
@@ -146,6 +151,12 @@ def test_jsonl_line_not_utf8_names_file_and_line(tmp_path):
     path.write_bytes(b'{"question": "q", "answer": "#### 1"}\n{"question": "caf\xe9", "answer": "#### 1"}\n')
     with pytest.raises(DataFormatError, match=f"{path}:2: not UTF-8"):  # was a UnicodeDecodeError
         load_jsonl(path)
+
+
+def test_a_jsonl_file_may_start_with_a_byte_order_mark_and_be_named_from_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"question": "q", "answer": "#### 1"}\r\n')
+    assert [p.answer for p in load_jsonl("~/bom.jsonl")] == ["1"]
 
 
 def test_jsonl_missing_or_empty_file(tmp_path):
