@@ -34,6 +34,10 @@ from drafters.base import CompositeDrafter, DraftRequest
 # a preparation still running this long after its verify step is a hung drafter: the bridge switches it off (its
 # thread is left to itself) and the engine decodes on, instead of stalling until the actor is taken for dead
 SETTLE_DEADLINE_S = 60.0
+# the most outcomes past each request's likeliest one a preparation holds: each is a scratch slot in the draft LM's
+# cache while it is drafted, and the cache keeps its largest size (a cold thread asked for all 10 outcomes of 128
+# requests grew it to 2,048 slots, whose every later doubling in length then stalled the engine for over a second)
+MAX_FURTHER = 256
 
 
 class Prepared(NamedTuple):
@@ -170,7 +174,7 @@ def outcomes(chains: list[tuple[DraftRequest, list[int], int]], rates: np.ndarra
     rate `a`, the first `j` accepted and the next rejected: `a**j * (1 - a)`) and, with `guesses` (how often each
     guess has been right, per kind of outcome), under the second guess too; ranked by the chance that they are taken
     (the outcome's times its guess's), as many as the thread's fitted `cost` of asking `tokens` for each keeps within
-    `step_s`, the engine's predicted step (all before either is measured)."""
+    `step_s`, the engine's predicted step, and `MAX_FURTHER` (before either is measured: the likeliest only)."""
     first = [(r, d, j, 0) for r, d, j in chains]
     if rates is None or not chains:
         return first
@@ -179,7 +183,9 @@ def outcomes(chains: list[tuple[DraftRequest, list[int], int]], rates: np.ndarra
                      for n, ((_, d, _), a) in enumerate(zip(chains, rates))
                      for j in range(0 if rejections else len(d), len(d) + 1) for g in range(2 if guesses else 1)
                      if (j, g) != (len(d), 0)), reverse=True)
+    if step_s <= 0 or cost.gram[0, 0] == 0:  # neither the step nor the thread measured yet: the likeliest ones only
+        return first
     rows = np.arange(len(chains), len(chains) + len(likely) + 1)
     thread = cost.predict(np.full(len(rows), tokens), rows * tokens)
-    fits = int(np.searchsorted(thread > step_s, True)) if step_s > 0 else len(rows)
+    fits = min(int(np.searchsorted(thread > step_s, True)), MAX_FURTHER + 1)
     return first + [(chains[n][0], chains[n][1], j, g) for _, n, j, g in likely[: max(fits - 1, 0)]]

@@ -5,7 +5,7 @@ waits for it. That no token changes is the exactness tests' (tests/test_speculat
 import numpy as np
 import pytest
 
-from actor.draft_ahead import DraftsAhead, ahead, outcomes
+from actor.draft_ahead import MAX_FURTHER, DraftsAhead, ahead, outcomes
 from actor.draft_planner import DraftCost
 from drafters.base import DraftRequest
 
@@ -65,31 +65,48 @@ def test_a_drafter_that_raises_on_its_thread_raises_when_the_engine_waits():
     assert drafts.settle() == 0.0  # nothing in flight any more
 
 
+def a_second_per_drafted_token() -> DraftCost:
+    """The thread's cost as learnt from its calls: a second per drafted token."""
+    cost = DraftCost()
+    for drafted in (5, 10, 15, 20):
+        cost.observe(5, drafted, 0, float(drafted))
+    return cost
+
+
 def test_the_likeliest_rejection_outcomes_are_prepared_as_far_as_the_threads_cost_fits_the_step():
     a, b = (DraftRequest(rid, seed=1, position=5, token_ids=np.arange(8)) for rid in ("a-x", "b-y"))
     chains = [(a, [1, 2], 2), (b, [3], 1)]  # drafts being verified, all accepted
-    cost = DraftCost()
-    cost.coef = np.array([0.0, 0.0, 1.0, 0.0])  # learned: a second per drafted token (k + 1 = 5 a request)
+    cost = a_second_per_drafted_token()  # (k + 1 = 5 tokens a request)
     picked = outcomes(chains, np.array([0.5, 0.5]), cost, 15.5, 5)  # the step verifying: time for 3 requests' worth
     assert [(r.request_id, j, g) for r, _, j, g in picked] == [("a-x", 2, 0), ("b-y", 1, 0), ("b-y", 0, 0)]  # the
     # likeliest: the first draft rejected (at acceptance 0.5: 0.5 against 0.25 for the second), b's before a's on a tie
     best = [(r, d, j, 0) for r, d, j in chains]
     assert outcomes(chains, np.array([0.5, 0.5]), cost, 5.0, 5) == best  # not even these fit: nothing more
-    assert len(outcomes(chains, np.array([0.5, 0.5]), cost, 0.0, 5)) == 5  # nothing measured yet: every outcome
-    assert outcomes(chains, None, cost, 0.0, 5) == best  # a drafter that prepares only the all-accepted outcome
+    assert len(outcomes(chains, np.array([0.5, 0.5]), cost, 1e9, 5)) == 5  # a long step: every outcome
+    # the step or the thread not measured yet: the likeliest only (a cold thread asked for every outcome of a large
+    # batch grew the draft LM's cache for good)
+    assert outcomes(chains, np.array([0.5, 0.5]), cost, 0.0, 5) == best
+    assert outcomes(chains, np.array([0.5, 0.5]), DraftCost(), 1e9, 5) == best
+    assert outcomes(chains, None, cost, 1e9, 5) == best  # a drafter that prepares only the all-accepted outcome
+
+
+def test_a_preparation_holds_at_most_max_further_outcomes_past_the_likeliest_ones():
+    chains = [(DraftRequest(f"r{i}", seed=1, position=5, token_ids=np.arange(8)), [1, 2, 3, 4], 4) for i in range(128)]
+    picked = outcomes(chains, np.full(128, 0.5), a_second_per_drafted_token(), 1e9, 5,
+                      guesses={(kind, g): 0.5 for kind in (False, True) for g in (0, 1)})
+    assert len(picked) == 128 + MAX_FURTHER  # (of 128 x 10 outcomes)
 
 
 def test_second_guesses_are_ranked_with_the_rest_by_the_chance_that_they_are_taken():
     a, b = (DraftRequest(rid, seed=1, position=5, token_ids=np.arange(8)) for rid in ("a-x", "b-y"))
     chains = [(a, [1, 2], 2), (b, [], 0)]  # b drafted nothing: its plain step's outcome is certain
-    cost = DraftCost()
-    cost.coef = np.array([0.0, 0.0, 1.0, 0.0])
+    cost = a_second_per_drafted_token()
     right = {(False, 0): 0.6, (False, 1): 0.3, (True, 0): 0.5, (True, 1): 0.1}  # per kind (a draft rejected), guess
     picked = outcomes(chains, np.array([0.5, 0.5]), cost, 25.5, 5, guesses=right)  # 3 outcomes past the chains
     # b's second guess 1 x 0.3; a's first draft rejected 0.5 x 0.5, its second 0.25 x 0.5; (a's second guess past
     # both accepted 0.25 x 0.3 next)
     assert [(r.request_id, j, g) for r, _, j, g in picked[2:]] == [("b-y", 0, 1), ("a-x", 0, 0), ("a-x", 1, 0)]
-    only_guesses = outcomes(chains, np.array([0.5, 0.5]), cost, 0.0, 5, rejections=False, guesses=right)
+    only_guesses = outcomes(chains, np.array([0.5, 0.5]), cost, 1e9, 5, rejections=False, guesses=right)
     assert [(r.request_id, j, g) for r, _, j, g in only_guesses[2:]] == [("b-y", 0, 1), ("a-x", 2, 1)]
 
 
