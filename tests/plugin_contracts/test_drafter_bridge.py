@@ -494,11 +494,15 @@ def test_a_drafter_that_prepares_rejections_is_asked_for_the_outcomes_with_a_rej
 
     drafter = Outcomes([[1, 2], [3]])
     b, _ = bridge(drafter, ["a-x", "b-y"], planning=False, decoupled=True)
+    chains = [("a-x", 2, None), ("b-y", 1, None)]  # every draft accepted: always asked for
     propose(b, [[5], [6]])
     b.settle()
-    chains = [("a-x", 2, None), ("b-y", 1, None)]  # every draft accepted: always asked for
-    assert drafter.asked[:2] == chains and sorted(drafter.asked[2:]) == [("a-x", 0, 1), ("a-x", 1, 2), ("b-y", 0, 3)]
+    assert drafter.asked == chains  # the thread's cost and the step not measured yet: the likeliest outcomes only
     assert b.ahead.cost.coef.any()  # the thread's cost, learned from its calls
+    b.step_cost.observe(2, 1.0)  # a step measured (this harness runs none): a second for the step verifying
+    propose(b, [[5, 9, 9], [6, 9]])
+    b.settle()
+    assert drafter.asked[:2] == chains and sorted(drafter.asked[2:]) == [("a-x", 0, 1), ("a-x", 1, 2), ("b-y", 0, 3)]
 
 
 def test_a_composites_prepared_drafts_count_for_the_member_that_prepared_them():
