@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from configs.knobs import ranges
-from configs.schema import INBOX_MIB, Config
+from configs.schema import INBOX_MIB, MAX_STEP_TRAJECTORIES, Config
 from models.zoo import BUILTIN_MODELS, BUILTIN_NAMES, BUILTIN_PREFIX
 from tasks.dataset import eval_set, jsonl_sources
 from tasks.jsonl import DataFormatError, load_jsonl
@@ -154,6 +154,8 @@ def _across_sections(cfg: DictConfig) -> list[tuple[str, bool, str]]:
          <= INBOX_MIB << 20, f"times one trajectory's bytes at model.max_model_len {cfg.model.max_model_len} "
          f"({trajectory_bytes(cfg.model.max_model_len) >> 10} KiB) must be <= {INBOX_MIB} MiB: what one peer can make "
          "the learner's inbox queue"),
+        ("rollout.group_size", batch <= MAX_STEP_TRAJECTORIES, f"times rollout.prompts_per_step must be <= "
+         f"{MAX_STEP_TRAJECTORIES} trajectories a step (rank 0 holds a step's trajectories; it is {batch})"),
         ("learner.micro_batch_size", batch % (cfg.learner.micro_batch_size * cfg.learner.num_ranks) == 0,
          f"times learner.num_ranks must divide the step's {batch} trajectories "
          "(rollout.prompts_per_step x rollout.group_size)"),

@@ -27,6 +27,7 @@ STALL_FLOOR_S = 10.0  # the least rollout.stall_timeout_s: five of an actor's he
 MAX_OPS = 10_000  # data.max_ops: beyond any context (a question of that many operations has 20,000+ characters)
 MAX_TRAINING_SET = 1_000_000  # data.size: larger finite sets are as good as endless (0)
 MAX_EVAL_SIZE = 10_000  # data.eval_size: an evaluation answers each problem (GSM8K's test split has 1,319)
+MAX_STEP_TRAJECTORIES = 1 << 20  # rollout.prompts_per_step x group_size: a step's trajectories, held by rank 0
 # the most transport.trajectory_queue x one trajectory's bytes: what one connection queues in the inbox
 INBOX_MIB = 16384
 

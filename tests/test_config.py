@@ -62,6 +62,7 @@ def test_path_to_yaml_works(tmp_path):
     ("trainer.steps", ["key=value"]),
     ("speculation.drafters=[ngram", ["speculation.drafters=[ngram", "not valid YAML"]),  # was a yaml traceback
     ("trainer=5", ["trainer=5", "TrainerConfig"]),  # a section given a value: the message was "None"
+    ("rollout.group_size=99999999999", ["rollout.group_size", "1048576 trajectories a step"]),  # loaded, then OOM
     ("rollout.max_tokens=5000", ["rollout.max_tokens", "model.max_model_len"]),
     ("data.source=${no.such.key}", ["data.source", "no.such.key"]),
     ("transport.auth=none transport.host=0.0.0.0", ["transport.auth", "curve"]),  # plain TCP beyond loopback
