@@ -176,15 +176,13 @@ def outcomes(chains: list[tuple[DraftRequest, list[int], int]], rates: np.ndarra
     (the outcome's times its guess's), as many as the thread's fitted `cost` of asking `tokens` for each keeps within
     `step_s`, the engine's predicted step, and `MAX_FURTHER` (before either is measured: the likeliest only)."""
     first = [(r, d, j, 0) for r, d, j in chains]
-    if rates is None or not chains:
+    if rates is None or not chains or step_s <= 0 or not cost.measured:  # (step or thread unmeasured: these only)
         return first
     right = guesses or {(kind, 0): 1.0 for kind in (False, True)}
     likely = sorted(((a**j * (1 - a if j < len(d) else 1) * right[j < len(d), g], n, j, g)
                      for n, ((_, d, _), a) in enumerate(zip(chains, rates))
                      for j in range(0 if rejections else len(d), len(d) + 1) for g in range(2 if guesses else 1)
                      if (j, g) != (len(d), 0)), reverse=True)
-    if step_s <= 0 or cost.gram[0, 0] == 0:  # neither the step nor the thread measured yet: the likeliest ones only
-        return first
     rows = np.arange(len(chains), len(chains) + len(likely) + 1)
     thread = cost.predict(np.full(len(rows), tokens), rows * tokens)
     fits = min(int(np.searchsorted(thread > step_s, True)), MAX_FURTHER + 1)

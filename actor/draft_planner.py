@@ -178,6 +178,11 @@ class DraftCost:
         self.moment = np.zeros(self.TERMS)
         self.coef = np.zeros(self.TERMS)
 
+    @property
+    def measured(self) -> bool:
+        """Whether any drafting was observed (before, `predict` gives 0: drafting looks free)."""
+        return bool(self.gram[0, 0] > 0)
+
     def observe(self, passes: int, drafted: int, unseen: int, seconds: float) -> None:
         x = np.array([1.0, passes, drafted, unseen])
         self.gram = self.decay * self.gram + np.outer(x, x)

@@ -99,10 +99,10 @@ def _measure(triples: int) -> dict:
                     workers[mode][1].wait()  # (after the step: the next starts with no drafting in flight)
                     calls[mode].append(workers[mode][2].value)
                 step += 1
-                if len(triple) == 3 and step > 3:  # (the first steps prefill)
-                    for m, s in triple.items():
-                        steps[m].append(s)
                 if len(triple) == 3:
+                    if step > 3:  # (the first triple's steps prefill)
+                        for m, s in triple.items():
+                            steps[m].append(s)
                     triple = {}
             rounds += 1
     finally:

@@ -126,14 +126,15 @@ class RolloutConfig:
         300.0, "an actor the learner has heard nothing from (no trajectory, no heartbeat) this long while it waits "
         "for groups is taken for hung, stopped and replaced like a dead one (0: never); beyond the longest weight "
         "application",
-        zero_or_between(STALL_FLOOR_S, MAX_TIMEOUT_S, "never", "an actor speaks every 2 s, and longer apart during a long engine "
-                         "step; below that a healthy actor is taken for hung, killed and replaced until "
-                         "rollout.max_restarts ends the run"))
+        zero_or_between(STALL_FLOOR_S, MAX_TIMEOUT_S, "never", "an actor speaks every 2 s, and longer apart during a "
+                        "long engine step; below that a healthy actor is taken for hung, killed and replaced until "
+                        "rollout.max_restarts ends the run"))
     start_timeout_s: float = knob(
         1800.0, "a first rollout actor that has sent nothing this long after the learner began waiting for groups "
         "(an engine that never finishes starting) is stopped and replaced like a dead one (0: never); beyond the "
         "longest engine start: loading the weights and, on GPUs, capturing graphs",
-        zero_or_between(STALL_FLOOR_S, MAX_TIMEOUT_S, "never", "below that a healthy engine is taken for hung while it starts"))
+        zero_or_between(STALL_FLOOR_S, MAX_TIMEOUT_S, "never",
+                        "below that a healthy engine is taken for hung while it starts"))
     update_wait_s: float = knob(
         30.0, "how long a new weight version waits for the training groups in flight to finish under the weights "
         "they started with before the actor applies it anyway, preempting them: their context is then recomputed "

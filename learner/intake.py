@@ -68,7 +68,8 @@ class Intake:
     def receive(self, message: Trajectory | WeightAck | Heartbeat, version: int) -> list[Trajectory] | None:
         """A whole, fresh-enough group (sorted by sample index) when `message` completes one; else None."""
         incarnation = getattr(message, "seq", -1) >> INCARNATION_SHIFT  # -1: a weight acknowledgement
-        if message.actor_id in self.heard and incarnation == self.watched.get(message.actor_id, 0):  # its followed one's
+        # heard: only the incarnation followed (not a dead one's, nor one the driver never started)
+        if message.actor_id in self.heard and incarnation == self.watched.get(message.actor_id, 0):
             self.heard[message.actor_id] = time.monotonic()
             self.spoken.add(message.actor_id)
         if isinstance(message, WeightAck):
