@@ -181,6 +181,11 @@ class RolloutActor:
                 if len(finished[sample.cursor]) == self.cfg.rollout.group_size:
                     self.send_group(finished.pop(sample.cursor))
 
+    def sent(self) -> int:
+        """The sequence number of its next message: every one below it was handed to its outbox (asked by the
+        driver, from Ray's second thread, to check a heartbeat's claim of lost trajectories: learner/intake.py)."""
+        return self.seq
+
     def rewind(self, first_ordinal: int) -> None:
         """Trajectories of this actor were lost (the learner saw a gap in its sequence numbers): it abandons the
         groups in flight and generates again from its group `first_ordinal`, the first the learner lacks."""

@@ -23,7 +23,7 @@ from transport.auth import ClientKeys, keypair
 
 CATCH_UP_S = 900  # a replacement's engine start and first weights (a large checkpoint takes minutes to load)
 GAP_CHECK_S = 5.0  # how often, while waiting on the learner, the driver asks rank 0 for lost trajectories
-ASK_STUCK_S = 5.0  # how long a silent actor has to say which drafter call its engine is stuck in
+ASK_ACTOR_S = 5.0  # how long an actor has to answer the driver's questions (its sent count, a stuck drafter call)
 # a drafter call this old in an actor taken for hung is why (a healthy one takes milliseconds to seconds); its silence
 # itself is no measure, as it counts from before the engine started
 STUCK_CALL_S = 30.0
@@ -72,7 +72,8 @@ class RolloutPool:
                 raise TimeoutError(f"no answer within {timeout_s:g} s")
             ready = ray.wait([*pending, *self.runs], num_returns=1, timeout=GAP_CHECK_S)[0]
             if not ready:  # meanwhile: an actor whose trajectories were lost regenerates the groups they belonged to
-                for i, first_ordinal in self._ask(self.learners.rank0.take_gaps).items():
+                sent = self._sent(self._ask(self.learners.rank0.claims))
+                for i, first_ordinal in self._ask(self.learners.rank0.take_gaps, sent).items():
                     print(f"rollout actor {i} lost trajectories; it generates again from data cursor "
                           f"{self.plan.cursor(i, first_ordinal)}", file=sys.stderr)
                     self.actors[i].rewind.remote(first_ordinal)
@@ -108,7 +109,7 @@ class RolloutPool:
         """Asks silent actor `i` whether its engine is in a drafter call older than `after_s`: if so, its
         replacements start with the drafter switched off (drafts only save time), rather than hang the same way."""
         try:
-            stuck = ray.get(self.actors[i].stuck_drafter.remote(after_s), timeout=ASK_STUCK_S)
+            stuck = ray.get(self.actors[i].stuck_drafter.remote(after_s), timeout=ASK_ACTOR_S)
         except ray.exceptions.RayError:  # no answer: it stopped, or is stuck elsewhere
             return
         if stuck:
@@ -116,10 +117,22 @@ class RolloutPool:
             print(f"rollout actor {i}'s drafter is stuck ({stuck}): its replacements decode without it",
                   file=sys.stderr)
 
-    def _ask(self, method):
+    def _ask(self, method, *args):
         """Rank 0's answer to a bookkeeping call: a `GetTimeoutError` (a TimeoutError) if it gives none within
         `trainer.step_timeout_s`."""
-        return ray.get(method.remote(), timeout=self.cfg.trainer.step_timeout_s or None)
+        return ray.get(method.remote(*args), timeout=self.cfg.trainer.step_timeout_s or None)
+
+    def _sent(self, claimed: dict[int, int]) -> dict[int, int]:
+        """How many messages each actor whose heartbeat claims lost trajectories says it sent, asked over Ray (which
+        a peer holding the actor's key cannot speak for); an actor that does not answer in `ASK_ACTOR_S` (dead,
+        replaced, busy) is left out, its claim left standing."""
+        sent = {}
+        for i in claimed:
+            try:
+                sent[i] = ray.get(self.actors[i].sent.remote(), timeout=ASK_ACTOR_S)
+            except ray.exceptions.RayError:
+                continue
+        return sent
 
     def replace(self, i: int) -> None:
         """Replaces actor `i`, which stopped: a replacement that dies or does not catch up within `CATCH_UP_S` is

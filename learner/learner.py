@@ -280,10 +280,16 @@ class Learner(RankCheckpoints):
         with self.lock:
             return self.intake.unstarted()
 
-    def take_gaps(self) -> dict[int, int]:
-        """Rank 0: actors that lost messages, each with the group ordinal to regenerate from (`Intake.take_gaps`)."""
+    def claims(self) -> dict[int, int]:
+        """Rank 0: heartbeats' standing claims of lost trajectories, for the driver to check (`Intake.claims`)."""
         with self.lock:
-            return self.intake.take_gaps()
+            return self.intake.claims()
+
+    def take_gaps(self, sent: dict[int, int]) -> dict[int, int]:
+        """Rank 0: actors that lost messages, each with the group ordinal to regenerate from; `sent`: the claimed
+        actors' own counts of messages sent (`Intake.take_gaps`)."""
+        with self.lock:
+            return self.intake.take_gaps(sent)
 
     def summary(self) -> dict:
         with self.lock:  # collect() may still be taking messages (Ctrl-C, an error elsewhere)

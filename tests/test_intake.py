@@ -100,11 +100,17 @@ def test_sequence_gaps_count_lost_trajectories_per_actor_incarnation():
     assert intake.counts.lost == 3
 
 
-def test_a_lost_trajectory_names_its_actor_once_with_where_to_regenerate_from():
-    """A gap shows at the actor's next trajectory, or, for its last one, at its next heartbeat; `take_gaps` forgets
-    the actor's partial groups (one is short for good) and names the group ordinal it regenerates from, once."""
+def test_a_lost_trajectory_names_its_actor_once_with_where_to_regenerate_from(monkeypatch):
+    """A gap shows at the actor's next trajectory, or, for its last one, at its next heartbeat, checked against the
+    count the actor gives over Ray; `take_gaps` forgets the actor's partial groups (one is short for good) and names
+    the group ordinal it regenerates from, once."""
+    import learner.intake
+
+    clock = [100.0]
+    monkeypatch.setattr(learner.intake.time, "monotonic", lambda: clock[0])
     plan = CursorPlan(start=0, num_actors=2, prompts_per_step=2)
     intake = Intake(group_size=2, max_staleness=1, plan=plan)
+    intake.listen(True)
     for i in range(2):  # actor 0 delivers group 0 whole (seq 0, 1); seq 2 (group 2, sample 0) is lost
         intake.receive(trajectory(0, i, seq=i, group_size=2), version=0)
     intake.receive(trajectory(2, 1, seq=3, group_size=2), version=0)
@@ -112,12 +118,39 @@ def test_a_lost_trajectory_names_its_actor_once_with_where_to_regenerate_from():
     assert intake.take_gaps() == {} and intake.counts.dropped_reissued == 1 and balanced(intake)
     intake.receive(trajectory(1, 0, seq=0, actor=1, group_size=2), version=0)  # actor 1: its last one (seq 1) is lost
     intake.receive(Heartbeat(SCHEMA_VERSION, actor_id=1, seq=1), version=0)  # nothing missing yet
-    assert intake.take_gaps() == {}
-    intake.receive(Heartbeat(SCHEMA_VERSION, actor_id=1, seq=2), version=0)
-    assert intake.counts.lost == 2 and intake.take_gaps() == {1: 0} and intake.counts.dropped_reissued == 2
+    assert intake.claims() == {} and intake.take_gaps() == {}
+    intake.receive(Heartbeat(SCHEMA_VERSION, actor_id=1, seq=2), version=0)  # a claim: checked once it has stood
+    assert intake.claims() == {} and intake.counts.lost == 1
+    clock[0] += learner.intake.CLAIM_AGE_S
+    assert intake.claims() == {1: 2}
+    assert intake.take_gaps(sent={1: 2}) == {1: 0} and intake.counts.lost == 2 and intake.counts.dropped_reissued == 2
     intake.receive(Heartbeat(SCHEMA_VERSION, actor_id=7, seq=1 << 40), version=0)  # not an actor of this run
     intake.receive(trajectory(1, 1, seq=9, actor=0, group_size=2), version=0)  # a gap, but an invalid message (owner)
-    assert intake.take_gaps() == {} and len(intake.next_seq) == 2 and balanced(intake)
+    assert intake.take_gaps() == {} and len(intake.next_seq) == 2 and intake.claims() == {} and balanced(intake)
+
+
+def test_a_forged_heartbeat_never_rewinds_an_actor(monkeypatch):
+    """A peer with an actor's key claims, in heartbeats, that trajectories the actor never sent were lost: a claim is
+    belied by the actor's next trajectory below it (its messages come in order) or by the count the actor itself
+    gives; either way nothing is counted lost and no actor is rewound. Claims age only while the learner listens."""
+    import learner.intake
+
+    clock = [100.0]
+    monkeypatch.setattr(learner.intake.time, "monotonic", lambda: clock[0])
+    intake = Intake(group_size=2, max_staleness=1, plan=CursorPlan(start=0, num_actors=1, prompts_per_step=4))
+    intake.receive(trajectory(0, 0, seq=0, group_size=2), version=0)
+    intake.receive(Heartbeat(SCHEMA_VERSION, actor_id=0, seq=1 << 20), version=0)  # forged, before listening
+    clock[0] += 100
+    assert intake.claims() == {}  # not listening: a trajectory could not have belied it
+    intake.listen(True)
+    clock[0] += learner.intake.CLAIM_AGE_S
+    assert intake.claims() == {0: 1 << 20}
+    assert intake.take_gaps(sent={0: 1}) == {} and intake.counts.refuted_claims == 1  # the actor sent 1 message
+    intake.receive(Heartbeat(SCHEMA_VERSION, actor_id=0, seq=5), version=0)  # forged again
+    intake.receive(trajectory(0, 1, seq=1, group_size=2), version=0)  # the actor's own next message, below it
+    clock[0] += learner.intake.CLAIM_AGE_S
+    assert intake.claims() == {} and intake.take_gaps(sent={0: 9}) == {} and intake.counts.refuted_claims == 2
+    assert intake.counts.lost == 0 and intake.counts.trained == 2 and balanced(intake)
 
 
 def test_reissue_forgets_the_dead_actors_partial_groups_and_names_its_first_undelivered_group():

@@ -34,7 +34,10 @@ class Rank0:
     def republish(self) -> int:
         return NEWEST
 
-    def take_gaps(self) -> dict[int, int]:
+    def claims(self) -> dict[int, int]:
+        return {}
+
+    def take_gaps(self, sent: dict[int, int]) -> dict[int, int]:
         return {}
 
     def silences(self) -> dict[int, float]:  # actor 0 silent for long, once; its replacement speaks
