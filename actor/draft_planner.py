@@ -27,6 +27,8 @@ import numpy as np
 
 EXPLORE_EVERY = 32  # engine steps without a draft before one request may draft anyway (`Explore`)
 EXPLORE_SHARE = 0.01  # of the engine's time without drafts, what exploring steps may cost (`Explore`)
+# the drafter's acceptance counts as measured after this many verified draft tokens, or rejections (`Acceptance`)
+MEASURED_DRAFTS, MEASURED_REJECTIONS = 16, 4
 REST_STEPS = 3  # engine steps the first rest keeps a plan of no drafts for without planning (`Rest`)
 MAX_REST = 24  # the longest rest, in engine steps
 
@@ -61,17 +63,25 @@ class Explore:
     engine `1 / EXPLORE_SHARE` times what the last exploring step cost (its drafting, and the verify tokens it added;
     a step that drafted for one request only, as a forced exploring step does).
     Where drafting does not pay, exploring then costs about `EXPLORE_SHARE` of the engine's time, whatever a draft
-    costs against a step on the hardware (a draft model's catch-up on one request can cost half a CPU step)."""
+    costs against a step on the hardware (a draft model's catch-up on one request can cost half a CPU step).
+    A new planner also explores every step until the drafter's acceptance is measured (in its first `EXPLORE_EVERY`
+    steps): a plan weighs drafts at their acceptance, and judged on the starting guess a good drafter can look not
+    worth a try at the first full batch, and wait `EXPLORE_EVERY` steps for its first measure."""
 
-    def __init__(self):
+    def __init__(self, acceptance: Acceptance):
+        self.acceptance = acceptance
         self.steps, self.seconds, self.cost = 0, 0.0, 0.0  # steps and engine seconds since the last draft; its cost
+        self.life = 0  # steps planned (or rested) so far
 
     def due(self) -> bool:
+        if not self.acceptance.measured and self.life < EXPLORE_EVERY:
+            return True
         return self.steps >= EXPLORE_EVERY and self.seconds * EXPLORE_SHARE >= self.cost
 
     def stepped(self, drafted: bool) -> None:
         """An engine step was planned (or rested): whether it drafted."""
         self.steps, self.seconds = (0, 0.0) if drafted else (self.steps + 1, self.seconds)
+        self.life += 1
 
     def took(self, seconds: float) -> None:
         """The engine's last step took `seconds`."""
@@ -233,9 +243,18 @@ class Acceptance:
         self.accepted: dict[str, float] = {}
         self.rejected: dict[str, float] = {}
         self.global_accepted, self.global_rejected = start, 1.0 - start
+        self.verified = self.rejections = 0  # draft tokens verified so far (to each proposal's first rejection)
+
+    @property
+    def measured(self) -> bool:
+        """Whether the running average rests on `MEASURED_DRAFTS` verified draft tokens, or `MEASURED_REJECTIONS`
+        rejections (a drafter mostly rejected shows it in fewer tokens); before, on `start` mostly."""
+        return self.verified >= MEASURED_DRAFTS or self.rejections >= MEASURED_REJECTIONS
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
         rejected = 1.0 if accepted < drafted else 0.0
+        self.verified += accepted + int(rejected)
+        self.rejections += int(rejected)
         self.accepted[request_id] = self.accepted.get(request_id, 0.0) + accepted
         self.rejected[request_id] = self.rejected.get(request_id, 0.0) + rejected
         self.global_accepted = self.decay * self.global_accepted + accepted

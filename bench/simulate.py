@@ -139,7 +139,7 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
     survival = Survival(2 * max(lengths, default=0) + k)  # as the bridge's, whose longest is the model's length
     ready = [False] * n  # decoupled: this request's next drafts were prepared during the last step
     guesses = random.Random(0)  # "outcomes": which guesses past a rejected draft were right, the same every run
-    explore, rest = Explore(), Rest()
+    explore, rest = Explore(acceptance), Rest()
     while True:
         running = [i for i in range(n) if position[i] < lengths[i]]
         if not running:

@@ -4,8 +4,9 @@ observations, tracks acceptance per request, and drafts where verifying pays and
 import numpy as np
 import pytest
 
-from actor.draft_planner import (EXPLORE_EVERY, EXPLORE_SHARE, MAX_REST, REST_STEPS, Acceptance, DraftCost, Explore,
-                                 Rest, StepCost, Survival, geometric, plan)
+from actor.draft_planner import (EXPLORE_EVERY, EXPLORE_SHARE, MAX_REST, MEASURED_DRAFTS, MEASURED_REJECTIONS,
+                                 REST_STEPS, Acceptance, DraftCost, Explore, Rest, StepCost, Survival, geometric,
+                                 plan)
 
 
 def rated(rates: list[float], k: int) -> np.ndarray:
@@ -143,8 +144,15 @@ def test_a_second_plan_of_no_drafts_rests_the_planner_until_the_batch_halves_or_
     assert not rest.keeps(32)
 
 
+def measured_acceptance() -> Acceptance:
+    acceptance = Acceptance()
+    while not acceptance.measured:
+        acceptance.observe("r", drafted=4, accepted=4)
+    return acceptance
+
+
 def test_exploring_is_due_after_enough_steps_and_a_share_of_their_time():
-    explore = Explore()
+    explore = Explore(measured_acceptance())
     for _ in range(EXPLORE_EVERY - 1):
         explore.stepped(drafted=False)
         explore.took(0.001)
@@ -166,6 +174,36 @@ def test_exploring_is_due_after_enough_steps_and_a_share_of_their_time():
     assert abs(EXPLORE_EVERY + steps - 0.002 / EXPLORE_SHARE / 0.001) <= 1  # 0.2 s of steps: 1% of them is 2 ms
     explore.stepped(drafted=True)  # a plan that drafts starts the count again
     assert explore.steps == 0 and explore.seconds == 0.0
+
+
+def test_a_new_planner_explores_until_the_drafters_acceptance_is_measured_for_a_while_at_most():
+    """Judged on its starting guesses a good drafter can look not worth a try (the cold smoke preset's first plans at
+    24 requests drafted nothing for 30 steps): a new planner explores every step until the drafter's acceptance
+    rests on MEASURED_DRAFTS verified draft tokens (or MEASURED_REJECTIONS rejections: a bad drafter shows itself
+    sooner), and a drafter that never proposes anything (nothing verified) stops being explored after EXPLORE_EVERY
+    steps."""
+    acceptance = Acceptance()
+    explore = Explore(acceptance)
+    assert explore.due()
+    for step in range(100):  # one request drafts 4 a step, 3 accepted: 4 tokens verified a step
+        if not explore.due():
+            break
+        acceptance.observe("r", drafted=4, accepted=3)
+        explore.stepped(drafted=True)
+    assert step == MEASURED_DRAFTS // 4 and acceptance.measured
+    rejected = Acceptance()
+    for _ in range(MEASURED_REJECTIONS):
+        assert not rejected.measured
+        rejected.observe("r", drafted=4, accepted=0)
+    assert rejected.measured
+    silent = Explore(Acceptance())  # proposals always empty: nothing is ever verified
+    silent.explored(requests=1, cost=1.0)  # at a cost that the usual rule waits 100 s of steps for
+    due = []
+    for _ in range(2 * EXPLORE_EVERY):
+        due.append(silent.due())
+        silent.stepped(drafted=False)
+        silent.took(0.001)
+    assert due == [True] * EXPLORE_EVERY + [False] * EXPLORE_EVERY
 
 
 def test_plan_drafts_fully_where_verifying_is_nearly_free():
