@@ -28,7 +28,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from actor.draft_planner import DraftCost
-from actor.drafter_checks import guarded, sources_within
+from actor.drafter_checks import guarded, plain_answers, sources_within
 from drafters.base import CompositeDrafter, DraftRequest
 
 # a preparation still running this long after its verify step is a hung drafter: the bridge switches it off (its
@@ -43,7 +43,7 @@ MAX_FURTHER = 256
 class Prepared(NamedTuple):
     length: int  # the length of the history it was proposed from
     tail: tuple[int, ...]  # the unverified tokens that history ended with (the drafts it assumed accepted)
-    proposal: list[int]  # the guess of the target's next token, then the drafts after it
+    proposal: list[int] | None  # the guess of the target's next token, then the drafts after it (None: not ids)
     confidences: list[float] | None
     source: str  # a composite drafter's member that proposed it ("": not a composite)
     rejection: bool  # prepared for an outcome where a draft is rejected
@@ -103,11 +103,12 @@ class DraftsAhead:
                 for kind, guess in self.right}
 
     def prepare(self, drafter, chains: list[tuple[DraftRequest, list[int], int]],
-                rates: Callable[[list[str]], np.ndarray], predicted: float, k: int, members: set[str]) -> None:
+                rates: Callable[[list[str]], np.ndarray], predicted: float, k: int, members: set[str],
+                vocab_size: int) -> None:
         """The drafter, on the thread, proposes from the histories of the outcomes `outcomes` picks for each chain
         (a request, the drafts handed over for it, their count): k + 1 tokens each, the guess of the target's next
-        token, then k drafts. `rates`: the requests' acceptance rates; `predicted`: the verify step's seconds;
-        `members`: a composite's member names so far."""
+        token, then k drafts (read as ids of a `vocab_size` vocabulary in its guarded call). `rates`: the requests'
+        acceptance rates; `predicted`: the verify step's seconds; `members`: a composite's member names so far."""
         more = drafter.prepares_rejections or drafter.prepares_guesses
         asked = ahead(outcomes(chains, rates([r.request_id for r, _, _ in chains]) if more else None, self.cost,
                                predicted, k + 1, drafter.prepares_rejections,
@@ -116,7 +117,11 @@ class DraftsAhead:
 
         def propose():
             with guarded(drafter):
-                proposals, confidences = drafter.propose_ahead(asked, k + 1), drafter.confidences()
+                proposals = drafter.propose_ahead(list(asked), k + 1)  # (a copy: the outcomes are filed in this order)
+                if proposals is None:
+                    return None, None, None
+                proposals, confidences = plain_answers(proposals, drafter.confidences(), [k + 1] * len(asked),
+                                                       vocab_size, name)
                 return proposals, confidences, sources_within(drafter.sources(), len(asked), members, name) \
                     if isinstance(drafter, CompositeDrafter) else None
 
@@ -125,7 +130,8 @@ class DraftsAhead:
     def launch(self, requests: list[DraftRequest], propose: Callable[[], tuple[list, list | None, list | None]]
                ) -> None:
         """Runs `propose()` on the thread: the drafter's proposals for `requests` (`ahead`: several per request where
-        several outcomes are prepared), their confidences and (a composite's) sources."""
+        several outcomes are prepared; as `plain_answers` reads them, one per request), their confidences and (a
+        composite's) sources."""
         self.prepared = {}
         self.outcomes += len(requests)
 
@@ -136,16 +142,13 @@ class DraftsAhead:
                 proposals, confidences, sources = propose()
                 if proposals is None:  # the drafter prepared nothing this time (`Drafter.propose_ahead`)
                     return prepared
-                if len(proposals) != len(requests) or (confidences is not None and len(confidences) != len(requests)):
-                    raise RuntimeError(f"propose_ahead returned {len(proposals)} proposals and "
-                                       f"{'no' if confidences is None else len(confidences)} confidence lists for "
-                                       f"{len(requests)} outcomes (drafters/base.py: one of each per request)")
                 for r, p, c, s in zip(requests, proposals, [None] * len(requests) if confidences is None else
                                       confidences, [""] * len(requests) if sources is None else sources):
                     tail = tuple(int(t) for t in r.token_ids[len(r.token_ids) - r.unverified:])
-                    prepared.setdefault(r.request_id, []).append(Prepared(  # ids judged when taken (token_ids_within)
-                        len(r.token_ids), tail, list(p), c, str(s), r.rejected is not None, r.guess))
-                lengths = [len(p) for ps in prepared.values() for p in ps]
+                    prepared.setdefault(r.request_id, []).append(Prepared(
+                        len(r.token_ids), tail, None if p is None else list(p), c, str(s), r.rejected is not None,
+                        r.guess))
+                lengths = [len(p.proposal or ()) for ps in prepared.values() for p in ps]
                 self.cost.observe(max(lengths, default=0), sum(lengths), 0, time.perf_counter() - start)
                 return prepared
             finally:
@@ -160,9 +163,14 @@ def ahead(outcomes: list[tuple[DraftRequest, list[int], int, int]], k: int) -> l
     then the drafts after it (its history copied: the engine's buffer changes while the thread reads it)."""
     return [replace(r, position=r.position + j, max_tokens=k, unverified=j, guess=g,
                     rejected=int(drafts[j]) if j < len(drafts) else None,
-                    token_ids=np.concatenate([np.asarray(r.token_ids, dtype=np.int64),
-                                              np.asarray(drafts[:j], dtype=np.int64)]))
+                    token_ids=read_only(np.concatenate([np.asarray(r.token_ids, dtype=np.int64),
+                                                        np.asarray(drafts[:j], dtype=np.int64)])))
             for r, drafts, j, g in outcomes]
+
+
+def read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
 
 
 def outcomes(chains: list[tuple[DraftRequest, list[int], int]], rates: np.ndarray | None, cost: DraftCost,

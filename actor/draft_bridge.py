@@ -25,8 +25,8 @@ import numpy as np
 
 from actor.draft_ahead import DraftsAhead
 from actor.draft_commits import Commits
-from actor.drafter_checks import (CallWatch, Histories, confidences_for, guarded, labels_within, printable,
-                                  sources_within, token_ids_within)
+from actor.drafter_checks import (CallWatch, Histories, guarded, labels_within, plain_answers, printable,
+                                  sources_within)
 from actor.draft_planner import Acceptance, DraftCost, Explore, Rest, StepCost, Survival, geometric, plan
 from drafters.base import CompositeDrafter, Drafter, DraftRequest, prepares_ahead
 from drafters.calibration import Calibration
@@ -131,7 +131,7 @@ class DrafterBridge:
                                   - float(self.step_cost.predict(len(req_ids))))
         if self.ahead is not None and requests and not self.failure:  # the last drafter call of this step
             self.ahead.prepare(self.drafter, [(r, drafts[row], len(drafts[row])) for row, r in requests],
-                               self.acceptance.rates, self.predicted, self.k, self.members)
+                               self.acceptance.rates, self.predicted, self.k, self.members, self.vocab_size)
         return drafts
 
     def _rests(self, rows: int) -> bool:
@@ -300,28 +300,27 @@ class DrafterBridge:
         """Proposals for `requests` into `drafts`: all of each (`verify_all`) or, from a drafter that rates its
         tokens, the prefix whose calibrated gains pay for verifying it."""
         start = time.perf_counter()
+        # what the bridge needs of each request, read before the drafter sees them (a plugin may write to them)
+        asked = [(row, r.request_id, len(r.token_ids), r.position) for row, r in requests]
+        unseen = sum(self._unseen(r) for _, r in requests)
         proposals, confidences, sources, prepared = self._proposals([r for _, r in requests], base_tokens)
         elapsed = time.perf_counter() - start
         self.drafter_seconds += elapsed
         sampler = self.runner._sample
-        unseen = sum(self._unseen(r) for _, r in requests)
         self.unseen_total += unseen
         self.rated = confidences is not None
         made = []
-        for j, ((row, request), proposal) in enumerate(zip(requests, proposals)):
-            self.shown[request.request_id] = len(request.token_ids)
-            stats = sampler.stats_for(request.request_id)
+        for j, ((row, req_id, length, _), proposal) in enumerate(zip(asked, proposals)):
+            self.shown[req_id] = length
+            stats = sampler.stats_for(req_id)
             stats.draft_seconds += (elapsed + self.waited) / len(requests)  # what the engine waited for
-            valid = token_ids_within(proposal[: request.max_tokens], self.vocab_size)
-            if valid is None:  # a plugin's bad ids must not reach the engine: no draft this step, counted
+            if proposal is None:  # a plugin's bad ids must not reach the engine: no draft this step, counted
                 stats.invalid_drafts += 1
-                valid = []
-            own = confidences[j] if confidences is not None else None
-            rated = confidences_for(own, len(valid), self.name) if own is not None else None
-            made.append((row, request.request_id, valid, rated))
+            rated = confidences[j] if confidences is not None else None
+            made.append((row, req_id, proposal or [], rated))
         keep = [len(valid) for _, _, valid, _ in made]
         if self.rated and not verify_all:
-            survive = self.survival.factors([r.position for _, r in requests], self.k)
+            survive = self.survival.factors([position for *_, position in asked], self.k)
             keep, _ = plan([self.calibration.gains(rated) * survive[j, : len(rated)] if rated is not None else []
                             for j, (*_, rated) in enumerate(made)], base_tokens, self.step_cost, None)
         for j, ((row, req_id, valid, rated), n) in enumerate(zip(made, keep)):
@@ -339,37 +338,34 @@ class DrafterBridge:
 
     def _proposals(self, requests: list[DraftRequest], base_tokens: int
                    ) -> tuple[list, list | None, list[str] | None, set[int]]:
-        """Each request's proposal and confidences: prepared during the last step where its outcome was the one
-        prepared for (decoupled), else asked of the drafter now in one call (decoupled: only where the cost model
-        says drafting it now pays, else no drafts this step); a composite's member per request ("": none; None for a
-        plain drafter), and which were prepared."""
+        """Each request's proposal (its ids cut to its budget; None: not ids of the vocabulary) and confidences:
+        prepared during the last step where its outcome was the one prepared for (decoupled), else asked of the
+        drafter now in one call (decoupled: only where the cost model says drafting it now pays, else no drafts this
+        step); a composite's member per request ("": none; None for a plain drafter), and which were prepared."""
+        budgets = [r.max_tokens for r in requests]  # the bridge's (read before any call: a plugin may write to them)
         taken = ((j, self.ahead.take(r.request_id, r.token_ids)) for j, r in enumerate(requests)) if self.ahead else ()
         found = {j: got for j, got in taken if got is not None}  # j -> (proposal, confidences, source)
         prepared = set(found)
         asked = [(j, r) for j, r in enumerate(requests) if j not in found]
         if self.ahead is not None and asked:
-            ready = [(requests[j].request_id, min(len(p), requests[j].max_tokens)) for j, (p, _, _) in found.items()]
+            ready = [(requests[j].request_id, min(len(p), budgets[j])) for j, (p, _, _) in found.items()]
             asked = self._worth_drafting_now(asked, base_tokens, ready)
         start = time.perf_counter()
         if asked:
+            allowed, unseen = [r.max_tokens for _, r in asked], sum(self._unseen(r) for _, r in asked)
             with self.watch.running("propose"), guarded(self.drafter):
-                fresh = self.drafter.propose([r for _, r in asked], max(r.max_tokens for _, r in asked))
-                rated = self.drafter.confidences()
+                fresh = self.drafter.propose([r for _, r in asked], max(allowed))
+                fresh, rated = plain_answers(fresh, self.drafter.confidences(), allowed, self.vocab_size, self.name)
                 sources = sources_within(self.drafter.sources(), len(asked), self.members, self.name) \
                     if isinstance(self.drafter, CompositeDrafter) else None
-            if len(fresh) != len(asked) or (rated is not None and len(rated) != len(asked)) or \
-                    (sources is not None and len(sources) != len(asked)):
-                raise RuntimeError(f"drafter {self.name} returned {len(fresh)} proposals, "
-                                   f"{'no' if rated is None else len(rated)} confidence lists and "
-                                   f"{'no' if sources is None else len(sources)} sources for {len(asked)} requests "
-                                   f"(drafters/base.py: one of each per request)")
             if self.ahead is not None:  # what drafting the misses on the critical path costs
-                self.draft_cost.observe(max(map(len, fresh)), sum(map(len, fresh)),
-                                        sum(self._unseen(r) for _, r in asked), time.perf_counter() - start)
+                lengths = [len(p or ()) for p in fresh]
+                self.draft_cost.observe(max(lengths), sum(lengths), unseen, time.perf_counter() - start)
             found.update((j, (p, c, s)) for (j, _), p, c, s in zip(
                 asked, fresh, [None] * len(asked) if rated is None else rated, sources or [""] * len(asked)))
         triples = [found.get(j, ([], None, "")) for j in range(len(requests))]  # skipped misses: no drafts
-        proposals, confidences = [p for p, _, _ in triples], [c for _, c, _ in triples]
+        proposals = [None if p is None else p[:budget] for (p, _, _), budget in zip(triples, budgets)]
+        confidences = [None if c is None else c[:budget] for (_, c, _), budget in zip(triples, budgets)]
         any_rated = any(c is not None for c in confidences)
         sources = [str(s) for *_, s in triples] if isinstance(self.drafter, CompositeDrafter) else None
         return proposals, confidences if any_rated else None, sources, prepared

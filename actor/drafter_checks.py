@@ -1,7 +1,8 @@
 """What the drafter bridge (actor/draft_bridge.py) shows a drafter plugin and checks of each call into it: histories
 as read-only views of copies, never of the engine's buffer (`Histories`); that the call left torch's process-wide
 settings as it found them and raised no exit (`guarded`), that its proposals are integer ids within the vocabulary
-(`token_ids_within`), its confidences numbers, one per draft token (`confidences_for`), and a composite's reports
+and its confidences numbers, one per draft token, read into plain lists inside the guarded call (`plain_answers`:
+lazy code behind an answer runs under the same checks), and that a composite's reports
 what a trajectory can carry (`sources_within`, `labels_within`). A call that fails a check switches the drafter
 off; drafts only ever save time, so the engine decodes on without it. A call that never returns is found instead:
 the constructor's by its deadline (`built_within`), any other by which call the engine's thread is in and since
@@ -15,6 +16,7 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from functools import reduce
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -151,12 +153,17 @@ class CallWatch:
 @contextmanager
 def guarded(drafter: Drafter):
     """Runs a drafter's call and checks that it left torch's process-wide settings (SHARED_STATE) as it found them:
-    one it changed is set back at once, and the call raises (the bridge then switches the drafter off). A plugin's
-    `SystemExit` or `GeneratorExit` is its error like any other (an interrupt from the keyboard is not)."""
+    one it changed is set back at once, and the call raises (the bridge then switches the drafter off). Whatever a
+    plugin raises is its error, `SystemExit`, `GeneratorExit`, a `CancelledError` or a `BaseException` of its own
+    included; only a `KeyboardInterrupt` on the main thread (a real Ctrl-C) passes."""
     before = [_read(get) for _, get, _ in SHARED_STATE]
     try:
         yield
-    except (SystemExit, GeneratorExit) as e:
+    except Exception:
+        raise
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+            raise
         raise RuntimeError(f"drafter {type(drafter).__name__} raised {type(e).__name__}({e})") from e
     finally:
         changed = []
@@ -173,27 +180,51 @@ def guarded(drafter: Drafter):
 TEXT = (str, bytes, bytearray)
 
 
+def plain_answers(proposals, confidences, budgets: list[int], vocab_size: int, drafter: str
+                  ) -> tuple[list[list[int] | None], list[list[float] | None] | None]:
+    """A drafter's proposals (and confidences) for requests allowed `budgets` tokens, read into plain lists: call it
+    inside the drafter's `guarded` call, since reading them runs the plugin's code (a generator, a list subclass, an
+    id's `__index__`). Per request: its ids cut to its budget, or None where they are not ids of the vocabulary (no
+    drafts for it this step); its confidences, one float per id kept (`confidences_for`)."""
+    proposals = list(proposals)
+    confidences = None if confidences is None else list(confidences)
+    if len(proposals) != len(budgets) or (confidences is not None and len(confidences) != len(budgets)):
+        raise RuntimeError(f"drafter {drafter} returned {len(proposals)} proposals and "
+                           f"{'no' if confidences is None else len(confidences)} confidence lists for {len(budgets)} "
+                           "requests (drafters/base.py: one of each per request)")
+    ids = [token_ids_within(p, budget, vocab_size) for p, budget in zip(proposals, budgets)]
+    if confidences is None:
+        return ids, None
+    return ids, [None if c is None or i is None else confidences_for(c, len(i), drafter)
+                 for i, c in zip(ids, confidences)]
+
+
 def confidences_for(values, tokens: int, drafter: str) -> list[float]:
     """A plugin's confidences for a proposal of `tokens` tokens as floats in [0, 1] (NaN counts as 0)."""
     try:
-        if isinstance(values, TEXT) or any(isinstance(v, TEXT) for v in values[:tokens]):
+        if isinstance(values, TEXT):
             raise TypeError("text is no number")  # (float() would parse it)
-        floats = list(map(float, values[:tokens]))
+        values = list(islice(values, tokens))
+        if any(isinstance(v, TEXT) for v in values):
+            raise TypeError("text is no number")
+        floats = list(map(float, values))
     except (TypeError, ValueError) as e:
-        raise RuntimeError(f"drafter {drafter}: confidences must be numbers, got {values!r}") from e
+        raise RuntimeError(f"drafter {drafter}: confidences must be numbers, got {values!r:.200}") from e
     if len(floats) < tokens:
         raise RuntimeError(f"drafter {drafter}: {len(floats)} confidences for a proposal of {tokens} tokens "
                            "(drafters/base.py: one per draft token)")
     return [v if 0.0 <= v <= 1.0 else (1.0 if v > 1.0 else 0.0) for v in floats]  # NaN fails every comparison: 0
 
 
-def token_ids_within(proposal, vocab_size: int) -> list[int] | None:
-    """`proposal` as plain ints when every one is an integer id in [0, vocab_size); None otherwise."""
+def token_ids_within(proposal, budget: int, vocab_size: int) -> list[int] | None:
+    """The first `budget` tokens of `proposal` as plain ints when every one is an integer id in [0, vocab_size) (the
+    rest is never read); None otherwise."""
     try:
-        ids = list(map(operator.index, proposal))
+        tokens = list(islice(proposal, max(budget, 0)))
+        ids = list(map(operator.index, tokens))
     except TypeError:
         return None
-    if any(type(t) is bool for t in proposal):  # (operator.index takes True for 1)
+    if any(type(t) is bool for t in tokens):  # (operator.index takes True for 1)
         return None
     return ids if not ids or (min(ids) >= 0 and max(ids) < vocab_size) else None
 

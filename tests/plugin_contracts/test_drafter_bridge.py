@@ -4,7 +4,10 @@ ids outside the vocabulary never reach the engine (dropped and counted, the run 
 learns each request's acceptance from what the verifier committed and withholds drafts where they cannot pay, and a
 drafter that raises or breaks its contract is switched off, the engine decoding on without it."""
 
+import asyncio
 import logging
+import re
+import threading
 import time
 from types import SimpleNamespace
 
@@ -13,8 +16,8 @@ import torch
 import pytest
 
 from actor.draft_bridge import DrafterBridge
-from actor.draft_planner import EXPLORE_EVERY, EXPLORE_SHARE
-from actor.drafter_checks import confidences_for, token_ids_within
+from actor.draft_planner import EXPLORE_EVERY, EXPLORE_SHARE, MEASURED_DRAFTS
+from actor.drafter_checks import confidences_for, guarded, token_ids_within
 from actor.vllm_hooks import (CoupledSampling, RequestRecord, caller_id, new_policy_version, remember_outputs,
                               stuck_drafter, swap_draft_weights)
 from drafters.base import CompositeDrafter, Drafter
@@ -37,8 +40,10 @@ class Recording(Drafter):
         self.removed.append(request_id)
 
 
-def bridge(drafter: Drafter, req_ids: list[str], max_batch: int = 0, planning: bool = True, decoupled: bool = False
-           ) -> tuple[DrafterBridge, SimpleNamespace]:
+def bridge(drafter: Drafter, req_ids: list[str], max_batch: int = 0, planning: bool = True, decoupled: bool = False,
+           measured: bool = True) -> tuple[DrafterBridge, SimpleNamespace]:
+    """A bridge over a stand-in runner; `measured`: its planner starts as if the drafter's acceptance were measured
+    (a new planner explores every step until it is: `actor/draft_planner.Explore`)."""
     params = SimpleNamespace(seed=1, temperature=1.0, top_k=0, top_p=1.0, max_tokens=None)
     runner = SimpleNamespace(
         input_batch=SimpleNamespace(req_ids=req_ids, num_reqs=len(req_ids),
@@ -48,6 +53,7 @@ def bridge(drafter: Drafter, req_ids: list[str], max_batch: int = 0, planning: b
     runner._sample = CoupledSampling(runner)  # where the bridge keeps per-request counts
     b = DrafterBridge(SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=4)))
     b.bind(runner, drafter, max_batch, planning, decoupled)
+    b.acceptance.verified = MEASURED_DRAFTS if measured else 0
     return b, runner
 
 
@@ -70,7 +76,7 @@ def test_invalid_proposals_are_dropped_and_counted_per_request():
     assert propose(b, [[5]] * 5) == [[1, 2], [], [], [], []]
     records: dict[str, RequestRecord] = runner._sample.records
     assert {r: c.stats.invalid_drafts for r, c in records.items()} == {"a": 0, "b": 1, "c": 1, "d": 1, "e": 1}
-    assert token_ids_within([True, 1], VOCAB) is None and token_ids_within([np.int64(1), 2], VOCAB) == [1, 2]
+    assert token_ids_within([True, 1], 4, VOCAB) is None and token_ids_within([np.int64(1), 2, 3], 2, VOCAB) == [1, 2]
     assert all(c.stats.draft_seconds > 0 for c in records.values())  # each request's share of the drafter's time
 
 
@@ -505,6 +511,34 @@ def test_a_drafter_that_prepares_rejections_is_asked_for_the_outcomes_with_a_rej
     assert drafter.asked[:2] == chains and sorted(drafter.asked[2:]) == [("a-x", 0, 1), ("a-x", 1, 2), ("b-y", 0, 3)]
 
 
+class Reorders(Ahead):
+    """Sorts the outcomes it is asked about in place (for its own batching), and answers in the order given:
+    b's guess and drafts (7, 8, 9), then a's (3, 4, 5)."""
+
+    def propose_ahead(self, requests, k):
+        given = [r.request_id for r in requests]
+        requests.sort(key=lambda r: r.request_id, reverse=True)
+        return [[7, 8, 9] if rid == "b-y" else [3, 4, 5] for rid in given]
+
+
+class WritesAhead(Ahead):
+    def propose_ahead(self, requests, k):
+        requests[0].token_ids[0] = 5
+        return [[7] for _ in requests]
+
+
+def test_what_propose_ahead_is_handed_is_its_own_to_reorder_and_cannot_be_written():
+    b, _ = bridge(Reorders([[1, 2], [3]]), ["a-x", "b-y"], planning=False, decoupled=True)
+    history = np.zeros((2, 16), dtype=np.int64)
+    assert b.propose([[5], [6]], np.array([8, 8]), history) == [[1, 2], [3]]
+    history[0, 8:11] = [1, 2, 3]  # a: both drafts and its guess committed; b: its draft and its guess
+    history[1, 8:10] = [3, 7]
+    assert b.propose([[1, 2, 3], [3, 7]], np.array([11, 10]), history) == [[4, 5], [8, 9]]  # each its own
+    b, _ = bridge(WritesAhead([[1, 2], [3]]), ["a-x", "b-y"], planning=False, decoupled=True)
+    propose(b, [[5], [6]])
+    assert propose(b, [[5], [6]]) == [[], []] and "read-only" in b.failure
+
+
 def test_a_composites_prepared_drafts_count_for_the_member_that_prepared_them():
     class Composite(Ahead, CompositeDrafter):
         def propose(self, requests, k):
@@ -597,12 +631,85 @@ class Autocasts(Recording):
         return super().propose(requests, k)
 
 
-@pytest.mark.parametrize("drafter, reason", [(Exits, "raised SystemExit(3)"),
-                                             (Autocasts, "changed torch.is_autocast_enabled('cpu')")])
-def test_an_exit_or_a_leaked_autocast_switches_the_drafter_off_and_leaves_the_engine_running(drafter, reason):
-    b, _ = bridge(drafter([[1, 2], [3, 4]]), ["a-1", "b-1"])
+class GivesUp(BaseException):
+    """A plugin's own exception outside `Exception`."""
+
+
+class RaisesThis(Recording):
+    def __init__(self, error: BaseException):
+        super().__init__([])
+        self.error = error
+
+    def propose(self, requests, k):
+        raise self.error
+
+
+class LazyDtype(Recording):
+    """Answers with generators that, as they are read, make float64 the default dtype."""
+
+    def propose(self, requests, k):
+        def ids(p):
+            torch.set_default_dtype(torch.float64)
+            yield from p
+        return [ids(p) for p in self.proposals[: len(requests)]]
+
+
+class ExitingIds(Recording):
+    """Answers ids whose `__index__` exits the process."""
+
+    def propose(self, requests, k):
+        class Id:
+            def __index__(self):
+                raise SystemExit(4)
+        return [[Id()] for _ in requests]
+
+
+@pytest.mark.parametrize("drafter, reason", [
+    (Exits([[1, 2], [3, 4]]), "raised SystemExit(3)"),
+    (Autocasts([[1, 2], [3, 4]]), "changed torch.is_autocast_enabled('cpu')"),
+    (RaisesThis(GivesUp("no")), "raised GivesUp(no)"),
+    (RaisesThis(asyncio.CancelledError()), "raised CancelledError"),
+    (LazyDtype([[1, 2], [3, 4]]), "changed torch.get_default_dtype()"),
+    (ExitingIds([]), "raised SystemExit(4)"),
+], ids=["exit", "autocast", "own_base_exception", "cancelled", "lazy_dtype", "lazy_exit"])
+def test_an_exit_or_a_leaked_setting_switches_the_drafter_off_and_leaves_the_engine_running(drafter, reason):
+    """Whatever a plugin raises is its error, and reading its answer (a generator, an id's `__index__`) is part of
+    its call: checked as the call is."""
+    b, _ = bridge(drafter, ["a-1", "b-1"])
     assert propose(b, [[5], [6]]) == [[], []]
     assert reason in b.failure and not torch.is_autocast_enabled("cpu")
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_a_keyboard_interrupt_on_the_main_thread_is_a_real_ctrl_c_and_passes():
+    with pytest.raises(KeyboardInterrupt):
+        with guarded(Recording([])):
+            raise KeyboardInterrupt
+    failures = []
+
+    def elsewhere():  # no Ctrl-C reaches another thread: a plugin raised it
+        try:
+            with guarded(Recording([])):
+                raise KeyboardInterrupt
+        except RuntimeError as e:
+            failures.append(str(e))
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join()
+    assert failures and "raised KeyboardInterrupt" in failures[0]
+
+
+class WidensItsBudget(Recording):
+    def propose(self, requests, k):
+        for r in requests:
+            object.__setattr__(r, "max_tokens", 10_000)  # through the frozen dataclass
+        return [list(range(1, 60)) for _ in requests]
+
+
+def test_a_drafter_that_writes_its_requests_budget_gets_no_more_drafts_than_the_bridge_allowed():
+    b, _ = bridge(WidensItsBudget([]), ["a-1", "b-1"], planning=False)
+    assert propose(b, [[5], [6]]) == [[1, 2, 3, 4], [1, 2, 3, 4]] and not b.failure
 
 
 @pytest.mark.parametrize("drafter, reason", [
@@ -676,7 +783,7 @@ def test_a_preparation_of_other_than_one_proposal_per_outcome_switches_the_draft
 
     b, _ = bridge(Miscounts([[1, 2], [3]]), ["a-x", "b-y"], planning=False, decoupled=True)
     assert propose(b, [[5], [6]]) == [[1, 2], [3]]
-    assert propose(b, [[5], [6]]) == [[], []] and "propose_ahead returned" in b.failure
+    assert propose(b, [[5], [6]]) == [[], []] and re.search(r"returned \d+ proposals", b.failure)
 
 
 @pytest.mark.parametrize("hook", ["propose", "commit", "new_policy"])
