@@ -17,7 +17,7 @@ from driver.logs import progress_line
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from driver.plan import described
+    from driver.plan import described, gib
 
     parser = argparse.ArgumentParser(description="SpecActor: asynchronous RL post-training with speculative rollouts")
     parser.add_argument("--config", required=True, help="a name in configs/ (e.g. grpo_tiny) or a YAML path")
@@ -26,7 +26,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "holds and the weight-sync cost; start nothing (exit 3 if the cluster cannot hold the run)")
     parser.add_argument("--cluster", metavar="NODESxGPUS[:GIB]", type=described, help="--plan on a described "
                         "cluster, e.g. 2x8:80, instead of cluster.address or this machine")
-    parser.add_argument("--gpu-gib", type=float, default=80.0, help="--plan on cluster.address: memory per GPU")
+    parser.add_argument("--gpu-gib", type=gib, default=80.0, help="--plan on cluster.address: memory per GPU")
     return parser.parse_args(argv)
 
 

@@ -174,6 +174,9 @@ def _leaves(node: dict, prefix: str = ""):
 def _check_places(path: Path, cfg: DictConfig) -> None:
     """Where the run binds and writes: refused before any process starts, naming the key."""
     host = cfg.transport.host
+    if not host.isascii():  # Python's resolver normalises such a name, ZeroMQ's does not: it could not bind it
+        raise ConfigError(f"{path}: key 'transport.host' = {host!r} is not ASCII: write an address, or a host name "
+                          "in its IDNA form")
     try:
         address = ipaddress.ip_address(socket.gethostbyname(host))
     except (OSError, ValueError):
@@ -219,6 +222,9 @@ def max_positions(spec: str) -> int | None:
         return None
 
 
+ENGINE_BLOCK_TOKENS = {"cpu": 128, "cuda": 16}  # vLLM's KV cache block where none is configured, per device
+
+
 def _check_kv_cache(path: Path, cfg: DictConfig) -> None:
     """`rollout.kv_cache_mib` holds one request of `model.max_model_len` tokens (where the model's config says what a
     token takes), and on a CPU host that runs the whole run, every actor's cache fits in its memory: else the engine
@@ -227,7 +233,9 @@ def _check_kv_cache(path: Path, cfg: DictConfig) -> None:
     per_token = kv_bytes_per_token(cfg.model.path, 4 if cfg.model.dtype.value == "float32" else 2)
     if per_token is not None:
         shards = r.tensor_parallel_size if cfg.cluster.device.value == "cuda" else 1
-        need = per_token * cfg.model.max_model_len / shards
+        # vLLM holds the cache in whole blocks, one of them its null block, never handed to a request
+        block = ENGINE_BLOCK_TOKENS[cfg.cluster.device.value]
+        need = per_token * block * (math.ceil(cfg.model.max_model_len / block) + 1) / shards
         if mib << 20 < need:
             raise ConfigError(f"{path}: key 'rollout.kv_cache_mib' = {mib} cannot hold one request of "
                               f"model.max_model_len = {cfg.model.max_model_len} tokens: it needs at least "

@@ -99,7 +99,8 @@ class DataConfig:
     eval_source: str = knob("arithmetic", "held-out problems for trainer.eval_every: arithmetic (the training mix "
                             "under another seed, minus any training problem) or a GSM8K-style JSONL file (its first "
                             "eval_size records)")
-    eval_size: int = knob(256, "how many held-out problems an evaluation answers",
+    eval_size: int = knob(256, "how many held-out problems an evaluation answers (a JSONL eval_source holds at least "
+                          "as many)",
                           between(1, MAX_EVAL_SIZE, "[]", "every evaluation generates an answer to each"))
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from dataclasses import dataclass, field
@@ -40,12 +41,27 @@ class Node:
     resources: dict[str, float] = field(default_factory=dict)  # custom ones; a described node offers every role
 
 
+MAX_NODES, MAX_GPUS, MAX_GIB = 100_000, 64, 65_536  # what a described cluster may have: per node, per GPU
+
+
 def described(spec: str) -> list[Node]:
     """`NODESxGPUS[:GIB]`, e.g. `2x8:80`: that many identical GPU nodes (80 GiB per GPU unless given)."""
     match = re.fullmatch(r"(\d+)x(\d+)(?::(\d+(?:\.\d+)?))?", spec)
-    if match is None or int(match[1]) < 1 or int(match[2]) < 1:
-        raise argparse.ArgumentTypeError(f"{spec!r} is not NODESxGPUS[:GIB_PER_GPU], e.g. 2x8:80")
-    return [Node(f"node-{i}", int(match[2]), float(match[3] or 80)) for i in range(int(match[1]))]
+    if match is None or not (1 <= int(match[1]) <= MAX_NODES and 1 <= int(match[2]) <= MAX_GPUS):
+        raise argparse.ArgumentTypeError(f"{spec!r} is not NODESxGPUS[:GIB_PER_GPU] with 1-{MAX_NODES} nodes of "
+                                         f"1-{MAX_GPUS} GPUs, e.g. 2x8:80")
+    return [Node(f"node-{i}", int(match[2]), gib(match[3] or "80")) for i in range(int(match[1]))]
+
+
+def gib(text: str) -> float:
+    """Memory per GPU in GiB, as `--gpu-gib` and `--cluster` give it: a number in (0, MAX_GIB]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= MAX_GIB:  # (NaN compares false)
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory per GPU in (0, {MAX_GIB}] GiB")
+    return value
 
 
 class NoCluster(RuntimeError):

@@ -47,10 +47,14 @@ def check_prompt_lengths(data: DictConfig, tokenizer, max_model_len: int) -> Non
 
 def eval_set(data: DictConfig, seed: int) -> list[Problem]:
     """The fixed held-out problems of a run (the same at every evaluation): the first `eval_size` records of a
-    JSONL `data.eval_source`, or built-in problems of the training mix drawn under another seed, leaving out any
+    JSONL `data.eval_source` (a ValueError if it holds fewer), or built-in problems of the training mix drawn under another seed, leaving out any
     whose question is one of a finite training set's."""
     if data.eval_source != "arithmetic":
-        return load_jsonl(data.eval_source)[: data.eval_size]
+        problems = load_jsonl(data.eval_source)
+        if len(problems) < data.eval_size:  # (every evaluation's figures would stand on fewer than asked)
+            raise ValueError(f"data.eval_size = {data.eval_size}: data.eval_source = {data.eval_source!r} holds "
+                             f"{len(problems)} problems (lower data.eval_size)")
+        return problems[: data.eval_size]
     train = open_dataset(data, seed)
     seen = {train[i].question for i in range(data.size)} if data.source == "arithmetic" and data.size else set()
     task = ArithmeticTask(seed=seed + EVAL_SEED_OFFSET, max_ops=data.max_ops, max_operand=data.max_operand,

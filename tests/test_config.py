@@ -72,6 +72,7 @@ def test_path_to_yaml_works(tmp_path):
     ("transport.host=no-such-host.invalid", ["transport.host", "not an address"]),
     ("transport.host=''", ["transport.host", "0.0.0.0"]),  # passed, then ZeroMQ could not bind 'tcp://:*'
     ("transport.host=0", ["transport.host", "0.0.0.0"]),  # bound, but told peers to dial 'tcp://0:port'
+    ("transport.host=\uff4cocalhost", ["transport.host", "not ASCII"]),  # Python resolved it, ZeroMQ could not bind
     ("logging.dir=/proc/specactor-run", ["logging.dir", "/proc", "writable"]),
     (f"logging.dir={Path(__file__).resolve()}/run", ["logging.dir", "test_config.py", "writable"]),  # under a file
     ("seed=-1", ["seed", "must be in [0, "]),
@@ -84,7 +85,9 @@ def test_path_to_yaml_works(tmp_path):
     ("learner.num_ranks=0", ["learner.num_ranks", ">= 1"]),  # was a ZeroDivisionError
     ("data.max_ops=99999999999", ["data.max_ops", "[1, 10000]"]),  # was a MemoryError building the held-out set
     # the engine refused to start in the actor and each replacement, and the run ended there
-    ("rollout.kv_cache_mib=1", ["rollout.kv_cache_mib", "model.max_model_len = 1024", "at least 2 MiB"]),
+    ("rollout.kv_cache_mib=1", ["rollout.kv_cache_mib", "model.max_model_len = 1024", "at least 3 MiB"]),
+    # 2 MiB holds 1,024 tokens of 2,048 bytes, but vLLM holds whole blocks of 128 tokens and one null block
+    ("rollout.kv_cache_mib=2", ["rollout.kv_cache_mib", "model.max_model_len = 1024", "at least 3 MiB"]),
     ("rollout.kv_cache_mib=100000000", ["rollout.kv_cache_mib", "rollout.num_actors = 1", "this machine's memory"]),
     ("data.size=99999999999", ["data.size", "[0, 1000000]"]),  # was a MemoryError
     ("data.eval_size=99999999999", ["data.eval_size", "[1, 10000]"]),  # built held-out problems for hours

@@ -45,6 +45,15 @@ def test_a_cluster_that_cannot_hold_the_run_is_refused_naming_the_shortfall(caps
     assert f"plan: the cluster cannot hold the run: {shortfall}" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("args", [["--cluster", "99999999x99999999:80"], ["--cluster", "2x8:0"],
+                                  ["--gpu-gib", "nan"], ["--gpu-gib", "-3"]])
+def test_a_described_cluster_or_gpu_memory_out_of_range_is_a_usage_error(capsys, args):
+    """A described cluster was built node by node before anything was checked: 99999999 nodes never returned."""
+    with pytest.raises(SystemExit) as exit_:
+        launch.main([*MOE, *args])
+    assert exit_.value.code == 2 and "is not" in capsys.readouterr().err
+
+
 def test_memory_per_device_follows_the_zero_stage_and_tensor_parallelism():
     p = 1_000_000_000
     for stage, (weights, gradients, optimizer) in {0: (2, 2, 12), 1: (2, 2, 1.5), 2: (2, 0.25, 1.5),

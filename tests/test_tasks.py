@@ -192,13 +192,15 @@ def test_the_eval_set_is_fixed_and_never_holds_a_training_problem():
 
 
 def test_a_jsonl_eval_set_is_its_first_records(tmp_path):
-    from configs.load import load_config
+    from configs.load import ConfigError, load_config
     from tasks.dataset import eval_set
 
     path = tmp_path / "eval.jsonl"
     path.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(9)))
     cfg = load_config("grpo_tiny", [f"data.eval_source={path}", "data.eval_size=4"])
     assert [p.answer for p in eval_set(cfg.data, cfg.seed)] == ["1", "2", "3", "4"]
+    with pytest.raises(ConfigError, match=r"key 'data.eval_size'.*holds 9 problems"):  # was: 9 evaluated, silently
+        load_config("grpo_tiny", [f"data.eval_source={path}", "data.eval_size=10"])
 
 
 @pytest.mark.parametrize("max_ops, max_operand", [(1, 9), (4, 9), (24, 99)])
