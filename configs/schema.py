@@ -256,8 +256,9 @@ class TrainerConfig:
         "per run; 0: the run stops and says where to resume from. An error raised in training code always stops "
         "the run", at_least(0))
     step_timeout_s: float = knob(
-        1800.0, "learner ranks that have not finished a step's training or publishing this long (a stopped process, "
-        "a stuck collective: alive to Ray, so nothing else notices) are taken for lost, as a dead rank is, and the "
+        1800.0, "learner ranks that have not finished a step's training, publishing or checkpoint this long (a "
+        "stopped process, a stuck collective: alive to Ray, so nothing else notices) are taken for lost, as a dead "
+        "rank is, and the "
         "run restarts from its newest checkpoint (0: never)",
         zero_or_between(STALL_FLOOR_S, MAX_TIMEOUT_S, "never", "beyond the longest step a healthy learner takes"))
     deterministic: bool = knob(

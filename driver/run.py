@@ -256,12 +256,16 @@ class Run:
         every = self.cfg.trainer.checkpoint_every
         if (every and (step + 1) % every == 0) or step + 1 == self.cfg.trainer.steps:
             root = str(self.dir / "checkpoints")
-            with self.learners_alive():
-                seen_by_rank = self.ray.get(self.learners.all("save_checkpoint", root))
-                self.ray.get(self.learners.rank0.seal_checkpoint.remote(root, self.run_id, seen_by_rank))
+            with self.learners_alive():  # (a rank stopped while it saves is lost like one stopped in training)
+                timeout = self.cfg.trainer.step_timeout_s
+                seen_by_rank = self.rollouts.wait(self.learners.all("save_checkpoint", root), timeout)
+                self.rollouts.wait([self.learners.rank0.seal_checkpoint.remote(root, self.run_id, seen_by_rank)],
+                                   timeout)
 
     def save_final(self) -> None:
-        self.ray.get(self.learners.all("save_pretrained", str(self.dir / "final")))
+        with self.learners_alive():
+            self.rollouts.wait(self.learners.all("save_pretrained", str(self.dir / "final")),
+                               self.cfg.trainer.step_timeout_s)
         self.log_evaluations(wait_s=600)  # the held-out numbers of the final weights belong to the run
 
     def close(self) -> dict:

@@ -30,6 +30,9 @@ from tasks.schedule import CursorPlan
 from transport.messages import SPEC_NUMBERS, Heartbeat, SpecStats, Trajectory, WeightAck
 
 INCARNATION_SHIFT = 32
+# reasons a trajectory is refused that its actor could not have sent (another's key, a forgery): its group's own
+# samples may still come, so a step still waits for them
+NOT_THE_OWNERS = ("group", "behind", "owner", "ahead", "incarnation", "before_admission")
 CLAIM_AGE_S = 5.0  # how long a heartbeat's claim of lost trajectories stands unrefuted before the driver checks it
 
 
@@ -72,6 +75,8 @@ class Intake:
         self.spoken: set[int] = set()  # actors heard from since they (or their replacement) started
         self.watched: dict[int, int] = {}  # actor -> the incarnation followed (its newest replacement's)
         self.held: list[list[Trajectory]] = []  # whole groups kept back for the next step (`keep_back`)
+        # weight version -> the cursor lead sent with it (`published`; the versions this process started with or sent)
+        self.leads: dict[int, int] = {}
         self.refused: set[int] = set()  # group ids a sample of which was refused (bad data): no step waits for them
         self.pruned_at = -1  # the weight version `pending` was last cleared of groups too stale to train
 
@@ -99,7 +104,7 @@ class Intake:
         if reason is not None:
             self.counts.dropped_invalid += 1
             self.invalid[reason] += 1
-            if reason not in ("group", "behind", "owner", "ahead", "incarnation"):  # the owner's: never whole
+            if reason not in NOT_THE_OWNERS:  # the owner's sample: its group is never whole
                 self.refused.add(message.group_id)
             return None
         if gap:  # (only a trajectory the run could use names an actor whose work to re-issue)
@@ -209,6 +214,12 @@ class Intake:
             return "spec"
         if any(not 0 <= v <= version for v in t.policy_versions):  # never ahead of the weights the learner has
             return "versions"
+        # an actor starts a group holding weights that admit its cursor, and samples no token under older ones: a
+        # group said to be older was never generated (forged whole and stale, it would take its cursor's place, and
+        # the owner's real group would then be a duplicate the step waits for in vain)
+        oldest = min(t.policy_versions)
+        if oldest in self.leads and not self.plan.admits(t.group_id, oldest, self.max_staleness, self.leads[oldest]):
+            return "before_admission"
         return None
 
     def _advance(self, actor: int, seq: int, arrived: int) -> int:
@@ -250,6 +261,11 @@ class Intake:
         now = time.monotonic()
         return {actor: seq for actor, (seq, since) in self.claimed.items()
                 if now - max(since, self.listening_since) >= CLAIM_AGE_S}
+
+    def published(self, version: int) -> int:
+        """The lead sent with weights `version` (between steps), remembered: what an actor holding them admits by."""
+        self.leads[version] = self.lead(version)
+        return self.leads[version]
 
     def lead(self, version: int) -> int:
         """How many cursors ahead of `prompts_per_step x version` the next group the learner takes is

@@ -116,6 +116,8 @@ class Learner(RankCheckpoints):
         self.engine, self.reference = build_engines(cfg, self.policy_dir, self.reference_dir)
         if resume is not None:
             self.load_checkpoint(resume)
+        if self.rank == 0:  # the actors start with these weights and this lead (tasks/schedule.py)
+            self.intake.published(self.version)
 
     def collect(self) -> dict[str, float]:
         """Rank 0: pulls the next `prompts_per_step` whole, fresh-enough groups for `train`."""
@@ -239,7 +241,7 @@ class Learner(RankCheckpoints):
         # per-expert checkpoint tensors
         named = revert_weight_conversion(self.engine.module, state).items()
         with self.lock:
-            lead = self.intake.lead(self.version)  # between steps: exact (tasks/schedule.py)
+            lead = self.intake.published(self.version)  # between steps: exact (tasks/schedule.py)
         sent = self.outlet.send_policy(self.version, iter(named), lead)
         if self.cfg.speculation.method != "none":  # the step's outputs, for every actor's history drafter
             self.outlet.send_history(self.version, [t for g in self.groups for t in g])

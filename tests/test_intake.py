@@ -229,6 +229,28 @@ def test_a_group_dropped_as_stale_moves_admission_on_by_one_cursor():
     assert intake._invalid(trajectory(11, 0, group_size=2), version=3) == "ahead"
 
 
+def test_a_forged_group_older_than_any_weights_that_admit_its_cursor_takes_no_cursor():
+    """A peer with the actor's key sends whole groups for the actor's next cursors, sampled (it says) under weights
+    too old to admit them: were they dropped as stale, each would take its cursor's place (counted delivered, in the
+    lead), the owner's real group would then be a duplicate, and a step would wait for it in vain."""
+    plan = CursorPlan(start=0, num_actors=1, prompts_per_step=2)
+    intake = Intake(group_size=2, max_staleness=1, plan=plan)
+    seq = iter(range(100))
+
+    def deliver(group: int, version: int, sampled_under: int):
+        return [intake.receive(trajectory(group, i, seq=next(seq), versions=(sampled_under,), group_size=2), version)
+                for i in range(2)][-1]
+
+    intake.published(0)  # what the actors start with
+    for version, groups in [(0, (0, 1)), (1, (2, 3))]:
+        assert all(deliver(g, version, version) for g in groups)
+        intake.published(version + 1)
+    assert deliver(4, 2, 0) is None and deliver(5, 2, 0) is None  # forged: step 2's cursors under version 0
+    assert intake.invalid["before_admission"] == 4 and intake.counts.dropped_stale == 0 and intake.lead(2) == 0
+    assert deliver(4, 2, 1) and deliver(5, 2, 2)  # the owner's real groups: started under version 1 and 2
+    assert intake.counts.dropped_duplicate == 0 and balanced(intake)
+
+
 def test_a_resumed_run_whose_cursor_is_ahead_of_its_steps_still_admits_groups():
     """A run that dropped groups is resumed at a data cursor past `prompts_per_step x version`: its actors start
     with that lead, or (32 or more groups ahead, at max_staleness 1) none would ever be admitted and the run hangs."""
