@@ -79,6 +79,7 @@ class RolloutActor:
         self.lead = plan.lead_at(version, delivered=0)
         self.first_ordinal = first_ordinal  # its first group (a replacement resumes where the dead actor stopped)
         self.seq, self.incarnation = incarnation << INCARNATION_SHIFT, incarnation
+        self.turns_taken = 0  # of the run loop (`turns`)
         self.stopping = threading.Event()
         self.evaluations: queue.Queue[Evaluation] = queue.Queue()  # asked by evaluate(), run by run()
         self.rewinds: queue.Queue[int] = queue.Queue()  # asked by rewind(), done by run()
@@ -107,6 +108,7 @@ class RolloutActor:
         evaluating: dict[str, Evaluation] = {}  # request id -> its evaluation
         ordinal, beat = self.first_ordinal, time.time()
         while not self.stopping.is_set():
+            self.turns_taken += 1
             self.poll_weights(0, in_flight=bool(samples))
             ordinal = self._admit(ordinal, samples, finished, evaluating, tokens_input)
             if time.time() - beat > HEARTBEAT_S:  # how far it got (a lost last trajectory shows), and that it lives
@@ -180,6 +182,11 @@ class RolloutActor:
                 finished[sample.cursor].append((sample, completion))
                 if len(finished[sample.cursor]) == self.cfg.rollout.group_size:
                     self.send_group(finished.pop(sample.cursor))
+
+    def turns(self) -> int:
+        """How many turns its run loop (or its wait on a full outbox) has taken: asked by the driver, from Ray's second
+        thread, to tell a hung engine from one that a peer holding this actor's key speaks for (driver/rollouts.py)."""
+        return self.turns_taken
 
     def sent(self) -> int:
         """The sequence number of its next message: every one below it was handed to its outbox (asked by the
@@ -308,6 +315,7 @@ class RolloutActor:
         """Sends to the learner, waiting while its queue is full (back-pressure) but never past `stop()`: False
         when the actor was stopped first (the run is ending; a learner that stopped reading must not hang it)."""
         while not self.outbox.send(message, timeout_ms=500):
+            self.turns_taken += 1  # waiting on the learner is no hang
             if self.stopping.is_set():
                 return False
         return True

@@ -125,8 +125,8 @@ class RolloutConfig:
                              "per run", at_least(0))
     stall_timeout_s: float = knob(
         300.0, "an actor the learner has heard nothing from (no trajectory, no heartbeat) this long while it waits "
-        "for groups is taken for hung, stopped and replaced like a dead one (0: never); beyond the longest weight "
-        "application",
+        "for groups, or whose run loop (asked over Ray) has not turned this long, is taken for hung, stopped and "
+        "replaced like a dead one (0: never); beyond the longest weight application and engine step",
         zero_or_between(STALL_FLOOR_S, MAX_TIMEOUT_S, "never", "an actor speaks every 2 s, and longer apart during a "
                         "long engine step; below that a healthy actor is taken for hung, killed and replaced until "
                         "rollout.max_restarts ends the run"))

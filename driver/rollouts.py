@@ -44,6 +44,7 @@ class RolloutPool:
         self.group = reserve(cfg, "rollout")  # a bundle per actor, on the rollout nodes; its replacements take it
         self.actors = [self.spawn(i, first_ordinal=0) for i in range(cfg.rollout.num_actors)]
         self.runs = [a.run.remote() for a in self.actors]
+        self.turned: dict[int, tuple[int, float]] = {}  # actor -> its run loop's turns when last asked, since when
 
     def spawn(self, i: int, first_ordinal: int):
         name = f"rollout-{i}" if self.restarts == 0 else f"rollout-{i}-r{self.restarts}"
@@ -89,15 +90,19 @@ class RolloutPool:
 
     def stop_silent(self) -> None:
         """Kills every actor rank 0 has heard nothing from for `rollout.stall_timeout_s` while it waits for groups
-        (a hung engine, a stopped process), or that has not spoken at all within `rollout.start_timeout_s` (an engine
-        that never finishes starting), and replaces it at once like a dead one (not when its run ref next resolves:
-        the call waiting on groups may return first, and the next call find a step's actor missing)."""
+        (a hung engine, a stopped process), whose run loop has not turned that long (asked over Ray: a peer holding
+        the actor's key can speak for it to rank 0, never to the driver), or that has not spoken at all within
+        `rollout.start_timeout_s` (an engine that never finishes starting), and replaces it at once like a dead one
+        (not when its run ref next resolves: the call waiting on groups may return first, and the next call find a
+        step's actor missing)."""
         rank0, r = self.learners.rank0, self.cfg.rollout
-        for key, limit, silences, what in [("stall_timeout_s", r.stall_timeout_s, rank0.silences, "sent nothing"),
-                                          ("start_timeout_s", r.start_timeout_s, rank0.unstarted, "never spoke")]:
+        for key, limit, silences, what in [
+                ("stall_timeout_s", r.stall_timeout_s, lambda: self._ask(rank0.silences), "sent nothing"),
+                ("stall_timeout_s", r.stall_timeout_s, self._stalled, "made no progress"),
+                ("start_timeout_s", r.start_timeout_s, lambda: self._ask(rank0.unstarted), "never spoke")]:
             if limit <= 0:
                 continue
-            for i, silent in self._ask(silences).items():
+            for i, silent in silences().items():
                 if silent > limit:
                     print(f"rollout actor {i} {what} for {silent:.0f} s (rollout.{key} = {limit:g}): taken for hung "
                           "and stopped", file=sys.stderr)
@@ -122,6 +127,22 @@ class RolloutPool:
         `trainer.step_timeout_s`."""
         return ray.get(method.remote(*args), timeout=self.cfg.trainer.step_timeout_s or None)
 
+    def _stalled(self) -> dict[int, float]:
+        """Seconds since each actor's run loop last turned, for those that have answered before (one still starting
+        is timed by `start_timeout_s`): asked of every actor at once; one that does not answer in `ASK_ACTOR_S`
+        (stopped, or dead and about to be replaced) has not turned."""
+        asked = {i: actor.turns.remote() for i, actor in enumerate(self.actors)}
+        answered = set(ray.wait(list(asked.values()), num_returns=len(asked), timeout=ASK_ACTOR_S)[0])
+        now = time.monotonic()
+        for i, ref in asked.items():
+            try:
+                turns = ray.get(ref) if ref in answered else None
+            except ray.exceptions.RayError:
+                turns = None
+            if turns is not None and self.turned.get(i, (None,))[0] != turns:
+                self.turned[i] = (turns, now)
+        return {i: now - since for i, (_, since) in self.turned.items()}
+
     def _sent(self, claimed: dict[int, int]) -> dict[int, int]:
         """How many messages each actor whose heartbeat claims lost trajectories says it sent, asked over Ray (which
         a peer holding the actor's key cannot speak for); an actor that does not answer in `ASK_ACTOR_S` (dead,
@@ -142,6 +163,7 @@ class RolloutPool:
             error = "its run() returned"
         except Exception as e:  # noqa: BLE001 -- any failure of the actor is handled the same way
             error = one_line(e)
+        self.turned.pop(i, None)
         while True:
             if self.restarts >= self.allowed:
                 raise RuntimeError(f"rollout actor {i} stopped ({error}) after "

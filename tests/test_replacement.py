@@ -24,8 +24,9 @@ NEWEST = 3  # the weight version rank 0 holds
 
 
 class Rank0:
-    def __init__(self, never_started: bool = False):
-        self.reissued, self.never_started = 0, never_started
+    def __init__(self, never_started: bool = False, heard: bool = False):
+        """`heard`: actor 0 is always heard from (a peer holding its key speaks for it)."""
+        self.reissued, self.never_started, self.heard = 0, never_started, heard
 
     def reissue(self, actor: int, incarnation: int) -> int:
         self.reissued += 1
@@ -41,7 +42,7 @@ class Rank0:
         return {}
 
     def silences(self) -> dict[int, float]:  # actor 0 silent for long, once; its replacement speaks
-        return {0: 1000.0} if self.reissued == 0 and not self.never_started else {0: 0.1}
+        return {0: 1000.0} if self.reissued == 0 and not (self.never_started or self.heard) else {0: 0.1}
 
     def unstarted(self) -> dict[int, float]:  # or: actor 0 never speaks at all, once
         return {0: 1000.0} if self.reissued == 0 and self.never_started else {}
@@ -77,6 +78,10 @@ class StandIn:
     def incarnation_behaviour(self) -> str:
         return self.what
 
+    def turns(self) -> int:  # a hung run loop turns no more
+        self.turned = getattr(self, "turned", 0) + (self.what != "hung")
+        return self.turned
+
     def stuck_drafter(self, after_s: float) -> str:
         return "its propose call had not returned after 31 s" if self.what.startswith("stuck in its drafter") else ""
 
@@ -95,12 +100,12 @@ def local_ray():
 
 
 def pool(behaviour: dict[int, str], max_restarts: int, *overrides: str, earlier: int = 0,
-         never_started: bool = False) -> RolloutPool:
+         never_started: bool = False, heard: bool = False) -> RolloutPool:
     cfg = load_config("grpo_tiny", [f"rollout.max_restarts={max_restarts}", *overrides])
     p = object.__new__(RolloutPool)  # the pool without a run: its learners and actors are stand-ins
     p.cfg, p.model_dir, p.version, p.plan, p.restarts = cfg, "", 0, CursorPlan(0, 1, 1), 0
     p.allowed, p.drafters_off = max_restarts - earlier, {}
-    p.learners = SimpleNamespace(rank0=ray.remote(Rank0).remote(never_started), server_public=None,
+    p.learners = SimpleNamespace(rank0=ray.remote(Rank0).remote(never_started, heard), server_public=None,
                                  trajectory_endpoint="",
                                  weight_endpoint="")
     cls = ray.remote(num_cpus=0.1, max_concurrency=4)(StandIn)
@@ -109,6 +114,7 @@ def pool(behaviour: dict[int, str], max_restarts: int, *overrides: str, earlier:
     p.group = reserve(cfg, "rollout")
     p.actors = [p.spawn(0, first_ordinal=0)]
     p.runs = [p.actors[0].run.remote()]
+    p.turned = {}
     return p
 
 
@@ -173,6 +179,21 @@ def test_an_actor_silent_past_its_timeout_is_stopped_and_replaced(local_ray, mon
     assert p.restarts == restarts and ray.get(p.learners.rank0.count.remote()) == restarts
     assert (p.actors[0] is hung) == (restarts == 0)
     assert ray.get(p.actors[0].why_drafter_off.remote()) == ""  # it was not stuck in its drafter
+    ray.kill(p.actors[0])
+
+
+def test_an_actor_whose_run_loop_stopped_is_replaced_though_rank_0_still_hears_it(local_ray, monkeypatch):
+    """A peer holding a hung actor's key can keep rank 0 hearing from it (forged heartbeats); the driver also asks
+    the actor itself, over Ray, how far its run loop has turned, and one that has not turned for
+    `rollout.stall_timeout_s` is taken for hung and replaced all the same."""
+    monkeypatch.setattr(driver.rollouts, "GAP_CHECK_S", 0.2)
+    p = pool({0: "hung"}, 3, "rollout.stall_timeout_s=60", heard=True)
+    hung = p.actors[0]
+    p._stalled()
+    p.turned[0] = (p.turned[0][0], time.monotonic() - 1000)  # as if its loop had last turned 1,000 s ago
+    waiting = ray.remote(num_cpus=0)(lambda: time.sleep(3) or "collected").remote()
+    assert p.wait([waiting]) == ["collected"]
+    assert p.restarts == 1 and p.actors[0] is not hung  # the replacement turns: kept
     ray.kill(p.actors[0])
 
 
