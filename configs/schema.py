@@ -224,6 +224,10 @@ class AlgorithmConfig:
     clip_low: float = knob(0.2, "PPO clip below: the ratio is clipped at 1 - clip_low", between(0, 1, "()"))
     clip_high: float = knob(0.2, "PPO clip above: the ratio is clipped at 1 + clip_high (> clip_low: DAPO's "
                             "clip-higher)", more_than(0))
+    dual_clip: float = knob(3.0, "dual-clip PPO: with a negative advantage a token's loss is at most dual_clip x "
+                            "|advantage| (0: off), so no token whose ratio the clip above leaves whole (a stale or "
+                            "forged behaviour logprob far below the policy's) outweighs the batch",
+                            zero_or_between(1, 1e6, "off", "a ratio cap below 1 would cap tokens PPO already clips"))
     kl_coef: float = knob(0.0, "> 0: k3 KL penalty to a frozen reference policy (the run's starting weights); "
                           "logged as rl/kl", at_least(0))
     normalize_advantage_std: bool = knob(True, "divide group advantages by their standard deviation; false: "

@@ -102,6 +102,7 @@ def policy_loss(
     max_tokens: int,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    dual_clip: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     # a token outside the current top-k/top-p set has logprob -inf: a zero ratio with a zero gradient, never NaN.
     # With max_staleness > 0 that happens: the behaviour policy's top-p set held the token, the current one's not
@@ -110,6 +111,10 @@ def policy_loss(
     ratio = torch.exp((logprobs - behaviour).clamp(max=LOG_RATIO_MAX))  # finite in float32, whatever was sent
     adv = advantages.unsqueeze(1)
     per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
+    # dual clip: with a negative advantage the clip above leaves the ratio whole, so one token whose behaviour
+    # logprob is far below the policy's (stale, or sent so) would outweigh the batch; its loss stops at dual_clip x |A|
+    capped = (adv < 0) & (per_token > -dual_clip * adv) if dual_clip > 0 else torch.zeros_like(per_token, dtype=bool)
+    per_token = torch.where(capped, -dual_clip * adv, per_token)
     mask = mask.float()
     kl = torch.zeros_like(per_token)
     if ref_logprobs is not None and kl_coef > 0:
@@ -127,6 +132,7 @@ def policy_loss(
         tokens = mask.sum().clamp(min=1)
         on = mask > 0
         stats = {"clip_fraction": ((clipped * mask).sum() / tokens).item(),
+                 "dual_clip_fraction": ((capped.float() * mask).sum() / tokens).item(),
                  "ratio_max": ratio[on].max().item(), "ratio_min": ratio[on].min().item(),
                  "kl": ((kl * mask).sum() / tokens).item(),
                  "outside_mask_fraction": ((outside * mask).sum() / tokens).item()}
@@ -141,7 +147,8 @@ def response_logprobs(model, packed: Packed, rollout: DictConfig) -> torch.Tenso
     return processed_logprobs(rows, rollout.temperature, rollout.top_k, rollout.top_p)
 
 
-SUMMED = ("clip_fraction", "entropy", "kl", "outside_mask_fraction")  # its stats a step sums over micro-batches
+# the stats a step sums over micro-batches
+SUMMED = ("clip_fraction", "dual_clip_fraction", "entropy", "kl", "outside_mask_fraction")
 
 
 def micro_batch_loss(policy, reference, packed: Packed, advantages: torch.Tensor,
@@ -159,7 +166,7 @@ def micro_batch_loss(policy, reference, packed: Packed, advantages: torch.Tensor
     # own logprobs are the behaviour logprobs, and the engine's (whose last bits depend on its batch) are unused
     behaviour = logprobs.detach() if cfg.trainer.deterministic else packed.behaviour
     loss, stats = policy_loss(logprobs, behaviour, advantages, packed.mask, algo.clip_low, algo.clip_high,
-                              algo.loss_aggregation, cfg.rollout.max_tokens, ref, algo.kl_coef)
+                              algo.loss_aggregation, cfg.rollout.max_tokens, ref, algo.kl_coef, algo.dual_clip)
     with torch.no_grad():  # mean entropy of the sampled distribution over the trained tokens
         entropy = torch.special.entr(full.detach().exp()).sum(-1)
         stats["entropy"] = ((entropy * packed.mask).sum() / packed.mask.sum().clamp(min=1)).item()

@@ -377,6 +377,31 @@ def test_a_sampled_token_outside_the_learners_top_p_set_is_counted_and_trains_no
     assert logprobs.grad[0, 1] == 0 and torch.isfinite(logprobs.grad).all()
 
 
+def test_dual_clip_bounds_a_negative_advantage_tokens_share_whatever_its_behaviour_logprob():
+    """A behaviour logprob 19.9 below the policy's (accepted: inside what a float32 softmax gives) and a negative
+    advantage: PPO's clip leaves the ratio e^19.9 whole, and that one token took the whole gradient; dual clip holds
+    its loss at dual_clip x |A|, with no gradient from it, and counts it."""
+    import torch
+
+    from configs.schema import LossAggregation
+    from learner.grpo import policy_loss
+
+    def step(dual_clip: float):
+        logprobs = torch.full((2, 4), -0.5, requires_grad=True)
+        behaviour = torch.full((2, 4), -0.5)
+        behaviour[1, 0] = -20.4  # a forged (or very stale) row
+        loss, stats = policy_loss(logprobs, behaviour, torch.tensor([1.0, -1.0]), torch.ones(2, 4), 0.2, 0.2,
+                                  LossAggregation.token_mean, 4, dual_clip=dual_clip)
+        loss.backward()
+        return loss, stats, logprobs.grad
+
+    loss, stats, grad = step(0.0)
+    assert loss > 1e7 and grad[1, 0].abs() > 1e6 * grad[0, 0].abs()
+    loss, stats, grad = step(3.0)
+    assert loss.item() == pytest.approx((-4 * 1.0 + 3 * 1.0 + 3.0) / 8) and grad[1, 0] == 0  # the others: ratio 1
+    assert stats["dual_clip_fraction"] == pytest.approx(1 / 8) and grad[0, 0] != 0
+
+
 def test_the_rank_rendezvous_listens_on_the_nodes_address_only_and_holds_its_port():
     """Rank 0's torch.distributed store: bound on the address the other ranks dial (not every interface, as a store
     torch makes itself is), and held from the moment it is named, so no other process can take the port."""
