@@ -51,10 +51,10 @@ class RolloutPool:
         keys = None
         if self.learners.server_public is not None:  # a key of its own, admitted as actor-<i> (the last one revoked)
             keys = ClientKeys(keypair(), self.learners.server_public)
-            ray.get(self.learners.rank0.admit.remote(f"actor-{i}", keys.own.public))
+            self._ask(self.learners.rank0.admit, f"actor-{i}", keys.own.public)
         group = None  # transport.weights nccl: a weight-sync group of its own with rank 0 (the last one closed)
         if self.cfg.transport.weights.value == "nccl":
-            group = ray.get(self.learners.rank0.open_weight_group.remote(i, self.restarts))
+            group = self._ask(self.learners.rank0.open_weight_group, i, self.restarts)
         preload = engine_preload(self.cfg.cluster.device)  # its engine's allocator (actor/engine.py)
         return self.cls.options(name=name, scheduling_strategy=slot(self.group, i),
                                 runtime_env={"env_vars": {"LD_PRELOAD": preload}} if preload else None).remote(
@@ -171,7 +171,7 @@ class RolloutPool:
                                    "run (rollout.max_restarts)")
             self.restarts += 1
             ray.kill(self.actors[i])
-            first_ordinal = ray.get(self.learners.rank0.reissue.remote(i, self.restarts))
+            first_ordinal = self._ask(self.learners.rank0.reissue, i, self.restarts)
             self.actors[i] = actor = self.spawn(i, first_ordinal)
             try:
                 target = self.catch_up(actor)
@@ -190,10 +190,10 @@ class RolloutPool:
         """Has a new `actor` start its engine and apply the newest weights (rank 0 re-sends them until it holds
         them: its subscription may miss a send) within `CATCH_UP_S`; returns their version."""
         deadline = time.monotonic() + CATCH_UP_S
-        target = ray.get(self.learners.rank0.republish.remote())
+        target = self._ask(self.learners.rank0.republish)
         while ray.get(actor.wait_for_version.remote(target, 2.0), timeout=max(0.0, deadline - time.monotonic())) \
                 < target:
-            target = ray.get(self.learners.rank0.republish.remote())
+            target = self._ask(self.learners.rank0.republish)
         return target
 
     def stop(self, timeout_s: float) -> list[dict]:
