@@ -91,15 +91,16 @@ class RolloutPool:
     def stop_silent(self) -> None:
         """Kills every actor rank 0 has heard nothing from for `rollout.stall_timeout_s` while it waits for groups
         (a hung engine, a stopped process), whose run loop has not turned that long (asked over Ray: a peer holding
-        the actor's key can speak for it to rank 0, never to the driver), or that has not spoken at all within
-        `rollout.start_timeout_s` (an engine that never finishes starting), and replaces it at once like a dead one
-        (not when its run ref next resolves: the call waiting on groups may return first, and the next call find a
-        step's actor missing)."""
+        the actor's key can speak for it to rank 0, never to the driver), or that has not spoken at all, or answered
+        the driver, within `rollout.start_timeout_s` (an engine that never finishes starting), and replaces it at
+        once like a dead one (not when its run ref next resolves: the call waiting on groups may return first, and
+        the next call find a step's actor missing)."""
         rank0, r = self.learners.rank0, self.cfg.rollout
         for key, limit, silences, what in [
                 ("stall_timeout_s", r.stall_timeout_s, lambda: self._ask(rank0.silences), "sent nothing"),
                 ("stall_timeout_s", r.stall_timeout_s, self._stalled, "made no progress"),
-                ("start_timeout_s", r.start_timeout_s, lambda: self._ask(rank0.unstarted), "never spoke")]:
+                ("start_timeout_s", r.start_timeout_s, lambda: self._ask(rank0.unstarted), "never spoke"),
+                ("start_timeout_s", r.start_timeout_s, self._unanswered, "never answered")]:
             if limit <= 0:
                 continue
             for i, silent in silences().items():
@@ -128,9 +129,9 @@ class RolloutPool:
         return ray.get(method.remote(*args), timeout=self.cfg.trainer.step_timeout_s or None)
 
     def _stalled(self) -> dict[int, float]:
-        """Seconds since each actor's run loop last turned, for those that have answered before (one still starting
-        is timed by `start_timeout_s`): asked of every actor at once; one that does not answer in `ASK_ACTOR_S`
-        (stopped, or dead and about to be replaced) has not turned."""
+        """Seconds since each actor's run loop last turned, for those that have answered before (one that never has,
+        its engine still starting, is `_unanswered`): asked of every actor at once; one that does not answer in
+        `ASK_ACTOR_S` (stopped, or dead and about to be replaced) has not turned."""
         asked = {i: actor.turns.remote() for i, actor in enumerate(self.actors)}
         answered = set(ray.wait(list(asked.values()), num_returns=len(asked), timeout=ASK_ACTOR_S)[0])
         now = time.monotonic()
@@ -141,7 +142,15 @@ class RolloutPool:
                 turns = None
             if turns is not None and self.turned.get(i, (None,))[0] != turns:
                 self.turned[i] = (turns, now)
-        return {i: now - since for i, (_, since) in self.turned.items()}
+            elif i not in self.turned:  # asked for the first time, and no answer yet
+                self.turned[i] = (None, now)
+        return {i: now - since for i, (turns, since) in self.turned.items() if turns is not None}
+
+    def _unanswered(self) -> dict[int, float]:
+        """Seconds each actor that has never answered `_stalled` has been asked (an engine still starting, or one
+        that never will, however often a peer holding its key speaks for it to rank 0)."""
+        now = time.monotonic()
+        return {i: now - since for i, (turns, since) in self.turned.items() if turns is None}
 
     def _sent(self, claimed: dict[int, int]) -> dict[int, int]:
         """How many messages each actor whose heartbeat claims lost trajectories says it sent, asked over Ray (which

@@ -78,7 +78,9 @@ class StandIn:
     def incarnation_behaviour(self) -> str:
         return self.what
 
-    def turns(self) -> int:  # a hung run loop turns no more
+    def turns(self) -> int:  # a hung run loop turns no more; an engine that never starts never answers
+        if self.what == "never starts":
+            self.stopping.wait(3600)
         self.turned = getattr(self, "turned", 0) + (self.what != "hung")
         return self.turned
 
@@ -182,15 +184,19 @@ def test_an_actor_silent_past_its_timeout_is_stopped_and_replaced(local_ray, mon
     ray.kill(p.actors[0])
 
 
-def test_an_actor_whose_run_loop_stopped_is_replaced_though_rank_0_still_hears_it(local_ray, monkeypatch):
+@pytest.mark.parametrize("behaviour", ["hung", "never starts"])
+def test_an_actor_whose_run_loop_stopped_is_replaced_though_rank_0_still_hears_it(local_ray, monkeypatch, behaviour):
     """A peer holding a hung actor's key can keep rank 0 hearing from it (forged heartbeats); the driver also asks
     the actor itself, over Ray, how far its run loop has turned, and one that has not turned for
-    `rollout.stall_timeout_s` is taken for hung and replaced all the same."""
+    `rollout.stall_timeout_s`, or never answered within `rollout.start_timeout_s`, is replaced all the same."""
     monkeypatch.setattr(driver.rollouts, "GAP_CHECK_S", 0.2)
-    p = pool({0: "hung"}, 3, "rollout.stall_timeout_s=60", heard=True)
+    monkeypatch.setattr(driver.rollouts, "ASK_ACTOR_S", 0.5)
+    p = pool({0: behaviour}, 3, "rollout.stall_timeout_s=60", "rollout.start_timeout_s=60", heard=True)
     hung = p.actors[0]
+    assert ray.get(hung.incarnation_behaviour.remote()) == behaviour  # started, answering other questions
     p._stalled()
-    p.turned[0] = (p.turned[0][0], time.monotonic() - 1000)  # as if its loop had last turned 1,000 s ago
+    p.turned[0] = (p.turned[0][0], time.monotonic() - 1000)  # as if asked, or last turned, 1,000 s ago
+    assert (p.turned[0][0] is None) == (behaviour == "never starts")
     waiting = ray.remote(num_cpus=0)(lambda: time.sleep(3) or "collected").remote()
     assert p.wait([waiting]) == ["collected"]
     assert p.restarts == 1 and p.actors[0] is not hung  # the replacement turns: kept
