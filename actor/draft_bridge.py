@@ -55,7 +55,8 @@ class DrafterBridge:
         self.verifying: dict[str, tuple[int, list[int], list[float] | None]] = {}
         self.shown: dict[str, int] = {}  # per request, the history length in its last proposal (the drafter's view)
         self.positions: dict[str, int] = {}  # per request, its output tokens as of its last step (for `survival`)
-        self.predicted, self.explore = 0.0, Explore(self.acceptance)  # the engine seconds of the step planned last; when to explore
+        # the engine seconds of the step planned last; when to explore
+        self.predicted, self.explore = 0.0, Explore(self.acceptance)
         self.step_end: float | None = None  # when the last propose() returned: the next step's engine time starts
         self.seconds = self.drafter_seconds = 0.0  # in propose(), and of that in the drafter's calls (a profile)
         self.failure = ""  # why the drafter was switched off ("": it was not)

@@ -184,13 +184,14 @@ class RolloutActor:
                     self.send_group(finished.pop(sample.cursor))
 
     def turns(self) -> int:
-        """How many turns its run loop (or its wait on a full outbox) has taken: asked by the driver, from Ray's second
-        thread, to tell a hung engine from one that a peer holding this actor's key speaks for (driver/rollouts.py)."""
-        return self.turns_taken
+        """How many turns its run loop (or its wait on a full outbox) has taken, and weight messages it has received
+        (a large version streams in for a while): asked by the driver, from a thread of its own, to tell a hung
+        engine from one that a peer holding this actor's key speaks for (driver/rollouts.py)."""
+        return self.turns_taken + self.weights.received
 
     def sent(self) -> int:
         """The sequence number of its next message: every one below it was handed to its outbox (asked by the
-        driver, from Ray's second thread, to check a heartbeat's claim of lost trajectories: learner/intake.py)."""
+        driver, on a thread of its questions, to check a heartbeat's claim of lost trajectories: learner/intake.py)."""
         return self.seq
 
     def rewind(self, first_ordinal: int) -> None:
@@ -324,8 +325,8 @@ class RolloutActor:
         self.stopping.set()
 
     def stuck_drafter(self, after_s: float) -> str:
-        """Asked by the driver, from Ray's second thread, of an actor gone silent: the drafter call its engine has been
-        in for more than `after_s` seconds, as a reason (\"\": none)."""
+        """Asked by the driver, on a thread of its questions, of an actor gone silent: the drafter call its engine
+        has been in for more than `after_s` seconds, as a reason (\"\": none)."""
         return self.llm.collective_rpc(stuck_drafter, args=(after_s,))[0] if self.speculating else ""
 
     def wait_for_version(self, version: int, timeout_s: float) -> int:

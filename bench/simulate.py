@@ -147,12 +147,13 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
         ids = [str(i) for i in running]
         drafts = [0] * len(running)
         unseen = [prompt[i] + position[i] - shown[i] for i in running]  # what drafting now would catch up on
-        if drafting and (explore.due() or not rest.keeps(len(running))):
+        exploring = explore.due()  # (once a step, as the bridge decides it)
+        if drafting and (exploring or not rest.keeps(len(running))):
             survive = survival.factors([position[i] for i in running], k)
             gains = geometric(acceptance.rates(ids), k) * survive
             # decoupled: planned as if drafting were free (prepared drafts are), misses re-planned below, as the bridge
             budgets, _ = plan(gains, len(running), step_cost, None if decoupled else draft_cost,
-                              explore=explore.due(), unseen=unseen)
+                              explore=exploring, unseen=unseen)
             rest.planned(len(running), any(budgets))
             drafts = [min(b, lengths[i] - position[i] - 1) for b, i in zip(budgets, running)]
         planned = list(drafts)  # decoupled: the requests whose next drafts the bridge prepares, drafted now or not
@@ -168,7 +169,7 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
             for m, b in zip(missed, budgets):
                 drafts[m] = b
         asked = list(drafts)  # what the drafter proposes (and is paid for); `drafts`: what the engine verifies
-        if confidence is not None and any(drafts) and not explore.due():  # (as the bridge: exploring verifies all)
+        if confidence is not None and any(drafts) and not exploring:  # (as the bridge: exploring verifies all)
             rated = [confidence[i][position[i]][:d] for d, i in zip(drafts, running)]
             keep, _ = plan([calibration.gains(c) * survive[m, : len(c)] for m, c in enumerate(rated)], len(running),
                            step_cost, None)
@@ -210,7 +211,7 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
         step_cost.observe(len(running) + total, engine)
         if sum(now):  # the drafting cost the planner learns: what the engine waits for when it drafts now
             draft_cost.observe(max(now), sum(now), unseen_now, drafting_now)
-        if drafting and explore.due():  # it explored, at that cost
+        if drafting and exploring:  # it explored, at that cost
             explore.explored(sum(map(bool, drafts)), drafting_now + engine - costs.engine(len(running), 0))
         explore.stepped(total > 0)
         explore.took(engine)  # (after `stepped`: as the bridge, which hears of a step's engine seconds later)

@@ -131,9 +131,10 @@ class RolloutConfig:
                         "long engine step; below that a healthy actor is taken for hung, killed and replaced until "
                         "rollout.max_restarts ends the run"))
     start_timeout_s: float = knob(
-        1800.0, "a first rollout actor that has sent nothing this long after the learner began waiting for groups "
-        "(an engine that never finishes starting) is stopped and replaced like a dead one (0: never); beyond the "
-        "longest engine start: loading the weights and, on GPUs, capturing graphs",
+        1800.0, "a first rollout actor that has sent nothing this long after the learner began waiting for groups, "
+        "or not answered the driver this long after it first asked (an engine that never finishes starting), is "
+        "stopped and replaced like a dead one (0: never); beyond the longest engine start: loading the weights and, "
+        "on GPUs, capturing graphs",
         zero_or_between(STALL_FLOOR_S, MAX_TIMEOUT_S, "never",
                         "below that a healthy engine is taken for hung while it starts"))
     update_wait_s: float = knob(

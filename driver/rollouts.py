@@ -1,7 +1,8 @@
 """The rollout actors of a run as Ray actors, each generating until stopped; one that dies is replaced and its
 unfinished groups are re-issued (learner rank 0 forgets their partial trajectories and names where the
 replacement starts; the replacement catches up to the newest weights before it admits a prompt). One that rank 0
-has not heard from for `rollout.stall_timeout_s` while it waits for groups is taken for hung and killed first; if
+has not heard from for `rollout.stall_timeout_s` while it waits for groups, or whose run loop (asked over Ray) has
+not turned that long, is taken for hung and killed first; if
 its engine was stuck in a call of the drafter plugin (which nothing can interrupt), its replacements decode without
 the drafter, same tokens, and every trajectory says why."""
 
@@ -24,6 +25,7 @@ from transport.auth import ClientKeys, keypair
 CATCH_UP_S = 900  # a replacement's engine start and first weights (a large checkpoint takes minutes to load)
 GAP_CHECK_S = 5.0  # how often, while waiting on the learner, the driver asks rank 0 for lost trajectories
 ASK_ACTOR_S = 5.0  # how long an actor has to answer the driver's questions (its sent count, a stuck drafter call)
+ASK = "questions"  # the actors' Ray concurrency group for the driver's questions
 # a drafter call this old in an actor taken for hung is why (a healthy one takes milliseconds to seconds); its silence
 # itself is no measure, as it counts from before the engine started
 STUCK_CALL_S = 30.0
@@ -37,8 +39,10 @@ class RolloutPool:
         before this pool, and why (they start without it)."""
         self.cfg, self.model_dir, self.learners, self.version, self.plan = cfg, model_dir, learners, version, plan
         self.allowed = cfg.rollout.max_restarts - earlier_restarts
-        # threads: run(), stop() or a replacement's wait_for_version(), evaluations waiting on run(), stuck_drafter()
-        self.cls = ray.remote(num_cpus=1, num_gpus=num_gpus, max_concurrency=4)(RolloutActor)
+        # threads: run(), stop() or a replacement's wait_for_version(), evaluations waiting on run(); and apart, so
+        # that evaluations left waiting never hold them up, the driver's questions (`ASK`: turns, sent, stuck_drafter)
+        self.cls = ray.remote(num_cpus=1, num_gpus=num_gpus, max_concurrency=4,
+                              concurrency_groups={ASK: 3})(RolloutActor)
         self.restarts = 0
         self.drafters_off = dict(drafters_off or {})  # actor -> why its replacements run without the drafter (it hung)
         self.group = reserve(cfg, "rollout")  # a bundle per actor, on the rollout nodes; its replacements take it
@@ -96,6 +100,8 @@ class RolloutPool:
         once like a dead one (not when its run ref next resolves: the call waiting on groups may return first, and
         the next call find a step's actor missing)."""
         rank0, r = self.learners.rank0, self.cfg.rollout
+        if r.stall_timeout_s > 0 or r.start_timeout_s > 0:
+            self._ask_turns()
         for key, limit, silences, what in [
                 ("stall_timeout_s", r.stall_timeout_s, lambda: self._ask(rank0.silences), "sent nothing"),
                 ("stall_timeout_s", r.stall_timeout_s, self._stalled, "made no progress"),
@@ -115,7 +121,8 @@ class RolloutPool:
         """Asks silent actor `i` whether its engine is in a drafter call older than `after_s`: if so, its
         replacements start with the drafter switched off (drafts only save time), rather than hang the same way."""
         try:
-            stuck = ray.get(self.actors[i].stuck_drafter.remote(after_s), timeout=ASK_ACTOR_S)
+            stuck = ray.get(self.actors[i].stuck_drafter.options(concurrency_group=ASK).remote(after_s),
+                            timeout=ASK_ACTOR_S)
         except ray.exceptions.RayError:  # no answer: it stopped, or is stuck elsewhere
             return
         if stuck:
@@ -128,11 +135,11 @@ class RolloutPool:
         `trainer.step_timeout_s`."""
         return ray.get(method.remote(*args), timeout=self.cfg.trainer.step_timeout_s or None)
 
-    def _stalled(self) -> dict[int, float]:
-        """Seconds since each actor's run loop last turned, for those that have answered before (one that never has,
-        its engine still starting, is `_unanswered`): asked of every actor at once; one that does not answer in
-        `ASK_ACTOR_S` (stopped, or dead and about to be replaced) has not turned."""
-        asked = {i: actor.turns.remote() for i, actor in enumerate(self.actors)}
+    def _ask_turns(self) -> None:
+        """Asks every actor at once how far its run loop has turned (`turns`: over Ray, which a peer holding its key
+        cannot answer for), noting when each answer last changed, or when an actor that never answered was first
+        asked; one that does not answer in `ASK_ACTOR_S` (stopped, or dead and about to be replaced) has not turned."""
+        asked = {i: actor.turns.options(concurrency_group=ASK).remote() for i, actor in enumerate(self.actors)}
         answered = set(ray.wait(list(asked.values()), num_returns=len(asked), timeout=ASK_ACTOR_S)[0])
         now = time.monotonic()
         for i, ref in asked.items():
@@ -144,10 +151,14 @@ class RolloutPool:
                 self.turned[i] = (turns, now)
             elif i not in self.turned:  # asked for the first time, and no answer yet
                 self.turned[i] = (None, now)
+
+    def _stalled(self) -> dict[int, float]:
+        """Seconds since each actor that has answered `_ask_turns` last turned."""
+        now = time.monotonic()
         return {i: now - since for i, (turns, since) in self.turned.items() if turns is not None}
 
     def _unanswered(self) -> dict[int, float]:
-        """Seconds each actor that has never answered `_stalled` has been asked (an engine still starting, or one
+        """Seconds each actor that has never answered `_ask_turns` has been asked (an engine still starting, or one
         that never will, however often a peer holding its key speaks for it to rank 0)."""
         now = time.monotonic()
         return {i: now - since for i, (turns, since) in self.turned.items() if turns is None}
@@ -159,7 +170,7 @@ class RolloutPool:
         sent = {}
         for i in claimed:
             try:
-                sent[i] = ray.get(self.actors[i].sent.remote(), timeout=ASK_ACTOR_S)
+                sent[i] = ray.get(self.actors[i].sent.options(concurrency_group=ASK).remote(), timeout=ASK_ACTOR_S)
             except ray.exceptions.RayError:
                 continue
         return sent

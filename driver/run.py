@@ -263,9 +263,9 @@ class Run:
                                    timeout)
 
     def save_final(self) -> None:
-        with self.learners_alive():
-            self.rollouts.wait(self.learners.all("save_pretrained", str(self.dir / "final")),
-                               self.cfg.trainer.step_timeout_s)
+        with self.learners_alive():  # (the learners alone: no actor is replaced once training is over)
+            self.ray.get(self.learners.all("save_pretrained", str(self.dir / "final")),
+                         timeout=self.cfg.trainer.step_timeout_s or None)
         self.log_evaluations(wait_s=600)  # the held-out numbers of the final weights belong to the run
 
     def close(self) -> dict:

@@ -218,7 +218,8 @@ class Intake:
         # group said to be older was never generated (forged whole and stale, it would take its cursor's place, and
         # the owner's real group would then be a duplicate the step waits for in vain)
         oldest = min(t.policy_versions)
-        if oldest in self.leads and not self.plan.admits(t.group_id, oldest, self.max_staleness, self.leads[oldest]):
+        if self.leads and (oldest < min(self.leads) or oldest in self.leads and not self.plan.admits(
+                t.group_id, oldest, self.max_staleness, self.leads[oldest])):  # (below: before this process started)
             return "before_admission"
         return None
 
@@ -229,8 +230,8 @@ class Intake:
         expected = self._expected(actor, seq)
         if expected is None:
             return 0
-        if arrived and actor in self.claimed:  # a claim made before this trajectory arrived: belied if it is below
-            if seq < self.claimed.pop(actor)[0]:
+        if arrived and actor in self.claimed and seq >= expected:  # a claim made before this trajectory arrived:
+            if seq < self.claimed.pop(actor)[0]:  # belied if it is below (only the actor's next ones decide)
                 self.counts.refuted_claims += 1
         gap = max(0, seq - expected)
         self.counts.lost += gap
@@ -252,8 +253,10 @@ class Intake:
         """A heartbeat says `actor` sent every message below `seq`: a claim of a gap where some never came."""
         expected = self._expected(actor, seq)
         if expected is not None and seq > expected:
-            since = self.claimed.get(actor, (0, time.monotonic()))[1]  # the oldest standing claim's time
-            self.claimed[actor] = (max(seq, self.claimed.get(actor, (0, 0.0))[0]), since)
+            # the least standing claim, from the oldest one's time: a real gap is at least that, and one claim too
+            # large to confirm (forged) must not carry a real one away with it
+            held, since = self.claimed.get(actor, (seq, time.monotonic()))
+            self.claimed[actor] = (min(seq, held), since)
 
     def claims(self) -> dict[int, int]:
         """While the learner listens: the gap claims that have stood `CLAIM_AGE_S` (since listening began, at the

@@ -47,8 +47,8 @@ def check_prompt_lengths(data: DictConfig, tokenizer, max_model_len: int) -> Non
 
 def eval_set(data: DictConfig, seed: int) -> list[Problem]:
     """The fixed held-out problems of a run (the same at every evaluation): the first `eval_size` records of a
-    JSONL `data.eval_source` (a ValueError if it holds fewer), or built-in problems of the training mix drawn under another seed, leaving out any
-    whose question is one of a finite training set's."""
+    JSONL `data.eval_source` (a ValueError if it holds fewer), or built-in problems of the training mix drawn under
+    another seed, leaving out any whose question is one of a finite training set's."""
     if data.eval_source != "arithmetic":
         problems = load_jsonl(data.eval_source)
         if len(problems) < data.eval_size:  # (every evaluation's figures would stand on fewer than asked)

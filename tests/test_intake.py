@@ -151,6 +151,12 @@ def test_a_forged_heartbeat_never_rewinds_an_actor(monkeypatch):
     clock[0] += learner.intake.CLAIM_AGE_S
     assert intake.claims() == {} and intake.take_gaps(sent={0: 9}) == {} and intake.counts.refuted_claims == 2
     assert intake.counts.lost == 0 and intake.counts.trained == 2 and balanced(intake)
+    intake.receive(Heartbeat(SCHEMA_VERSION, actor_id=0, seq=4), version=0)  # a real claim (seq 2 and 3 lost)...
+    intake.receive(Heartbeat(SCHEMA_VERSION, actor_id=0, seq=1 << 20), version=0)  # ...and a forged one after it
+    intake.receive(trajectory(0, 0, seq=0, group_size=2), version=0)  # a forged old one: no message the actor sends
+    clock[0] += learner.intake.CLAIM_AGE_S
+    assert intake.claims() == {0: 4}  # the least claim stands
+    assert intake.take_gaps(sent={0: 4}) == {0: 1} and intake.counts.lost == 2
 
 
 def test_reissue_forgets_the_dead_actors_partial_groups_and_names_its_first_undelivered_group():
@@ -249,6 +255,10 @@ def test_a_forged_group_older_than_any_weights_that_admit_its_cursor_takes_no_cu
     assert intake.invalid["before_admission"] == 4 and intake.counts.dropped_stale == 0 and intake.lead(2) == 0
     assert deliver(4, 2, 1) and deliver(5, 2, 2)  # the owner's real groups: started under version 1 and 2
     assert intake.counts.dropped_duplicate == 0 and balanced(intake)
+    resumed = Intake(group_size=2, max_staleness=1, plan=CursorPlan(start=6, num_actors=1, prompts_per_step=2))
+    resumed.published(3)  # a run resumed at version 3: its actors start there, no group is older
+    assert resumed._invalid(trajectory(6, 0, versions=(2,), group_size=2), version=3) == "before_admission"
+    assert resumed._invalid(trajectory(6, 0, versions=(3,), group_size=2), version=3) is None
 
 
 def test_a_resumed_run_whose_cursor_is_ahead_of_its_steps_still_admits_groups():

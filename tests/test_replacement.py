@@ -110,7 +110,7 @@ def pool(behaviour: dict[int, str], max_restarts: int, *overrides: str, earlier:
     p.learners = SimpleNamespace(rank0=ray.remote(Rank0).remote(never_started, heard), server_public=None,
                                  trajectory_endpoint="",
                                  weight_endpoint="")
-    cls = ray.remote(num_cpus=0.1, max_concurrency=4)(StandIn)
+    cls = ray.remote(num_cpus=0.1, max_concurrency=4, concurrency_groups={driver.rollouts.ASK: 3})(StandIn)
     p.cls = SimpleNamespace(options=lambda **kw: SimpleNamespace(
         remote=lambda *a, **k: cls.options(**kw).remote(*a, **k, behaviour=behaviour)))
     p.group = reserve(cfg, "rollout")
@@ -184,17 +184,18 @@ def test_an_actor_silent_past_its_timeout_is_stopped_and_replaced(local_ray, mon
     ray.kill(p.actors[0])
 
 
-@pytest.mark.parametrize("behaviour", ["hung", "never starts"])
-def test_an_actor_whose_run_loop_stopped_is_replaced_though_rank_0_still_hears_it(local_ray, monkeypatch, behaviour):
+@pytest.mark.parametrize("behaviour,stall", [("hung", 60), ("never starts", 60), ("never starts", 0)])
+def test_an_actor_whose_run_loop_stopped_is_replaced_though_rank_0_still_hears_it(local_ray, monkeypatch, behaviour,
+                                                                                     stall):
     """A peer holding a hung actor's key can keep rank 0 hearing from it (forged heartbeats); the driver also asks
     the actor itself, over Ray, how far its run loop has turned, and one that has not turned for
     `rollout.stall_timeout_s`, or never answered within `rollout.start_timeout_s`, is replaced all the same."""
     monkeypatch.setattr(driver.rollouts, "GAP_CHECK_S", 0.2)
     monkeypatch.setattr(driver.rollouts, "ASK_ACTOR_S", 0.5)
-    p = pool({0: behaviour}, 3, "rollout.stall_timeout_s=60", "rollout.start_timeout_s=60", heard=True)
+    p = pool({0: behaviour}, 3, f"rollout.stall_timeout_s={stall}", "rollout.start_timeout_s=60", heard=True)
     hung = p.actors[0]
     assert ray.get(hung.incarnation_behaviour.remote()) == behaviour  # started, answering other questions
-    p._stalled()
+    p._ask_turns()
     p.turned[0] = (p.turned[0][0], time.monotonic() - 1000)  # as if asked, or last turned, 1,000 s ago
     assert (p.turned[0][0] is None) == (behaviour == "never starts")
     waiting = ray.remote(num_cpus=0)(lambda: time.sleep(3) or "collected").remote()

@@ -81,6 +81,7 @@ def test_weight_buckets_arrive_whole_and_bounded():
         result = sub.poll(200)
     version, received = result
     assert version == 7 and sub.lead == 3  # the learner's cursor lead comes with the version (tasks/schedule.py)
+    assert sub.received >= len(buckets)  # each message taken counts (the actor's sign of life while they stream in)
     assert [n for n, _ in received] == [n for n, _ in weights]
     for (_, a), (_, b) in zip(received, weights):
         assert torch.equal(a, b)
@@ -233,7 +234,7 @@ def test_an_actor_blocked_on_a_learner_that_stopped_reading_still_stops():
     from actor.rollout import RolloutActor
 
     inbox = Inbox("127.0.0.1", max_bytes=1 << 20, hwm=1)  # never read: its queue fills
-    actor = SimpleNamespace(outbox=Outbox(inbox.endpoint, hwm=1), stopping=threading.Event())
+    actor = SimpleNamespace(outbox=Outbox(inbox.endpoint, hwm=1), stopping=threading.Event(), turns_taken=0)
     results = []
 
     def send_until_refused():  # as the actor's group loop does: it gives up on the first refusal
@@ -244,6 +245,9 @@ def test_an_actor_blocked_on_a_learner_that_stopped_reading_still_stops():
     sender.start()
     time.sleep(1.0)
     assert sender.is_alive()  # back-pressure: it waits while the learner's queue is full
+    waited = actor.turns_taken
+    time.sleep(1.0)
+    assert actor.turns_taken > waited  # and the driver, asking its turns, sees it waiting, not hung
     actor.stopping.set()  # stop() during the wait
     sender.join(timeout=5)
     assert not sender.is_alive() and results[-1] is False and all(results[:-1])

@@ -265,6 +265,7 @@ class WeightSubscriber:
         self.layouts: dict[int, list[list[TensorSpec]]] = {}
         self.lead = 0  # sent with the newest complete policy version
         self.dropped = 0
+        self.received = 0  # messages taken so far, good or not (its owner's sign of life while a version streams in)
 
     def poll(self, timeout_ms: int = 0) -> tuple[int, list[tuple[str, torch.Tensor]] | None] | None:
         """The newest complete policy version received so far, or None: (version, its tensors), or (version, None)
@@ -287,6 +288,7 @@ class WeightSubscriber:
         while self.socket.poll(timeout_ms):
             timeout_ms = 0
             frames = self.socket.recv_multipart(copy=False)
+            self.received += 1
             try:
                 header = self._decoder.decode(frames[0].buffer)
                 if isinstance(header, History):
