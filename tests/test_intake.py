@@ -210,17 +210,25 @@ def test_cursor_plan_is_one_rule_for_actors_steps_and_replacements():
     assert [two.first_of_step(1, k) for k in range(5)] == [0, 0, 2, 2, 4]
 
 
-def test_a_group_dropped_as_stale_moves_admission_on_by_one_cursor():
-    """The learner takes whole groups as they arrive, so a group overtaken and then dropped as stale leaves every
-    later cursor trained one place earlier: the lead says so, and the actors may start one group more (before it,
-    one such drop made the learner wait, every step after, for a group the actors could not start yet)."""
-    plan = CursorPlan(start=0, num_actors=1, prompts_per_step=2)
-    intake = Intake(group_size=2, max_staleness=1, plan=plan)
+def one_actors_groups_of_two():
+    """An intake of one actor, groups of 2, 2 a step, staleness 1, and `deliver(group, version, sampled_under)`: both
+    samples of `group` in order, returning what the second completes."""
+    intake = Intake(group_size=2, max_staleness=1, plan=CursorPlan(start=0, num_actors=1, prompts_per_step=2))
     seq = iter(range(100))
 
     def deliver(group: int, version: int, sampled_under: int):
         return [intake.receive(trajectory(group, i, seq=next(seq), versions=(sampled_under,), group_size=2), version)
                 for i in range(2)][-1]
+
+    return intake, deliver
+
+
+def test_a_group_dropped_as_stale_moves_admission_on_by_one_cursor():
+    """The learner takes whole groups as they arrive, so a group overtaken and then dropped as stale leaves every
+    later cursor trained one place earlier: the lead says so, and the actors may start one group more (before it,
+    one such drop made the learner wait, every step after, for a group the actors could not start yet)."""
+    intake, deliver = one_actors_groups_of_two()
+    plan = intake.plan
 
     assert [plan.admits(c, version=0, max_staleness=1, lead=0) for c in range(5)] == [True] * 4 + [False]
     assert deliver(0, 0, 0) and deliver(2, 0, 0)  # step 0 takes groups 0 and 2: 2 overtook the slower group 1
@@ -239,13 +247,8 @@ def test_a_forged_group_older_than_any_weights_that_admit_its_cursor_takes_no_cu
     """A peer with the actor's key sends whole groups for the actor's next cursors, sampled (it says) under weights
     too old to admit them: were they dropped as stale, each would take its cursor's place (counted delivered, in the
     lead), the owner's real group would then be a duplicate, and a step would wait for it in vain."""
-    plan = CursorPlan(start=0, num_actors=1, prompts_per_step=2)
-    intake = Intake(group_size=2, max_staleness=1, plan=plan)
-    seq = iter(range(100))
-
-    def deliver(group: int, version: int, sampled_under: int):
-        return [intake.receive(trajectory(group, i, seq=next(seq), versions=(sampled_under,), group_size=2), version)
-                for i in range(2)][-1]
+    intake, deliver = one_actors_groups_of_two()
+    plan = intake.plan
 
     intake.published(0)  # what the actors start with
     for version, groups in [(0, (0, 1)), (1, (2, 3))]:
