@@ -94,8 +94,10 @@ class Run:
         # the abandoned timeline's newer checkpoints
         self.run_id = state.get("run_id") if checkpoint is not None and not is_branch(checkpoint) else None
         self.run_id = self.run_id or uuid.uuid4().hex
-        # (checked at load: asked for; a branch of the directory's own run keeps the checkpoint it resumes from)
-        if cfg.logging.overwrite and run_of(self.dir) not in (None, self.run_id, state.get("run_id")):
+        # (checked at load: asked for; a branch of the directory's own run keeps the checkpoint it resumes from, and
+        # nothing is deleted where that checkpoint is one of the directory's, whichever run wrote it)
+        inside = checkpoint is not None and (self.dir / "checkpoints").resolve() in checkpoint.resolve().parents
+        if cfg.logging.overwrite and not inside and run_of(self.dir) not in (None, self.run_id, state.get("run_id")):
             shutil.rmtree(self.dir / "checkpoints", ignore_errors=True)
             for old in [*self.dir.glob("events.out.tfevents.*"), self.dir / "summary.json", self.dir / ROLLOUTS]:
                 old.unlink(missing_ok=True)

@@ -16,7 +16,7 @@ def write(root, step: int, run_id: str, payload: bytes = b"weights") -> None:
     (partial(final) / "hf" / "model.safetensors").write_bytes(payload)
     (partial(final) / "deepspeed").mkdir()
     (partial(final) / "deepspeed" / "state.pt").write_bytes(b"optimizer")
-    seal(final, {"version": step, "run_id": run_id})
+    seal(final, {"version": step, "run_id": run_id, "data_cursor": 2 * step})
 
 
 def test_a_resume_takes_only_a_checkpoint_dir_by_its_name_and_whole_parts(tmp_path):
@@ -145,3 +145,33 @@ def test_rank_zero_waits_for_a_shared_directory_to_show_another_ranks_file(tmp_p
     late.join()
     with pytest.raises(UnsharedDirectory, match="rank_2"):
         check_sees_all(tmp_path, [[], ["rank_2"]], wait_s=1.5)
+
+
+def test_overwrite_never_deletes_the_checkpoint_a_run_resumes_from(tmp_path):
+    """A directory whose newest checkpoints are a branch's (run b) resumed again from run a's older one, with
+    logging.overwrite: the driver took the directory for another run's and deleted every checkpoint, the one it was
+    about to load included. Another run's directory, resumed from elsewhere, is still cleared."""
+    from omegaconf import OmegaConf
+
+    from driver.run import Run
+
+    (tmp_path / RUN_FILE).write_text(json.dumps({"run_id": "b"}))
+    write(tmp_path, 2, "a")
+    write(tmp_path, 3, "b")
+    write(tmp_path, 4, "b")
+
+    def take(directory, resume_from):
+        run = object.__new__(Run)
+        run.cfg = OmegaConf.create({"logging": {"overwrite": True}, "trainer": {"resume_from": str(resume_from)}})
+        run.dir = directory
+        return run._take_run_dir()
+
+    checkpoint, state = take(tmp_path, tmp_path / "checkpoints" / "step_2")
+    assert checkpoint.name == "step_2" and state["version"] == 2
+    assert all((tmp_path / "checkpoints" / f"step_{n}").is_dir() for n in (2, 3, 4))
+    other = tmp_path / "other"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / RUN_FILE).write_text(json.dumps({"run_id": "c"}))
+    write(other, 5, "c")
+    take(other, tmp_path / "checkpoints" / "step_2")
+    assert not (other / "checkpoints").exists()  # another run's, not the one resumed: overwritten as asked
