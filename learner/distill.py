@@ -131,6 +131,7 @@ class DraftDistiller:
         self.version = 0  # of the running drafter (0: the one the actors started with)
         self.outgoing: list[tuple[str, torch.Tensor]] | None = None  # a draft version to publish
         self.rejected = 0
+        self.nonfinite = 0  # batches skipped: their loss or gradient not finite
         self.gated_at = 0  # the policy version of the last gate
         self.learned = False  # the candidate has trained since it was made
 
@@ -191,7 +192,11 @@ class DraftDistiller:
             loss = (kl * weight).sum() / weight.sum().clamp(min=1)
             self.optimizer.zero_grad()
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            # a batch whose loss or gradient is not finite (the policy's forward of a step it skipped, say) is
+            # skipped: one such step scales every gradient by NaN, and the candidate would be NaN for good
+            if not torch.isfinite(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)):
+                self.nonfinite += 1
+                continue
             self.optimizer.step()
             losses.append(loss.item())
         self.learned = self.learned or bool(losses)
@@ -213,6 +218,7 @@ class DraftDistiller:
         return {**{f"draft/{name}_acceptance": value for name, value in acceptance.items()},
                 "draft/loss": sum(losses) / max(len(losses), 1), "draft/version": float(self.version),
                 "draft/rejected_swaps": float(self.rejected), "draft/alarm": float(running < ALARM_BELOW),
+                "draft/nonfinite_batches": float(self.nonfinite),
                 "draft/train_seconds": time.time() - start}
 
     def save(self, directory: Path) -> None:

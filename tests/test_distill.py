@@ -3,6 +3,7 @@ proposed, distillation on the policy's outputs raises the draft's acceptance, th
 out, and a broken running drafter raises the alarm."""
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -155,6 +156,17 @@ def test_a_worse_candidate_is_kept_out_and_a_broken_drafter_raises_the_alarm(pol
     assert distiller.take_outgoing() is None and distiller.version == 0 and metrics["draft/rejected_swaps"] == 1
     distiller.running.load_state_dict(distiller.model.state_dict())  # had it gone out: the alarm
     assert distiller.step(3, learnt(policy_batches))["draft/alarm"] == 1.0
+
+
+def test_a_batch_whose_loss_is_not_finite_is_skipped_and_the_candidate_stays_finite(policy_batches):
+    """The policy's forward of a step the learner skipped (not finite) reached the distiller: one such batch scaled
+    every gradient by NaN, and the candidate stayed NaN for the rest of the run, rejected at every gate."""
+    distiller = DraftDistiller(config(lr=3e-4))
+    batches = learnt(policy_batches)
+    batches[0].probs = torch.full_like(batches[0].probs, float("nan"))
+    metrics = distiller.step(1, batches)
+    assert metrics["draft/nonfinite_batches"] >= 1 and math.isfinite(metrics["draft/loss"])  # (its rows regrouped)
+    assert all(torch.isfinite(p).all() for p in distiller.model.parameters())
 
 
 @pytest.mark.engine
