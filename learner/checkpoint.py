@@ -1,8 +1,8 @@
 """Checkpoints of a run, and which one a resume or a restart takes.
 
 A checkpoint is a directory `checkpoints/step_N/` of a run: `deepspeed/` (weights and optimizer), `hf/` (the
-weights as a Hugging Face checkpoint, what resumed actors load), with online distillation `draft/` (the running
-draft LM and its version, which a resumed run publishes first), `state.json` (`version` = step counter,
+weights as a Hugging Face checkpoint, what resumed actors load), with online distillation `draft/` (the newest
+draft LM version handed to the actors, which a resumed run publishes first), `state.json` (`version` = step counter,
 `data_cursor` = one past the newest prompt trained on, counters) and `manifest.json` (the run's id and every file
 with its size and sha256). It is written as `step_N.partial/`, fsynced, and renamed into place only when whole, so a crash
 leaves either the previous checkpoint or the new one; resuming from a run directory takes the newest *complete*

@@ -221,15 +221,6 @@ class DraftDistiller:
                 "draft/nonfinite_batches": float(self.nonfinite),
                 "draft/train_seconds": time.time() - start}
 
-    def save(self, directory: Path) -> None:
-        """The running draft LM (what the actors draft with) and its version, for a checkpoint."""
-        from safetensors.torch import save_file
-
-        directory.mkdir(parents=True, exist_ok=True)
-        save_file({n: t.detach().to("cpu", copy=True).contiguous() for n, t in self.running.state_dict().items()},
-                  str(directory / "model.safetensors"))
-        (directory / "version.json").write_text(json.dumps({"version": self.version}))
-
     def load(self, directory: Path) -> None:
         """A resumed run continues from a checkpoint's draft LM, which the actors get with the first publish."""
         from safetensors.torch import load_file
@@ -372,23 +363,28 @@ class RemoteDistiller:
         """For the run's summary."""
         return {"distiller_restarts": self.restarts, "distillation_off": self.failed}
 
-    def save(self, directory: Path) -> None:  # after the distillation under way (the actor runs one call at a time)
-        """The running draft LM into a checkpoint; a distiller that died is replaced first. If distillation is off,
-        the checkpoint has no draft LM, and a run resumed from it starts from the base one."""
-        import ray
-
-        while not self.failed:
-            try:
-                ray.get(self.worker.save.remote(directory))
-                return
-            except ray.exceptions.RayError as e:
-                self.replace(e)
+    def save(self, directory: Path) -> None:
+        """The newest draft version handed out (what the actors run, or are about to) into a checkpoint, from rank
+        0's own copy: a distiller busy in a step, or hung, never holds a checkpoint up. With none handed out yet, or
+        distillation off, the checkpoint has no draft LM, and a run resumed from it starts from the base one."""
+        if self.newest is not None and not self.failed:
+            save_draft(directory, *self.newest)
 
     def load(self, directory: Path) -> None:
         import ray
 
         ray.get(self.worker.load.remote(directory))
         self.outgoing = self.newest = ray.get(self.worker.take_outgoing.remote())
+
+
+def save_draft(directory: Path, version: int, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """A draft LM version and its weights (checkpoint names), as `DraftDistiller.load` reads them."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.detach().to("cpu", copy=True).contiguous() for n, t in weights},
+              str(directory / "model.safetensors"))
+    (directory / "version.json").write_text(json.dumps({"version": version}))
 
 
 def teacher_batch(cfg: DictConfig, trajectories: list[Trajectory], teacher: torch.Tensor) -> Batch:
