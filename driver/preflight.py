@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from configs.load import ConfigError, check_model, find_config, load_config
 from drafters.base import DrafterLoadError, drafter_class
-from learner.checkpoint import checkpoint_state
+from learner.checkpoint import RESUME_KEYS, checkpoint_state
 from transport.messages import MAX_DRAFTERS, MAX_NAME
 
 
@@ -86,6 +86,11 @@ def check_checkpoints(path: Path, cfg: DictConfig) -> None:
         if step >= cfg.trainer.steps:
             raise ConfigError(f"{path}: key 'trainer.resume_from' is at step {step} but trainer.steps = "
                               f"{cfg.trainer.steps}; raise trainer.steps to train further")
+        for key, value in state.get("config", {}).items():  # (a checkpoint written before they were kept: none)
+            if key in RESUME_KEYS and OmegaConf.select(cfg, key) != value:
+                raise ConfigError(f"{path}: key '{key}' = {OmegaConf.select(cfg, key)!r}, but the checkpoint "
+                                  f"trainer.resume_from names was written with {value!r}: a resumed run keeps it (its "
+                                  "weights, data order or optimizer state depend on it)")
     try:  # a directory that holds another run's checkpoints is that run's, unless this run continues it
         held, state = checkpoint_state(cfg.logging.dir)
     except (FileNotFoundError, KeyError, ValueError):

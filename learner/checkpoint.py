@@ -26,6 +26,8 @@ import socket
 import time
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from learner.exchange import gather_full_state
 from models.zoo import copy_tokenizer
 
@@ -97,6 +99,11 @@ def is_branch(checkpoint: Path) -> bool:
         return find_checkpoint(str(checkpoint.parent.parent)) != checkpoint
     except FileNotFoundError:
         return False
+
+
+# what a resumed run must keep: the policy its weights belong to, the data order its cursor counts in, the shape of
+# the optimizer state its ranks saved (state.json holds them; driver/preflight.py compares them at load)
+RESUME_KEYS = ("model.path", "seed", "data.source", "data.size", "learner.num_ranks", "learner.zero_stage")
 
 
 def checkpoint_state(path: str) -> tuple[Path, dict]:
@@ -194,7 +201,7 @@ class RankCheckpoints:
         check_sees_all(partial(final), seen_by_rank, SHARED_WAIT_S)
         with self.lock:
             state = {"version": self.version, "run_id": run_id, "skipped_steps": self.skipped_steps,
-                     **self.intake.state()}
+                     "config": {key: OmegaConf.select(self.cfg, key) for key in RESUME_KEYS}, **self.intake.state()}
         seal(final, state)
         return str(final)
 

@@ -119,6 +119,32 @@ def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints_unless
                                      "logging.overwrite=false"])
 
 
+@pytest.mark.parametrize("override,key", [("model.path=builtin:moe", "model.path"), ("seed=7", "seed"),
+                                          ("learner.zero_stage=3", "learner.zero_stage")])
+def test_a_resume_keeps_what_its_checkpoints_weights_data_order_and_optimizer_state_depend_on(tmp_path, override, key):
+    """The checkpoint's weights were trained from its model, its data cursor counts in its seed's order, its optimizer
+    state is sharded as its ranks were: a resume that changes one of them is refused at load, naming the key (it
+    trained another model silently, took other prompts, or failed inside DeepSpeed)."""
+    from configs.load import ConfigError, load_config
+    from driver.preflight import load_run_config
+    from learner.checkpoint import RESUME_KEYS
+    from omegaconf import OmegaConf
+
+    cfg = load_config("grpo_tiny", [])
+    final = tmp_path / "checkpoints" / "step_2"
+    (partial(final) / "hf").mkdir(parents=True)
+    (partial(final) / "hf" / "model.safetensors").write_bytes(b"weights")
+    (partial(final) / "deepspeed").mkdir()
+    (partial(final) / "deepspeed" / "state.pt").write_bytes(b"optimizer")
+    seal(final, {"version": 2, "run_id": "a", "data_cursor": 4,
+                 "config": {k: OmegaConf.select(cfg, k) for k in RESUME_KEYS}})
+    (tmp_path / RUN_FILE).write_text(json.dumps({"run_id": "a"}))
+    resume = ["trainer.steps=20", f"logging.dir={tmp_path}", f"trainer.resume_from={tmp_path}"]
+    assert load_run_config("grpo_tiny", resume)
+    with pytest.raises(ConfigError, match=rf"key '{key}'.*written with"):
+        load_run_config("grpo_tiny", [*resume, override])
+
+
 def test_rank_zero_seals_only_when_it_sees_every_ranks_files(tmp_path):
     """Two learner nodes, each writing its rank's shard on its own disk: rank 0 must refuse, naming the file."""
     def save(node, rank: int):
