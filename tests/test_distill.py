@@ -201,7 +201,7 @@ def test_distillation_never_holds_the_learner_back(policy_batches, tmp_path):
         assert distiller.skipped == 2
         policy = ray.get(distiller.worker.__ray_call__.remote(lambda worker: os.sched_getscheduler(0)))
         assert policy == os.SCHED_IDLE  # the thread that runs its calls takes only CPU nothing else wants
-        distiller.save(tmp_path / "draft")  # after step 4's distillation, under way
+        distiller.save(tmp_path / "draft")  # rank 0's copy of the newest version handed out: no call to wait on
         assert json.loads((tmp_path / "draft" / "version.json").read_text())["version"] >= 1
         step(5)
         ray.get(distiller.running)
@@ -216,8 +216,9 @@ def test_distillation_never_holds_the_learner_back(policy_batches, tmp_path):
         assert adopted == version >= 1 and len(running) == len(published)
         assert all(torch.equal(running[n], t) for n, t in published)
         assert step(8) == {} and distiller.running is not None  # handed over to the replacement
-        distiller.save(tmp_path / "replaced")  # after step 8's distillation: the replacement's running draft LM
+        distiller.save(tmp_path / "replaced")  # while step 8 is learnt: the version the replacement adopted
         assert json.loads((tmp_path / "replaced" / "version.json").read_text())["version"] == version
+        ray.get(distiller.running)
         metrics = step(9)  # step 8's metrics, learnt by the replacement
         assert metrics["draft/version"] == version and metrics["draft/loss"] > 0 and metrics["draft/restarts"] == 1.0
         ray.get(distiller.running)
