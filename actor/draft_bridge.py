@@ -353,7 +353,9 @@ class DrafterBridge:
             asked = self._worth_drafting_now(asked, base_tokens, ready)
         start = time.perf_counter()
         if asked:
-            allowed, unseen = [r.max_tokens for _, r in asked], sum(self._unseen(r) for _, r in asked)
+            allowed = [r.max_tokens for _, r in asked]
+            # decoupled: what drafting these misses now catches up on, for its cost (serial: `_draft` counts it)
+            unseen = sum(self._unseen(r) for _, r in asked) if self.ahead is not None else 0
             with self.watch.running("propose"), guarded(self.drafter):
                 fresh = self.drafter.propose([r for _, r in asked], max(allowed))
                 fresh, rated = plain_answers(fresh, self.drafter.confidences(), allowed, self.vocab_size, self.name)

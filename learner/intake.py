@@ -75,7 +75,8 @@ class Intake:
         self.spoken: set[int] = set()  # actors heard from since they (or their replacement) started
         self.watched: dict[int, int] = {}  # actor -> the incarnation followed (its newest replacement's)
         self.held: list[list[Trajectory]] = []  # whole groups kept back for the next step (`keep_back`)
-        # weight version -> the cursor lead sent with it (`published`; the versions this process started with or sent)
+        # weight version -> the cursor lead sent with it (`published`: the version this process started with, first,
+        # then each it sent, in order; so its first key is the oldest)
         self.leads: dict[int, int] = {}
         self.refused: set[int] = set()  # group ids a sample of which was refused (bad data): no step waits for them
         self.pruned_at = -1  # the weight version `pending` was last cleared of groups too stale to train
@@ -218,7 +219,7 @@ class Intake:
         # group said to be older was never generated (forged whole and stale, it would take its cursor's place, and
         # the owner's real group would then be a duplicate the step waits for in vain)
         oldest = min(t.policy_versions)
-        if self.leads and (oldest < min(self.leads) or oldest in self.leads and not self.plan.admits(
+        if self.leads and (oldest < next(iter(self.leads)) or oldest in self.leads and not self.plan.admits(
                 t.group_id, oldest, self.max_staleness, self.leads[oldest])):  # (below: before this process started)
             return "before_admission"
         return None
