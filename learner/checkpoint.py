@@ -1,14 +1,14 @@
 """Checkpoints of a run, and which one a resume or a restart takes.
 
-A checkpoint is a directory `checkpoints/step_N/` of a run: `deepspeed/` (weights and optimizer), `hf/` (the
-weights as a Hugging Face checkpoint, what resumed actors load), with online distillation `draft/` (the newest
-draft LM version handed to the actors, which a resumed run publishes first), `state.json` (`version` = step counter,
-`data_cursor` = one past the newest prompt trained on, counters) and `manifest.json` (the run's id and every file
-with its size and sha256). It is written as `step_N.partial/`, fsynced, and renamed into place only when whole, so a crash
+A checkpoint is a directory `checkpoints/step_N/` of a run: `deepspeed/` (weights and optimizer), `hf/` (the weights as
+a Hugging Face checkpoint, what resumed actors load), with online distillation `draft/` (the newest draft LM version
+handed to the actors, which a resumed run publishes first), `state.json` (`version` = step counter, `data_cursor` = one
+past the newest prompt trained on, counters) and `manifest.json` (the run's id and every file with its size and
+sha256). It is written into an emptied `step_N.partial/`, fsynced, and renamed into place only when whole, so a crash
 leaves either the previous checkpoint or the new one; resuming from a run directory takes the newest *complete*
-checkpoint *of the run that last wrote the directory* (`run.json`), never a checkpoint an earlier run left there.
-A resumed run continues at that step and that cursor (and that run id); prompts in flight but untrained at
-checkpoint time are skipped, not repeated.
+checkpoint *of the run that last wrote the directory* (`run.json`), never a checkpoint an earlier run left there. A
+resumed run continues at that step and that cursor (and that run id); prompts in flight but untrained at checkpoint
+time are skipped, not repeated.
 
 With learner ranks on several nodes every rank writes its shard into the same directory, so `logging.dir` must be
 one that every learner node shares (a network file system): rank 0 checks it sees every rank's files when the ranks
@@ -26,6 +26,7 @@ import socket
 import time
 from pathlib import Path
 
+import torch
 from omegaconf import OmegaConf
 
 from learner.exchange import gather_full_state
@@ -33,7 +34,7 @@ from models.zoo import copy_tokenizer
 
 MANIFEST = "manifest.json"
 REQUIRED = {"state.json", "hf", "deepspeed"}  # what every checkpoint's manifest lists (files, or files under them)
-STEP_DIR = re.compile(r"step_([0-9]+)")  # checkpoints/step_N
+STEP_DIR = re.compile(r"step_([0-9]+)(\.old)?")  # checkpoints/step_N (step_N.old: see `seal`)
 SHARED_WAIT_S = 60.0  # how long rank 0 waits to see another rank's files before it calls logging.dir unshared
 RUN_FILE = "run.json"  # in a run directory: {"run_id": ...} of the run that writes its checkpoints
 
@@ -83,8 +84,9 @@ def find_checkpoint(path: str) -> Path:
                                     "lists files that are not there whole, by size and sha256)")
         return root
     run_id = run_of(root)
+    # newest first; at one step, step_N before step_N.old (what a crash between `seal`'s two renames leaves)
     steps = sorted((p for p in root.glob("checkpoints/step_*") if STEP_DIR.fullmatch(p.name)),
-                   key=lambda p: int(STEP_DIR.fullmatch(p.name)[1]), reverse=True)
+                   key=lambda p: (int(STEP_DIR.fullmatch(p.name)[1]), not p.name.endswith(".old")), reverse=True)
     for step in steps:
         listed = manifest(step)
         if listed is not None and (run_id is None or listed.get("run_id") == run_id):
@@ -127,7 +129,8 @@ def partial(final: Path) -> Path:
 
 def seal(final: Path, state: dict) -> None:
     """Writes state.json and the manifest into the fully written `partial(final)` directory, fsyncs every file and
-    directory, and renames it to `final` (replacing an older checkpoint of that name) in one step."""
+    directory, and renames it to `final`. An older checkpoint of that name is first renamed `final.old`, which
+    `find_checkpoint` takes while `final` is missing (a crash between the two renames), and removed after."""
     partial_dir = partial(final)
     (partial_dir / "state.json").write_text(json.dumps(state, indent=2))
     files = {str(p.relative_to(partial_dir)): {"size": p.stat().st_size, "sha256": _sha256(p)}
@@ -186,7 +189,10 @@ class RankCheckpoints:
         """Every rank: `root/step_<version>.partial/` with the DeepSpeed state (weights, optimizer) and the weights
         as a Hugging Face checkpoint (what resumed actors load); returns the files this rank sees there then, for
         `seal_checkpoint`."""
-        path = partial(Path(root) / f"step_{self.version}")  # files a crash mid-save left are overwritten
+        path = partial(Path(root) / f"step_{self.version}")
+        if self.rank == 0:  # what a save that crashed left there is never sealed into this one
+            shutil.rmtree(path, ignore_errors=True)
+        torch.distributed.barrier()
         self.engine.save_checkpoint(str(path / "deepspeed"), tag="state")
         self.save_pretrained(str(path / "hf"))
         if self.distiller is not None:  # the distilled draft LM the actors run

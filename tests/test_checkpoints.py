@@ -201,3 +201,16 @@ def test_overwrite_never_deletes_the_checkpoint_a_run_resumes_from(tmp_path):
     write(other, 5, "c")
     take(other, tmp_path / "checkpoints" / "step_2")
     assert not (other / "checkpoints").exists()  # another run's, not the one resumed: overwritten as asked
+
+
+def test_a_crash_between_the_two_renames_of_a_seal_keeps_the_checkpoint_of_that_step(tmp_path):
+    """Sealing step 5 again renames the old step_5 to step_5.old, then step_5.partial to step_5: a crash between them
+    leaves no step_5, and the resume takes step_5.old (the same step), not step_2."""
+    (tmp_path / RUN_FILE).write_text(json.dumps({"run_id": "a"}))
+    write(tmp_path, 2, "a")
+    write(tmp_path, 5, "a", b"step 5")
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "step_5").rename(checkpoints / "step_5.old")
+    assert find_checkpoint(str(tmp_path)).name == "step_5.old"
+    write(tmp_path, 5, "a", b"step 5 again")  # the next seal of step 5 takes its place, and removes the .old
+    assert find_checkpoint(str(tmp_path)).name == "step_5" and not (checkpoints / "step_5.old").exists()

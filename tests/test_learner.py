@@ -3,6 +3,7 @@ response of each group is more likely and the unrewarded ones less likely (real 
 a step split over several ranks is the step one rank takes."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -434,3 +435,24 @@ def test_a_group_of_equal_rewards_has_no_advantage_whatever_their_value(group_si
         advantages = group_advantages(rewards, normalize_std)
         assert torch.equal(advantages[:-1], torch.zeros(len(equal), group_size))
         assert advantages[-1, 0] > 0 and (advantages[-1, 1:] < 0).all()
+
+
+def test_a_checkpoint_never_seals_what_a_crashed_save_left_in_its_partial_directory(tmp_path):
+    """A save that crashed left `step_0.partial/` with a stray file and an optimizer shard of another layout: the next
+    save of that step starts from an empty directory, so neither is sealed into (nor listed by) the checkpoint."""
+    from learner.checkpoint import manifest, partial
+    from learner.learner import Learner
+
+    model_dir = str(resolve("builtin:dense"))
+    learner = Learner(load_config("grpo_tiny", ["transport.auth=none"]), model_dir, model_dir, CursorPlan(0, 1, 2))
+    learner.start()
+    root = tmp_path / "checkpoints"
+    leftover = partial(root / "step_0")
+    (leftover / "draft").mkdir(parents=True)
+    (leftover / "draft" / "model.safetensors").write_bytes(b"a draft LM no version handed out")
+    (leftover / "deepspeed" / "state").mkdir(parents=True)
+    (leftover / "deepspeed" / "state" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"rank 1 of 2")
+    sealed = Path(learner.seal_checkpoint(str(root), "run", [learner.save_checkpoint(str(root))]))
+    listed = manifest(sealed)["files"]
+    assert not (sealed / "draft").exists() and not any("rank_1" in name for name in listed)
+    assert any(name.startswith("deepspeed/") for name in listed) and not leftover.exists()
