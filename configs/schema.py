@@ -160,8 +160,8 @@ class DistillConfig:
                                "committed", at_least(0))
     num_gpus: float = knob(0.0, "share of rank 0's GPU the distiller runs on (rank 0 keeps the rest; 0: CPU; > 0 "
                            "only when cluster.device is cuda)", between(0, 1, "[)", "a share of rank 0's GPU"))
-    max_restarts: int = knob(3, "a distiller that dies is replaced (from the newest draft version) this often per "
-                             "run", at_least(0))
+    max_restarts: int = knob(3, "a distiller that dies, or hangs in a step past trainer.step_timeout_s, is replaced "
+                             "(from the newest draft version) this often per run", at_least(0))
     zero_advantage_rows: bool = knob(False, "also teach from the rows the GRPO step does not train (zero advantage): "
                                      "rank 0 forwards them for the distiller after publishing each step (under ZeRO-3 "
                                      "every rank, every step), a forward of its own; false: the distiller learns from "
@@ -263,8 +263,8 @@ class TrainerConfig:
     step_timeout_s: float = knob(
         1800.0, "learner ranks that have not finished a step's training, publishing or checkpoint this long (a "
         "stopped process, a stuck collective: alive to Ray, so nothing else notices) are taken for lost, as a dead "
-        "rank is, and the "
-        "run restarts from its newest checkpoint (0: never)",
+        "rank is, and the run restarts from its newest checkpoint; a draft LM distiller's step this long is "
+        "taken for a dead distiller (speculation.distill.max_restarts) (0: never)",
         zero_or_between(STALL_FLOOR_S, MAX_TIMEOUT_S, "never", "beyond the longest step a healthy learner takes"))
     deterministic: bool = knob(
         False, "true: bit-reproducible runs (needs algorithm.max_staleness 0): groups trained in data-cursor order, "

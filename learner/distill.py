@@ -276,6 +276,7 @@ class RemoteDistiller:
         self.batches: list[Batch] = []
         self.deferred: list[list[Trajectory]] = []  # rows for `start` to have forwarded (`defer`)
         self.running = None  # the ObjectRef of the distillation (or a replacement's `adopt`) under way
+        self.running_since = 0.0  # when it was handed out (time.monotonic)
         self.outgoing: tuple | None = None
         self.newest: tuple | None = None  # the newest draft version handed out: where a replacement starts
         self.skipped = 0  # steps whose trajectories came while the actor was busy
@@ -310,6 +311,9 @@ class RemoteDistiller:
             return {}
         if self.running is not None:
             if not ray.wait([self.running], timeout=0)[0]:
+                limit, ran = self.cfg.trainer.step_timeout_s, time.monotonic() - self.running_since
+                if limit and ran > limit:  # hung (a stopped process, a stuck kernel): alive to Ray, so only time tells
+                    return self.replace(TimeoutError(f"its step has run {ran:.0f} s, past trainer.step_timeout_s"))
                 self.batches, self.skipped = [], self.skipped + 1
                 return {"draft/skipped_steps": float(self.skipped)}
             try:
@@ -324,7 +328,7 @@ class RemoteDistiller:
                 self.observe(rows, teacher(rows))
         batches, self.batches = self.batches, []
         if batches:
-            self.running = self.worker.run_step.remote(policy_version, batches)
+            self.running, self.running_since = self.worker.run_step.remote(policy_version, batches), time.monotonic()
         else:  # it was busy when the step began (`ready`), so nothing was observed: skipped
             self.skipped += 1
         if batches and not metrics:
@@ -336,10 +340,10 @@ class RemoteDistiller:
         return outgoing
 
     def replace(self, error: Exception) -> dict[str, float]:
-        """The actor died or raised: a new one starts from the newest draft version handed out (the one the actors
-        run or are about to), while `speculation.distill.max_restarts` allows; the step it was learning from is
-        lost to it. After that the run goes on without distillation. Either way no trajectory depends on it (the
-        coupled sampler): nothing is lost but the drafter's updates."""
+        """The actor died, raised, or hung in a step past `trainer.step_timeout_s`: a new one starts from the newest
+        draft version handed out (the one the actors run or are about to), while `speculation.distill.max_restarts`
+        allows; the step it was learning from is lost to it. After that the run goes on without distillation. Either
+        way no trajectory depends on it (the coupled sampler): nothing is lost but the drafter's updates."""
         import ray
 
         self.running, self.batches = None, []
@@ -354,7 +358,7 @@ class RemoteDistiller:
         self.restarts += 1
         self.worker = self.spawn()
         if self.newest is not None:  # its first call: the next `start` waits for it like for a distillation
-            self.running = self.worker.adopt.remote(*self.newest)
+            self.running, self.running_since = self.worker.adopt.remote(*self.newest), time.monotonic()
         log.warning("draft LM distiller failed (%s); replacement %d of %d starts from draft version %d", reason,
                     self.restarts, self.cfg.speculation.distill.max_restarts, self.newest[0] if self.newest else 0)
         return {"draft/restarts": float(self.restarts)}

@@ -5,10 +5,12 @@ out, and a broken running drafter raises the alarm."""
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import read_write
 
 import factories
 from configs.load import load_config
@@ -233,6 +235,36 @@ def test_distillation_never_holds_the_learner_back(policy_batches, tmp_path):
 
 
 @pytest.mark.engine
+def test_a_distiller_hung_in_a_step_past_the_step_timeout_is_replaced(policy_batches):
+    """A distiller process stopped mid-step is alive to Ray, so only time tells: its step is skipped while within
+    `trainer.step_timeout_s`, and past it the distiller is taken for dead and replaced (not skipped for ever)."""
+    import signal
+
+    import ray
+
+    ray.init(num_cpus=1, include_dashboard=False)
+    try:
+        cfg = config(max_restarts=1)
+        with read_write(cfg):
+            cfg.trainer.step_timeout_s = 3.0  # (below what the loader allows, to keep the test short)
+        distiller = RemoteDistiller(cfg)
+        hung = distiller.worker
+        os.kill(ray.get(hung.__ray_call__.remote(lambda worker: os.getpid())), signal.SIGSTOP)
+
+        def step(version: int) -> dict[str, float]:
+            for rows, teacher in policy_batches:
+                distiller.observe(rows, teacher)
+            return distiller.start(version)
+
+        assert step(1) == {}  # handed to the stopped process
+        assert step(2) == {"draft/skipped_steps": 1.0}  # busy, within the timeout
+        time.sleep(3.5)
+        assert step(3) == {"draft/restarts": 1.0} and distiller.worker is not hung
+        assert step(4) == {} and ray.get(distiller.running, timeout=120)[0]["draft/loss"] > 0  # the replacement learns
+    finally:
+        ray.shutdown()
+
+
 def test_rank_0s_distiller_is_placed_in_rank_0s_bundle():
     """Made by a process in a placement group (learner rank 0, in bundle 0 of the learner's group), the distiller's
     actor goes into that bundle, whose resources (a share of rank 0's GPU on GPU clusters) are already reserved."""
