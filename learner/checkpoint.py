@@ -17,6 +17,7 @@ start (`RankCheckpoints.check_shared`) and again before it seals each checkpoint
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -40,8 +41,16 @@ RUN_FILE = "run.json"  # in a run directory: {"run_id": ...} of the run that wri
 
 
 def _sha256(path: Path) -> str:
+    stat = path.stat()
+    return _sha256_of(str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sha256_of(path: str, inode: int, size: int, mtime_ns: int) -> str:
+    """A file's sha256, read once per process while it stays the same file, size and modification time (a resume
+    checks the checkpoint at load, when it names the run id and when the run starts: one read of its bytes)."""
     digest = hashlib.sha256()
-    with path.open("rb") as f:
+    with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
             digest.update(chunk)
     return digest.hexdigest()
@@ -223,7 +232,10 @@ class RankCheckpoints:
         shutil.rmtree(directory, ignore_errors=True)
 
     def load_checkpoint(self, path: str) -> None:
-        path, state = checkpoint_state(path)
+        """Every rank: checkpoint `path` as the driver found it (`find_checkpoint`: whole, by size and sha256; a
+        rank reads it without hashing it again)."""
+        path = Path(path)
+        state = json.loads((path / "state.json").read_text())
         # the schedule follows this config (a changed learner.lr applies), fast-forwarded to the checkpoint's step
         self.engine.load_checkpoint(str(path / "deepspeed"), tag="state", load_lr_scheduler_states=False)
         self.version, self.skipped_steps = state["version"], state.get("skipped_steps", 0)

@@ -214,3 +214,20 @@ def test_a_crash_between_the_two_renames_of_a_seal_keeps_the_checkpoint_of_that_
     assert find_checkpoint(str(tmp_path)).name == "step_5.old"
     write(tmp_path, 5, "a", b"step 5 again")  # the next seal of step 5 takes its place, and removes the .old
     assert find_checkpoint(str(tmp_path)).name == "step_5" and not (checkpoints / "step_5.old").exists()
+
+
+def test_a_resume_reads_a_checkpoints_bytes_once_and_still_sees_a_file_damaged_since(tmp_path):
+    """The load check, the run id and the start each find the checkpoint (and learner ranks load the one found
+    without hashing it again): one read of each file per process, while it stays the same file; a file rewritten
+    since is hashed anew."""
+    from learner.checkpoint import _sha256_of
+
+    (tmp_path / RUN_FILE).write_text(json.dumps({"run_id": "a"}))
+    write(tmp_path, 2, "a")
+    write(tmp_path, 4, "a")
+    assert find_checkpoint(str(tmp_path)).name == "step_4"
+    read = _sha256_of.cache_info().misses
+    assert find_checkpoint(str(tmp_path)).name == "step_4" and _sha256_of.cache_info().misses == read
+    path = tmp_path / "checkpoints" / "step_4" / "hf" / "model.safetensors"
+    path.write_bytes(b"weighTs")  # the same size, rewritten
+    assert find_checkpoint(str(tmp_path)).name == "step_2"
