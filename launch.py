@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run = Run(cfg)  # Ray, learner ranks (rank 0: trajectory inbox + weight publisher), rollout actors generating
-    except ConfigError as e:  # what only the model can tell: a data file's prompt that it cannot hold
+    except ConfigError as e:  # what only the model or the cluster can tell: a prompt too long, an unreachable host
         print(f"config error: {e}", file=sys.stderr)
         return 2
     try:

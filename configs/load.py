@@ -49,10 +49,10 @@ def load_config(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
     path = find_config(name_or_path)
     try:
         from_file = OmegaConf.load(path)
-    except (yaml.YAMLError, OmegaConfBaseException) as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except (yaml.YAMLError, OmegaConfBaseException, ValueError) as e:  # ValueError: an int of 4,300+ digits
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(from_file, DictConfig):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     cfg = OmegaConf.structured(Config)
@@ -68,15 +68,17 @@ def load_config(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
         try:
             given = OmegaConf.from_dotlist([item])
             cfg = OmegaConf.merge(cfg, given)
-        except yaml.YAMLError as e:  # the value is parsed as YAML: `[` unclosed, `*x` an unknown alias, ...
-            raise ConfigError(f"{where}: its value is not valid YAML ({str(e).splitlines()[0]})") from None
         except (OmegaConfBaseException, TypeError) as e:
             raise ConfigError(f"{where}: {_explain(e)}") from None
+        except (yaml.YAMLError, ValueError) as e:  # parsed as YAML: `[` unclosed, `*x` an unknown alias, 10**5000
+            raise ConfigError(f"{where}: its value is not valid YAML ({str(e).splitlines()[0]})") from None
         _refuse_numbers_for_switches(given, cfg, where)
     try:  # interpolations (${...}) resolved here, so a bad one is a config error naming its key, not a traceback
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
         raise ConfigError(f"{path}: {_explain(e)}") from None
+    if isinstance(cfg.logging.dir, str):  # expanded once, here: every later use (and config.yaml) names one place
+        cfg.logging.dir = os.path.expanduser(cfg.logging.dir)
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"{path}: required key '{missing[0]}' is not set; set it in the file or pass "
@@ -121,6 +123,10 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
             load_jsonl(source)
         except DataFormatError as e:
             raise ConfigError(f"{path}: key '{key}' = {source!r}: {e}") from None
+    sources = jsonl_sources(cfg.data)
+    if len(sources) == 2 and len({Path(source).expanduser().resolve() for source in sources.values()}) == 1:
+        raise ConfigError(f"{path}: key 'data.eval_source' = {cfg.data.eval_source!r} is data.source's file: the "
+                          "held-out problems would be the training problems")
     if cfg.trainer.eval_every > 0:
         try:  # the held-out set exists (a finite training set can leave too few problems outside it)
             eval_set(cfg.data, cfg.seed)
@@ -154,6 +160,11 @@ def _across_sections(cfg: DictConfig) -> list[tuple[str, bool, str]]:
          <= INBOX_MIB << 20, f"times one trajectory's bytes at model.max_model_len {cfg.model.max_model_len} "
          f"({trajectory_bytes(cfg.model.max_model_len) >> 10} KiB) must be <= {INBOX_MIB} MiB: what one peer can make "
          "the learner's inbox queue"),
+        ("rollout.tensor_parallel_size", cfg.rollout.tensor_parallel_size == 1 or cfg.cluster.device.value == "cuda",
+         f"must be 1 unless cluster.device is cuda (it is {cfg.cluster.device.value!r}): a CPU engine is one device"),
+        ("cluster.num_cpus", cfg.cluster.num_cpus is None or cfg.cluster.address is None,
+         f"is for an embedded Ray (cluster.address null, here {cfg.cluster.address!r}): a cluster's nodes offer the "
+         "CPUs their `ray start --num-cpus` gave"),
         ("rollout.group_size", batch <= MAX_STEP_TRAJECTORIES, f"times rollout.prompts_per_step must be <= "
          f"{MAX_STEP_TRAJECTORIES} trajectories a step (rank 0 holds a step's trajectories; it is {batch})"),
         ("learner.micro_batch_size", batch % (cfg.learner.micro_batch_size * cfg.learner.num_ranks) == 0,
@@ -194,7 +205,7 @@ def _check_places(path: Path, cfg: DictConfig) -> None:
                 probe.bind((host, 0))
             except OSError as e:
                 raise ConfigError(f"{path}: key 'transport.host' = {host!r} cannot be bound here: {e}") from None
-    directory = Path(cfg.logging.dir).expanduser().absolute()
+    directory = Path(cfg.logging.dir).absolute()
     existing = next(p for p in [directory, *directory.parents] if p.exists())
     try:  # written to, not judged by its mode bits (root passes those everywhere)
         tempfile.TemporaryFile(dir=existing).close()

@@ -16,8 +16,8 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
-from configs.knobs import at_least, between, knob, more_than, named, one_of, zero_or_between
-from sampling.coupled import MAX_RUN_SEED
+from configs.knobs import Rule, at_least, between, knob, more_than, named, one_of, zero_or_between
+from sampling.coupled import GREEDY_BELOW, MAX_RUN_SEED
 from tasks.arithmetic import ArithmeticTask
 from transport.messages import MAX_TOKENS
 
@@ -29,6 +29,13 @@ MAX_TRAINING_SET = 1_000_000  # data.size: larger finite sets are as good as end
 MAX_EVAL_SIZE = 10_000  # data.eval_size: an evaluation answers each problem (GSM8K's test split has 1,319)
 MAX_STEP_TRAJECTORIES = 1 << 20  # rollout.prompts_per_step x group_size: a step's trajectories, held by rank 0
 # the most transport.trajectory_queue x one trajectory's bytes: what one connection queues in the inbox
+MAX_TOP_K = (1 << 31) - 1  # rollout.top_k: engines hold it as int32; any k past the vocabulary means off
+MAX_CPUS = 1_000_000  # cluster.num_cpus: more than any machine offers (Ray fails to start a node at 2^40)
+RAY_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")  # Ray's own, not custom resources a role can name
+CUSTOM_RESOURCE = Rule(lambda v: bool(str(v).strip()) and v not in RAY_RESOURCES
+                       and not str(v).startswith(("node:", "accelerator_type:")),
+                       "a custom resource's name, not empty nor one of Ray's own (CPU, GPU, memory, "
+                       "object_store_memory, node:..., accelerator_type:...)")
 INBOX_MIB = 16384
 
 
@@ -109,15 +116,18 @@ class RolloutConfig:
     """The rollout actors: how many, and how each samples."""
 
     num_actors: int = knob(1, "rollout actors, each with its own engine", at_least(1))
-    tensor_parallel_size: int = knob(1, "devices per rollout engine (cuda only)", at_least(1))
+    tensor_parallel_size: int = knob(1, "devices per rollout engine (cuda only: 1 on cpu)", at_least(1))
     prompts_per_step: int = knob(4, "GRPO groups consumed per learner step", at_least(1))
     group_size: int = knob(8, "samples per prompt", at_least(2, "GRPO compares samples within a group"))
     max_tokens: int = knob(400, "the longest answer sampled, in tokens; below model.max_model_len (the prompt needs "
                            "room too)", at_least(1))
-    temperature: float = knob(1.0, "sampling temperature (0: greedy)", at_least(0))
+    temperature: float = knob(1.0, "sampling temperature (held-out evaluation answers greedily besides)",
+                              at_least(GREEDY_BELOW, "below it the engine samples greedily: every sample of a group "
+                                       "is the same, every advantage 0, and GRPO learns nothing"))
     top_p: float = knob(1.0, "nucleus sampling: the smallest set of tokens holding this much probability",
                         between(0, 1, "(]"))
-    top_k: int = knob(0, "sample among the k most likely tokens (0: off)", at_least(0, "0: off"))
+    top_k: int = knob(0, "sample among the k most likely tokens (0, or more than the vocabulary: off)",
+                      between(0, MAX_TOP_K))
     kv_cache_mib: int = knob(256, "KV cache per device: the CPU engine's, or each GPU's of a tensor-parallel engine; "
                              "holds at least one request of model.max_model_len, and on a CPU host that runs the "
                              "whole run every actor's fits in its memory (both checked at load)", at_least(1))
@@ -254,7 +264,8 @@ class TrainerConfig:
                            "greedily and at the rollout temperature under their current weights, beside training; "
                            "logged as eval/* at the step it started", at_least(0, "0: no held-out evaluation"))
     resume_from: Optional[str] = knob(None, "a checkpoint (checkpoints/step_N) or a run directory (its newest one); "
-                                      "it must be behind trainer.steps")
+                                      "it must be behind trainer.steps. null: a fresh run",
+                                      named("a checkpoint or a run directory"))
     max_learner_restarts: int = knob(
         2, "a learner rank whose process dies (killed, out of memory, its node lost) restarts every process of the "
         "run from its newest checkpoint (its start, if none was written yet: trainer.checkpoint_every), this often "
@@ -279,7 +290,8 @@ class TransportConfig:
     """The channels between learner rank 0 and the rollout actors."""
 
     host: str = knob("127.0.0.1", "the address receivers bind; 0.0.0.0 binds all and advertises the outward "
-                     "address")
+                     "address. A loopback address serves one machine: a cluster with nodes at other addresses "
+                     "refuses it when the run starts")
     auth: TransportAuth = knob(TransportAuth.curve, "curve: ZeroMQ CURVE, every socket authenticated and encrypted "
                                "with keys made per run, so only the run's own processes can send, receive or read "
                                "messages. none: plain TCP, allowed only on loopback without cluster.address: for a "
@@ -302,14 +314,14 @@ class ClusterConfig:
     address: Optional[str] = knob(None, "null: start an embedded local Ray; else join this Ray cluster",
                                   named("a Ray address (host:port, or auto)"))
     device: Device = knob(Device.cpu, "cuda: each rollout engine and learner rank gets dedicated GPUs")
-    num_cpus: Optional[int] = knob(None, "embedded Ray only; null: all cores; raised to one per learner rank and "
-                                   "actor", at_least(1))
+    num_cpus: Optional[int] = knob(None, "embedded Ray only (cluster.address null); null: all cores; raised to one "
+                                   "per learner rank and actor", between(1, MAX_CPUS))
     learner_resource: Optional[str] = knob(
         None, "the Ray custom resource the nodes meant for the learner ranks advertise (`ray start "
         "--resources='{\"learner\": 8}'`, one unit per GPU, or per process on CPU); the role is reserved whole as a "
-        "placement group. null: any node", named("a resource name"))
+        "placement group. null: any node", CUSTOM_RESOURCE)
     rollout_resource: Optional[str] = knob(None, "the same for the rollout actors. null: any node",
-                                           named("a resource name"))
+                                           CUSTOM_RESOURCE)
     share_gpu: bool = knob(False, "cuda, one learner rank and one rollout actor: both on one GPU, half each in Ray's "
                            "accounting (the engine takes rollout.kv_cache_mib of its memory besides its weights, the "
                            "learner the rest): the one-GPU run of configs/grpo_gpu1.yaml")

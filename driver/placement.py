@@ -10,12 +10,29 @@ of the actor it replaces. A cluster that cannot hold a role gets an error naming
 
 from __future__ import annotations
 
+import ipaddress
+import socket
+
 import ray
 from omegaconf import DictConfig
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from configs.load import ConfigError
+
 WAIT_S = 120  # for the cluster to grant a role's resources (an autoscaler may be adding nodes)
+
+
+def check_reachable(cfg: DictConfig) -> None:
+    """A ConfigError when `transport.host` is a loopback address while the cluster has nodes at other addresses: a
+    process placed there would dial its own loopback for learner rank 0 and wait out `rollout.start_timeout_s`."""
+    if not ipaddress.ip_address(socket.gethostbyname(cfg.transport.host)).is_loopback:
+        return
+    addresses = sorted({node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]})
+    if len(addresses) > 1:
+        raise ConfigError(f"key 'transport.host' = {cfg.transport.host!r} is a loopback address, but the cluster's "
+                          f"nodes are at {', '.join(addresses)}: processes there could not reach learner rank 0; set "
+                          "transport.host to 0.0.0.0 (peers are given rank 0's outward address) or an address of its")
 
 
 def gpus_per_device(cfg: DictConfig) -> float:

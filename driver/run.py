@@ -127,7 +127,7 @@ class Run:
         first step, `state`)."""
         # (these import Ray, which reads its environment, set by __init__, when it is first imported)
         from driver.learners import LearnerGroup
-        from driver.placement import gpus_per_device, nodes_of
+        from driver.placement import check_reachable, gpus_per_device, nodes_of
         from driver.rollouts import RolloutPool
 
         cfg, ray = self.cfg, self.ray
@@ -143,6 +143,7 @@ class Run:
                  runtime_env={"env_vars": {k: os.environ[k] for k in self.env}, "working_dir": None,
                               "worker_process_setup_hook": "driver.logs.route_worker_logs"})
         try:
+            check_reachable(cfg)
             gpus = gpus_per_device(cfg)
             curve = cfg.transport.auth.value == "curve"  # keys made here, per run; actors get theirs as they start
             self.learners = LearnerGroup(cfg, self.policy_dir, self.reference_dir, plan,

@@ -98,6 +98,15 @@ def test_path_to_yaml_works(tmp_path):
      ["speculation.drafters", "256 characters"]),
     ("learner.lr=inf", ["learner.lr", "finite"]),
     ("rollout.temperature=inf", ["rollout.temperature", "finite"]),
+    ("rollout.temperature=0", ["rollout.temperature", "learns nothing"]),  # every advantage 0: it trained nothing
+    ("rollout.top_k=9223372036854775808", ["rollout.top_k", "2147483647"]),  # overflowed in the learner's sampler
+    ("cluster.learner_resource=CPU", ["cluster.learner_resource", "Ray's own"]),  # a traceback from ray.init
+    ("cluster.rollout_resource=node:10.0.0.1", ["cluster.rollout_resource", "Ray's own"]),  # dropped by Ray
+    ("cluster.num_cpus=1099511627776", ["cluster.num_cpus", "1000000"]),  # Ray's node never started
+    ("cluster.address=auto transport.auth=curve cluster.num_cpus=4", ["cluster.num_cpus", "embedded Ray"]),
+    ("rollout.tensor_parallel_size=2", ["rollout.tensor_parallel_size", "cuda"]),  # ignored on a CPU
+    ("trainer.resume_from=''", ["trainer.resume_from", "not empty"]),  # was a fresh run
+    (f"data.max_operand=1{'0' * 4400}", ["data.max_operand", "not valid YAML", "4300"]),  # a traceback naming nothing
     ("learner.grad_clip=nan", ["learner.grad_clip", "finite"]),
     ("algorithm.length_penalty=1.5", ["algorithm.length_penalty", "[0, 1]"]),
     ("learner.grad_clip=-1", ["learner.grad_clip", ">= 0"]),
@@ -132,6 +141,33 @@ def test_a_malformed_data_file_fails_at_load_naming_key_file_and_line(tmp_path, 
     with pytest.raises(ConfigError) as e:
         load_run_config("grpo_tiny", [f"{key}={path}"])
     assert key in str(e.value) and f"{path}:2" in str(e.value) and "answer" in str(e.value)
+
+
+def test_the_held_out_file_cannot_be_the_training_file(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(f'{{"question": "{i}+1?", "answer": "#### {i + 1}"}}\n' for i in range(300)))
+    with pytest.raises(ConfigError, match=r"'data.eval_source'.*would be the training problems"):
+        load_run_config("grpo_tiny", [f"data.source={path}",  # (the same file, by another path)
+                                      f"data.eval_source={tmp_path}/../{tmp_path.name}/train.jsonl"])
+
+
+def test_a_logging_dir_under_home_is_expanded_once_at_load(tmp_path, monkeypatch):
+    """`~/runs/x` was written to ./~/runs/x (and so escaped the check for another run's checkpoints there)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert load_run_config("grpo_tiny", ["logging.dir=~/runs/x"]).logging.dir == f"{tmp_path}/runs/x"
+
+
+def test_a_loopback_transport_host_is_refused_on_a_cluster_with_nodes_elsewhere(monkeypatch):
+    """Processes on another node would dial their own loopback for rank 0 and wait out rollout.start_timeout_s."""
+    from driver import placement
+
+    cfg = load_run_config("grpo_tiny")
+    nodes = [{"NodeManagerAddress": "10.0.0.1", "Alive": True}, {"NodeManagerAddress": "10.0.0.1", "Alive": True}]
+    monkeypatch.setattr(placement.ray, "nodes", lambda: nodes)
+    placement.check_reachable(cfg)  # one machine's nodes (a local multi-node cluster): loopback reaches them all
+    nodes.append({"NodeManagerAddress": "10.0.0.2", "Alive": True})
+    with pytest.raises(ConfigError, match=r"'transport.host' = '127.0.0.1'.*10.0.0.1, 10.0.0.2"):
+        placement.check_reachable(cfg)
 
 
 def test_bad_file_names_the_key_and_file(tmp_path):
