@@ -76,6 +76,9 @@ def load_config(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
     try:  # interpolations (${...}) resolved here, so a bad one is a config error naming its key, not a traceback
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
+        if not getattr(e, "full_key", None):  # (a value of the wrong kind for its node: OmegaConf names no key)
+            where = [key for key, value in _leaves(OmegaConf.to_container(cfg)) if "${" in str(value)]
+            raise ConfigError(f"{path}: {_explain(e)} (interpolated keys: {', '.join(where)})") from None
         raise ConfigError(f"{path}: {_explain(e)}") from None
     if isinstance(cfg.logging.dir, str):  # expanded once, here: every later use (and config.yaml) names one place
         cfg.logging.dir = os.path.expanduser(cfg.logging.dir)

@@ -106,6 +106,7 @@ def test_path_to_yaml_works(tmp_path):
     ("cluster.address=auto transport.auth=curve cluster.num_cpus=4", ["cluster.num_cpus", "embedded Ray"]),
     ("rollout.tensor_parallel_size=2", ["rollout.tensor_parallel_size", "cuda"]),  # ignored on a CPU
     ("trainer.resume_from=''", ["trainer.resume_from", "not empty"]),  # was a fresh run
+    ("speculation.drafters=${seed}", ["speculation.drafters", "int is not a ListConfig"]),  # named no key
     (f"data.max_operand=1{'0' * 4400}", ["data.max_operand", "not valid YAML", "4300"]),  # a traceback naming nothing
     ("learner.grad_clip=nan", ["learner.grad_clip", "finite"]),
     ("algorithm.length_penalty=1.5", ["algorithm.length_penalty", "[0, 1]"]),
