@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # what only the model or the cluster can tell: a prompt too long, an unreachable host
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while the processes start: whatever had started is shut down
+        print("interrupted while starting; every process is shut down", file=sys.stderr)
+        return 130
     try:
         steps = cfg.trainer.steps
         with progress_line(run.step, steps) as bar:  # other lines print above it

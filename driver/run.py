@@ -70,8 +70,13 @@ class Run:
         self.env, self.reference_dir, self.ray, self.interrupted = env, reference_dir, ray, False
         self.learner_restarts = self.earlier_actor_restarts = 0
         self.drafters_off: dict[int, str] = {}  # actor -> why it decodes without its drafter (it hung an engine)
+        self.learners = self.rollouts = None
+        self.distiller_restarts = 0  # the run's, as rank 0's metrics last said: a restarted rank 0 goes on from it
         try:
-            self._start(checkpoint, state)
+            try:
+                self._start(checkpoint, state)
+            except LearnerLost as e:  # ranks that hung while starting: every process again, as after a step
+                self.restart(e)
         except BaseException:
             unroute(self.log_handlers)
             raise
@@ -146,9 +151,11 @@ class Run:
             check_reachable(cfg)
             gpus = gpus_per_device(cfg)
             curve = cfg.transport.auth.value == "curve"  # keys made here, per run; actors get theirs as they start
-            self.learners = LearnerGroup(cfg, self.policy_dir, self.reference_dir, plan,
-                                         None if checkpoint is None else str(checkpoint), num_gpus=gpus,
-                                         keys=keypair() if curve else None)
+            with self.learners_alive():  # (ranks, or rank 0's distiller, that hang while starting: LearnerLost)
+                self.learners = LearnerGroup(cfg, self.policy_dir, self.reference_dir, plan,
+                                             None if checkpoint is None else str(checkpoint), num_gpus=gpus,
+                                             keys=keypair() if curve else None,
+                                             distiller_restarts=self.distiller_restarts)
             self.rollouts = RolloutPool(cfg, self.policy_dir, self.learners, state["version"], plan,
                                         num_gpus=gpus * cfg.rollout.tensor_parallel_size,
                                         earlier_restarts=self.earlier_actor_restarts, drafters_off=self.drafters_off)
@@ -169,7 +176,7 @@ class Run:
             raise LearnerLost(f"the learner ranks made no progress ({e}; trainer.step_timeout_s = "
                               f"{self.cfg.trainer.step_timeout_s:g})") from e
         except self.ray.exceptions.RayActorError as e:
-            ranks = [r._actor_id.hex() for r in self.learners.ranks]
+            ranks = [r._actor_id.hex() for r in self.learners.ranks] if self.learners is not None else []
             if e.actor_id is not None and e.actor_id not in ranks:
                 raise
             who = f"learner rank {ranks.index(e.actor_id)}" if e.actor_id in ranks else "a learner rank"
@@ -180,22 +187,28 @@ class Run:
         checkpoint (its start, if it wrote none), while `trainer.max_learner_restarts` allows; else `error` stands.
         What the dead processes had not checkpointed is generated and trained again."""
         limit = self.cfg.trainer.max_learner_restarts
-        if self.learner_restarts >= limit:
-            raise error
-        self.learner_restarts += 1
-        try:
-            checkpoint, state = checkpoint_state(str(self.dir))
-        except (FileNotFoundError, KeyError, ValueError):
-            checkpoint, state = self.origin
-        print(f"{error} at step {self.step}; restart {self.learner_restarts} of {limit} (trainer.max_learner_restarts): "
-              f"every process starts again from {checkpoint or 'the start of the run'} (step {state['version']})",
-              file=sys.stderr, flush=True)
-        self.earlier_actor_restarts += self.rollouts.restarts
-        self.drafters_off = self.rollouts.drafters_off
-        with contextlib.suppress(Exception):  # the actors stop their engines; whatever does not is shut down below
-            self.rollouts.stop(timeout_s=30)
-        self.ray.shutdown()
-        self._start(checkpoint, state)
+        while True:
+            if self.learner_restarts >= limit:
+                raise error
+            self.learner_restarts += 1
+            try:
+                checkpoint, state = checkpoint_state(str(self.dir))
+            except (FileNotFoundError, KeyError, ValueError):
+                checkpoint, state = self.origin
+            print(f"{error} at step {self.step}; restart {self.learner_restarts} of {limit} (trainer.max_learner_"
+                  f"restarts): every process starts again from {checkpoint or 'the start of the run'} (step "
+                  f"{state['version']})", file=sys.stderr, flush=True)
+            if self.rollouts is not None:
+                self.earlier_actor_restarts += self.rollouts.restarts
+                self.drafters_off = self.rollouts.drafters_off
+                with contextlib.suppress(Exception):  # the actors stop their engines; the rest is shut down below
+                    self.rollouts.stop(timeout_s=30)
+            self.learners = self.rollouts = None  # (handles of the cluster shut down here: `close` must not call them)
+            self.ray.shutdown()
+            try:
+                return self._start(checkpoint, state)
+            except LearnerLost as again:  # ranks that hung while starting again
+                error = again
 
     def evaluate_if_due(self, step: int) -> None:
         """Every `trainer.eval_every` steps (and after the last), the actors answer the held-out set beside
@@ -248,6 +261,7 @@ class Run:
         for tag, value in metrics.items():
             self.writer.add_scalar(tag, value, step)
         self.rewards.train(metrics["rl/reward_mean"])
+        self.distiller_restarts = max(self.distiller_restarts, int(metrics.get("draft/restarts", 0)))
         self.log_evaluations()
         fields = {"reward": f"{metrics['rl/reward_mean']:.3f}", "loss": f"{metrics['rl/loss']:.4f}",
                   "tok/s": f"{metrics['rollout/tokens_per_s']:.0f}", "stale": f"{metrics['rl/staleness_max']:.0f}"}
@@ -272,25 +286,19 @@ class Run:
         self.log_evaluations(wait_s=600)  # the held-out numbers of the final weights belong to the run
 
     def close(self) -> dict:
-        """Stops every actor and rank, shuts Ray down and writes `summary.json`; returns the summary."""
-        ray = self.ray
+        """Stops every actor and rank, writes `summary.json`, shuts Ray down; returns the summary."""
+        ending = sys.exc_info()[1]  # the error that ends the run, if one does (the launcher calls this in `finally`)
         summary: dict = {"interrupted": self.interrupted, "placement": self.placement,
-                         "actor_restarts": self.earlier_actor_restarts + self.rollouts.restarts,
+                         "actor_restarts": self.earlier_actor_restarts + (self.rollouts.restarts if self.rollouts
+                                                                          else 0),
                          "learner_restarts": self.learner_restarts}
         try:
-            try:
-                summary["actors"] = self.rollouts.stop(timeout_s=120)
-            finally:
-                try:
-                    summary["learner"] = ray.get(self.learners.rank0.summary.remote(), timeout=60)
-                except ray.exceptions.RayError as e:  # rank 0 died (the error that ended the loop follows)
-                    summary["learner_error"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
-        finally:
+            self._last_words(summary)
+        finally:  # (a second Ctrl-C while Ray shuts down finds summary.json written)
             self.writer.close()
-            ray.shutdown()
-            (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            self._write_summary(summary)
+            self.ray.shutdown()
             unroute(self.log_handlers)
-        ending = sys.exc_info()[1]  # the error that ends the run, if one does (the launcher calls this in `finally`)
         learner = summary.get("learner")
         if learner is not None:
             dropped = {k.removeprefix("dropped_"): v for k, v in learner.items()
@@ -308,8 +316,9 @@ class Run:
             print(f"interrupted at step {learner['version'] if learner else '?'}; every process is shut down",
                   file=sys.stderr)
         elif learner is None or ending is not None:  # the error follows; say where the run can go on from
+            cause = getattr(ending, "cause", None) or ending  # (a Ray task's error: what the task raised)
             reason = (f"learner rank 0 is gone ({summary['learner_error']})" if learner is None else
-                      f"{type(ending).__name__}: {(str(ending).splitlines() or [''])[0]}")
+                      f"{type(cause).__name__}: {(str(cause).splitlines() or [''])[0]}")
             try:
                 newest, state = checkpoint_state(str(self.dir))
                 resume = (f"the newest checkpoint is {newest} (step {state['version']}): go on with "
@@ -318,6 +327,30 @@ class Run:
                 resume = "no checkpoint was written (trainer.checkpoint_every)"
             print(f"stopped: {reason}; every process is shut down; {resume}", file=sys.stderr)
         return summary
+
+    def _last_words(self, summary: dict) -> None:
+        """Into `summary`: the actors' and rank 0's summaries as they stop, or why one cannot be had (rank 0 died; a
+        restart was interrupted before the run's processes were up again). An error stopping the actors stands."""
+        up = self.ray.is_initialized()
+        try:
+            if self.rollouts is not None and up:
+                summary["actors"] = self.rollouts.stop(timeout_s=120)
+        finally:
+            try:
+                if self.learners is None or not up:
+                    raise RuntimeError("not running: a restart did not finish")
+                summary["learner"] = self.ray.get(self.learners.rank0.summary.remote(), timeout=60)
+            except Exception as e:  # (the error that ended the loop follows)
+                summary["learner_error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+    def _write_summary(self, summary: dict) -> None:
+        """summary.json whole or not at all (a full disk leaves the previous one, not an empty file)."""
+        path = self.dir / "summary.json"
+        try:
+            path.with_suffix(".partial").write_text(json.dumps(summary, indent=2))
+            path.with_suffix(".partial").replace(path)
+        except OSError as e:
+            print(f"could not write {path}: {e}", file=sys.stderr)
 
 
 class RewardWindows:

@@ -261,7 +261,7 @@ class RemoteDistiller:
     thread, scheduled as idle). `observe` and `start` as the learner calls them; `take_outgoing`, `save` and `load` for
     its publish and checkpoints."""
 
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg: DictConfig, restarts: int = 0):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
@@ -280,7 +280,7 @@ class RemoteDistiller:
         self.outgoing: tuple | None = None
         self.newest: tuple | None = None  # the newest draft version handed out: where a replacement starts
         self.skipped = 0  # steps whose trajectories came while the actor was busy
-        self.restarts = 0
+        self.restarts = restarts  # the run's (with those before a learner restart): max_restarts counts per run
         self.failed = False  # died or raised more than max_restarts times: distillation is off for the rest of the run
 
     def ready(self) -> bool:
@@ -369,9 +369,10 @@ class RemoteDistiller:
 
     def save(self, directory: Path) -> None:
         """The newest draft version handed out (what the actors run, or are about to) into a checkpoint, from rank
-        0's own copy: a distiller busy in a step, or hung, never holds a checkpoint up. With none handed out yet, or
-        distillation off, the checkpoint has no draft LM, and a run resumed from it starts from the base one."""
-        if self.newest is not None and not self.failed:
+        0's own copy: a distiller busy in a step, or hung, never holds a checkpoint up; with distillation off, the
+        version the actors keep. With none handed out yet the checkpoint has no draft LM, and a run resumed from it
+        starts from the base one."""
+        if self.newest is not None:
             save_draft(directory, *self.newest)
 
     def load(self, directory: Path) -> None:

@@ -228,8 +228,8 @@ def test_distillation_never_holds_the_learner_back(policy_batches, tmp_path):
         step(10)
         ray.wait([distiller.running], timeout=30)
         assert step(11) == {"draft/alarm": 1.0, "draft/restarts": 1.0} and step(12) == {} and distiller.batches == []
-        distiller.save(tmp_path / "after")
-        assert not (tmp_path / "after").exists()
+        distiller.save(tmp_path / "after")  # the version the actors keep, for a run resumed from this checkpoint
+        assert json.loads((tmp_path / "after" / "version.json").read_text())["version"] == version
     finally:
         ray.shutdown()
 
@@ -237,7 +237,8 @@ def test_distillation_never_holds_the_learner_back(policy_batches, tmp_path):
 @pytest.mark.engine
 def test_a_distiller_hung_in_a_step_past_the_step_timeout_is_replaced(policy_batches):
     """A distiller process stopped mid-step is alive to Ray, so only time tells: its step is skipped while within
-    `trainer.step_timeout_s`, and past it the distiller is taken for dead and replaced (not skipped for ever)."""
+    `trainer.step_timeout_s`, and past it the distiller is taken for dead and replaced (not skipped for ever). The
+    replacements are counted per run, across a learner restart's new rank 0."""
     import signal
 
     import ray
@@ -261,6 +262,14 @@ def test_a_distiller_hung_in_a_step_past_the_step_timeout_is_replaced(policy_bat
         time.sleep(3.5)
         assert step(3) == {"draft/restarts": 1.0} and distiller.worker is not hung
         assert step(4) == {} and ray.get(distiller.running, timeout=120)[0]["draft/loss"] > 0  # the replacement learns
+        # after a learner restart rank 0's new distiller goes on from the run's count: max_restarts is per run
+        carried = RemoteDistiller(cfg, restarts=1)
+        for rows, teacher in policy_batches:
+            carried.observe(rows, teacher)
+        assert carried.start(1) == {}
+        ray.kill(carried.worker)
+        ray.wait([carried.running], timeout=30)
+        assert carried.start(2) == {"draft/alarm": 1.0, "draft/restarts": 1.0} and carried.failed
     finally:
         ray.shutdown()
 

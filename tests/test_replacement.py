@@ -252,7 +252,8 @@ def test_the_summary_is_written_even_when_stopping_the_actors_fails(tmp_path):
     run.rollouts = SimpleNamespace(restarts=0, stop=stop)
     run.learners = SimpleNamespace(rank0=SimpleNamespace(summary=SimpleNamespace(remote=lambda: "ref")))
     run.writer = SimpleNamespace(close=lambda: None)
-    run.ray = SimpleNamespace(get=lambda ref, timeout: counters, shutdown=lambda: shut.append(True))
+    run.ray = SimpleNamespace(get=lambda ref, timeout: counters, shutdown=lambda: shut.append(True),
+                              is_initialized=lambda: True)
     with pytest.raises(Unreachable):
         run.close()
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -275,7 +276,7 @@ def test_a_dead_learner_leaves_a_summary_and_says_where_to_go_on_from(tmp_path, 
     run.rollouts = SimpleNamespace(restarts=0, stop=lambda timeout_s: [{"groups": 3}])
     run.learners = SimpleNamespace(rank0=SimpleNamespace(summary=SimpleNamespace(remote=lambda: "ref")))
     run.writer = SimpleNamespace(close=lambda: None)
-    run.ray = SimpleNamespace(get=dead, shutdown=lambda: None, exceptions=ray.exceptions)
+    run.ray = SimpleNamespace(get=dead, shutdown=lambda: None, exceptions=ray.exceptions, is_initialized=lambda: True)
     summary = run.close()
     assert summary["learner_error"].startswith("ActorDiedError") and summary["actors"] == [{"groups": 3}]
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
@@ -325,3 +326,59 @@ def test_an_actor_that_dies_starting_is_reported_with_the_error_its_constructor_
     said = driver.rollouts.one_line(e.value)
     assert said.startswith("ActorDiedError: The actor died because of an error raised in its creation task")
     assert said.endswith("ValueError: its KV cache does not fit")
+
+
+class HangsStarting:
+    """A learner rank whose `start` never returns (a stopped process, a distiller that hangs in its constructor)."""
+
+    def __init__(self, cfg, policy_dir, reference_dir, plan, rank, *rank0_only):
+        pass
+
+    def endpoints(self) -> tuple[str, str]:
+        return "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"
+
+    def master_address(self) -> str:
+        return "127.0.0.1:3"
+
+    def start(self, master: str, resume: str | None) -> None:
+        time.sleep(3600)
+
+
+def test_learner_ranks_that_hang_while_starting_are_given_up_after_the_step_timeout(local_ray, monkeypatch):
+    """The ranks' start had no deadline: one stopped while it started (or rank 0's distiller, in its constructor)
+    held the run, or its automatic restart, for ever. Past trainer.step_timeout_s it is a TimeoutError, which
+    `Run.learners_alive` takes for a lost learner (below)."""
+    import driver.learners
+
+    monkeypatch.setattr(driver.learners, "Learner", HangsStarting)
+    cfg = load_config("grpo_tiny", ["trainer.step_timeout_s=10"])
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not start within 10 s"):
+        driver.learners.LearnerGroup(cfg, "policy", "policy", CursorPlan(0, 1, 4), None, num_gpus=0)
+    assert time.monotonic() - started < 60
+
+
+def test_a_restart_whose_ranks_hang_while_starting_is_tried_again_within_the_limit(tmp_path, capsys):
+    """`Run.restart`: a start that is lost again (ranks hung while starting) counts as another restart and is tried
+    again while trainer.max_learner_restarts allows; then the error stands. Its handles of the cluster it shut
+    down are dropped, so `close` never calls them."""
+    from driver.run import LearnerLost, Run
+
+    run = Run.__new__(Run)
+    run.cfg = load_config("grpo_tiny", ["trainer.max_learner_restarts=2"])
+    run.dir, run.origin, run.step, run.learner_restarts = tmp_path, (None, {"version": 0}), 4, 0
+    run.earlier_actor_restarts, run.drafters_off = 0, {}
+    run.rollouts = SimpleNamespace(restarts=1, drafters_off={}, stop=lambda timeout_s: None)
+    run.learners, run.ray = "the old group", SimpleNamespace(shutdown=lambda: None)
+    starts = []
+
+    def start(checkpoint, state):
+        starts.append(state["version"])
+        raise LearnerLost("the learner ranks made no progress (did not start)")
+
+    run._start = start
+    with pytest.raises(LearnerLost, match="did not start"):
+        run.restart(LearnerLost("learner rank 0 is gone"))
+    assert starts == [0, 0] and run.learner_restarts == 2 and run.earlier_actor_restarts == 1
+    assert run.learners is None and run.rollouts is None
+    assert capsys.readouterr().err.count("every process starts again from the start of the run") == 2
