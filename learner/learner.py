@@ -112,6 +112,9 @@ class Learner(RankCheckpoints):
                                                master_listen_fd=self.listener.detach() if self.rank == 0 else None)
             torch.distributed.init_process_group(backend, store=store, rank=self.rank, world_size=world,
                                                  timeout=timeout)
+        # DeepSpeed's shared-memory all-reduce serves CPU inference, not training; loading it JIT-builds it under a
+        # lock file that a process killed meanwhile leaves behind, and every later start on the host waits on it
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend=backend, timeout=timeout)  # DeepSpeed takes the group as it is
         torch.manual_seed(cfg.seed)
         self.engine, self.reference = build_engines(cfg, self.policy_dir, self.reference_dir)

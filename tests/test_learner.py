@@ -3,6 +3,7 @@ response of each group is more likely and the unrewarded ones less likely (real 
 a step split over several ranks is the step one rank takes."""
 
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -456,3 +457,21 @@ def test_a_checkpoint_never_seals_what_a_crashed_save_left_in_its_partial_direct
     listed = manifest(sealed)["files"]
     assert not (sealed / "draft").exists() and not any("rank_1" in name for name in listed)
     assert any(name.startswith("deepspeed/") for name in listed) and not leftover.exists()
+
+
+def test_a_learner_start_builds_no_deepspeed_op(tmp_path, monkeypatch):
+    """DeepSpeed's init JIT-loaded its shared-memory all-reduce (CPU inference only) under a lock file in the torch
+    extensions directory: a rank killed meanwhile left the lock, and every later learner start on the host waited
+    on it for ever. A start now loads no op: here a stale lock in an extensions directory of its own stands."""
+    import deepspeed.comm.comm
+
+    from learner.learner import Learner
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    op = tmp_path / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / "deepspeed_shm_comm"
+    op.mkdir(parents=True)
+    (op / "lock").touch()  # what a killed rank left
+    model_dir = str(resolve("builtin:dense"))
+    learner = Learner(load_config("grpo_tiny", ["transport.auth=none"]), model_dir, model_dir, CursorPlan(0, 1, 2))
+    learner.start()
+    assert learner.engine is not None and deepspeed.comm.comm.cdb.shm_comm_op is None
