@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C while the processes start: whatever had started is shut down
         print("interrupted while starting; every process is shut down", file=sys.stderr)
         return 130
+    except LearnerLost as e:  # the learner ranks never started, restarts included
+        print(f"stopped: {e}; every process is shut down", file=sys.stderr)
+        return 1
     try:
         steps = cfg.trainer.steps
         with progress_line(run.step, steps) as bar:  # other lines print above it

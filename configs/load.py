@@ -126,11 +126,11 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
             load_jsonl(source)
         except DataFormatError as e:
             raise ConfigError(f"{path}: key '{key}' = {source!r}: {e}") from None
-    sources = jsonl_sources(cfg.data)
-    if len(sources) == 2 and len({Path(source).expanduser().resolve() for source in sources.values()}) == 1:
-        raise ConfigError(f"{path}: key 'data.eval_source' = {cfg.data.eval_source!r} is data.source's file: the "
-                          "held-out problems would be the training problems")
     if cfg.trainer.eval_every > 0:
+        files = {Path(source).expanduser().resolve() for source in jsonl_sources(cfg.data).values()}
+        if len(files) == 1 and len(jsonl_sources(cfg.data)) == 2:
+            raise ConfigError(f"{path}: key 'data.eval_source' = {cfg.data.eval_source!r} is data.source's file: "
+                              "the held-out problems would be the training problems")
         try:  # the held-out set exists (a finite training set can leave too few problems outside it)
             eval_set(cfg.data, cfg.seed)
         except ValueError as e:

@@ -272,10 +272,11 @@ class TrainerConfig:
         "per run; 0: the run stops and says where to resume from. An error raised in training code always stops "
         "the run", at_least(0))
     step_timeout_s: float = knob(
-        1800.0, "learner ranks that have not finished their start, a step's training, publishing or checkpoint "
-        "this long (a stopped process, a stuck collective: alive to Ray, so nothing else notices) are taken for lost, "
-        "as a dead rank is, and the run restarts from its newest checkpoint; a draft LM distiller's step this long "
-        "is taken for a dead distiller (speculation.distill.max_restarts) (0: never)",
+        1800.0, "learner ranks that have not finished a step's training, publishing or checkpoint this long (a "
+        "stopped process, a stuck collective: alive to Ray, so nothing else notices), or their start within the "
+        "longer of this and rollout.start_timeout_s, are taken for lost, as a dead rank is, and the run restarts from "
+        "its newest checkpoint; a draft LM distiller's step that long is taken for a dead distiller "
+        "(speculation.distill.max_restarts) (0: never)",
         zero_or_between(STALL_FLOOR_S, MAX_TIMEOUT_S, "never", "beyond the longest step a healthy learner takes"))
     deterministic: bool = knob(
         False, "true: bit-reproducible runs (needs algorithm.max_staleness 0): groups trained in data-cursor order, "

@@ -14,27 +14,40 @@ from tasks.schedule import CursorPlan
 from transport.auth import KeyPair
 
 
+def start_deadline(cfg: DictConfig) -> float | None:
+    """How long learner ranks may take to start (a multi-GB checkpoint to load; rank 0's distiller to build) before
+    they are taken for lost: the longer of trainer.step_timeout_s and rollout.start_timeout_s (None: no deadline)."""
+    return max(cfg.trainer.step_timeout_s, cfg.rollout.start_timeout_s) if cfg.trainer.step_timeout_s else None
+
+
 class LearnerGroup:
-    def __init__(self, cfg: DictConfig, policy_dir: str, reference_dir: str, plan: CursorPlan, resume: str | None,
-                 num_gpus: int, keys: KeyPair | None = None, distiller_restarts: int = 0):
-        """`keys`: the CURVE pair of rank 0's sockets (None: plain TCP); actors dial with `server_public`.
-        `distiller_restarts`: the run's so far (before a learner restart), which rank 0's distiller goes on from."""
+    def __init__(self, cfg: DictConfig, policy_dir: str, reference_dir: str, plan: CursorPlan, num_gpus: int,
+                 keys: KeyPair | None = None, distiller: tuple[int, bool] = (0, False)):
+        """Places the ranks and builds them (`start` joins them). `keys`: the CURVE pair of rank 0's sockets (None:
+        plain TCP); actors dial with `server_public`. `distiller`: the run's distiller restarts so far and whether
+        distillation is off (before a learner restart), which rank 0's distiller goes on from."""
         cls = ray.remote(num_cpus=1, num_gpus=num_gpus, max_concurrency=2)(Learner)
+        self.cfg = cfg
         self.group = reserve(cfg, "learner")  # every rank's resources at once, packed onto the learner nodes
         d = cfg.speculation.distill  # rank 0 leaves the distiller its share of its GPU (0 unless cuda: configs/)
         share = d.num_gpus if d.every_versions > 0 else 0.0
         self.ranks = [cls.options(name=f"learner-{r}", scheduling_strategy=slot(self.group, r),
                                   num_gpus=num_gpus - (share if r == 0 else 0.0)).remote(
-                          cfg, policy_dir, reference_dir, plan, r, *((keys, distiller_restarts) if r == 0 else ()))
+                          cfg, policy_dir, reference_dir, plan, r, **({"keys": keys, "distiller": distiller}
+                                                                      if r == 0 else {}))
                       for r in range(cfg.learner.num_ranks)]
         self.server_public = None if keys is None else keys.public
         self.rank0 = self.ranks[0]
-        timeout = cfg.trainer.step_timeout_s or None  # ranks that hang while starting are lost like ones in a step
+
+    def start(self, resume: str | None) -> None:
+        """Every rank joins the process group and builds its DeepSpeed engine, loading checkpoint `resume` if given;
+        a TimeoutError past `start_deadline` (ranks that hang while starting are lost like ones in a step)."""
+        timeout = start_deadline(self.cfg)
         try:
             self.trajectory_endpoint, self.weight_endpoint = ray.get(self.rank0.endpoints.remote(), timeout=timeout)
             master = ray.get(self.rank0.master_address.remote(), timeout=timeout)
-            ray.get([r.start.remote(master, resume) for r in self.ranks], timeout=timeout)  # torch.distributed, DeepSpeed
-            self.check_shared_dir(cfg.logging.dir, timeout)
+            ray.get([r.start.remote(master, resume) for r in self.ranks], timeout=timeout)  # process group, engines
+            self.check_shared_dir(self.cfg.logging.dir, timeout)
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(f"the learner ranks did not start within {timeout:g} s") from None
 

@@ -24,11 +24,14 @@ WAIT_S = 120  # for the cluster to grant a role's resources (an autoscaler may b
 
 
 def check_reachable(cfg: DictConfig) -> None:
-    """A ConfigError when `transport.host` is a loopback address while the cluster has nodes at other addresses: a
-    process placed there would dial its own loopback for learner rank 0 and wait out `rollout.start_timeout_s`."""
+    """A ConfigError when `transport.host` is a loopback address while the nodes that can hold the run's processes
+    (those advertising a role's resource when the config names one, else those with CPUs) are at several
+    addresses: a process placed there would dial its own loopback for learner rank 0 until `rollout.start_timeout_s`."""
     if not ipaddress.ip_address(socket.gethostbyname(cfg.transport.host)).is_loopback:
         return
-    addresses = sorted({node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]})
+    roles = [name for name in (cfg.cluster.learner_resource, cfg.cluster.rollout_resource) if name] or ["CPU"]
+    addresses = sorted({node["NodeManagerAddress"] for node in ray.nodes()
+                        if node["Alive"] and any(node["Resources"].get(name, 0) > 0 for name in roles)})
     if len(addresses) > 1:
         raise ConfigError(f"key 'transport.host' = {cfg.transport.host!r} is a loopback address, but the cluster's "
                           f"nodes are at {', '.join(addresses)}: processes there could not reach learner rank 0; set "

@@ -35,8 +35,9 @@ from transport.auth import keypair
 
 
 class LearnerLost(RuntimeError):
-    """A learner rank's process died (killed, out of memory, its node gone): `Run.restart` can go on from a
-    checkpoint. An exception raised by training code is not this: it would only happen again."""
+    """A learner rank's process died (killed, out of memory, its node gone) or made no progress (stopped, hung in a
+    step or while starting): `Run.restart` can go on from a checkpoint. An exception raised by training code, or by
+    a rank's constructor, is not this: it would only happen again."""
 
 
 class Run:
@@ -71,7 +72,7 @@ class Run:
         self.learner_restarts = self.earlier_actor_restarts = 0
         self.drafters_off: dict[int, str] = {}  # actor -> why it decodes without its drafter (it hung an engine)
         self.learners = self.rollouts = None
-        self.distiller_restarts = 0  # the run's, as rank 0's metrics last said: a restarted rank 0 goes on from it
+        self.distiller = (0, False)  # restarts, off: the run's as rank 0's metrics last said (a new rank 0 goes on)
         try:
             try:
                 self._start(checkpoint, state)
@@ -151,11 +152,10 @@ class Run:
             check_reachable(cfg)
             gpus = gpus_per_device(cfg)
             curve = cfg.transport.auth.value == "curve"  # keys made here, per run; actors get theirs as they start
-            with self.learners_alive():  # (ranks, or rank 0's distiller, that hang while starting: LearnerLost)
-                self.learners = LearnerGroup(cfg, self.policy_dir, self.reference_dir, plan,
-                                             None if checkpoint is None else str(checkpoint), num_gpus=gpus,
-                                             keys=keypair() if curve else None,
-                                             distiller_restarts=self.distiller_restarts)
+            self.learners = LearnerGroup(cfg, self.policy_dir, self.reference_dir, plan, num_gpus=gpus,
+                                         keys=keypair() if curve else None, distiller=self.distiller)
+            with self.learners_alive():  # (ranks, or rank 0's distiller, that die or hang while starting: LearnerLost)
+                self.learners.start(None if checkpoint is None else str(checkpoint))
             self.rollouts = RolloutPool(cfg, self.policy_dir, self.learners, state["version"], plan,
                                         num_gpus=gpus * cfg.rollout.tensor_parallel_size,
                                         earlier_restarts=self.earlier_actor_restarts, drafters_off=self.drafters_off)
@@ -176,16 +176,17 @@ class Run:
             raise LearnerLost(f"the learner ranks made no progress ({e}; trainer.step_timeout_s = "
                               f"{self.cfg.trainer.step_timeout_s:g})") from e
         except self.ray.exceptions.RayActorError as e:
-            ranks = [r._actor_id.hex() for r in self.learners.ranks] if self.learners is not None else []
-            if e.actor_id is not None and e.actor_id not in ranks:
+            ranks = [r._actor_id.hex() for r in self.learners.ranks]
+            if e.actor_id is not None and e.actor_id not in ranks or e.actor_init_failed:  # (its constructor raised)
                 raise
             who = f"learner rank {ranks.index(e.actor_id)}" if e.actor_id in ranks else "a learner rank"
             raise LearnerLost(f"{who} is gone ({type(e).__name__})") from e
 
     def restart(self, error: LearnerLost) -> None:
-        """After a learner rank's process died: every process of the run stops and starts again from the run's newest
-        checkpoint (its start, if it wrote none), while `trainer.max_learner_restarts` allows; else `error` stands.
-        What the dead processes had not checkpointed is generated and trained again."""
+        """After a learner rank's process died or hung: every process of the run stops and starts again from the
+        run's newest checkpoint (its start, if it wrote none), while `trainer.max_learner_restarts` allows (a start
+        that is lost again counts again); else `error` stands. What the dead processes had not checkpointed is
+        generated and trained again."""
         limit = self.cfg.trainer.max_learner_restarts
         while True:
             if self.learner_restarts >= limit:
@@ -261,7 +262,8 @@ class Run:
         for tag, value in metrics.items():
             self.writer.add_scalar(tag, value, step)
         self.rewards.train(metrics["rl/reward_mean"])
-        self.distiller_restarts = max(self.distiller_restarts, int(metrics.get("draft/restarts", 0)))
+        self.distiller = (max(self.distiller[0], int(metrics.get("draft/restarts", 0))),
+                          self.distiller[1] or "draft/off" in metrics)
         self.log_evaluations()
         fields = {"reward": f"{metrics['rl/reward_mean']:.3f}", "loss": f"{metrics['rl/loss']:.4f}",
                   "tok/s": f"{metrics['rollout/tokens_per_s']:.0f}", "stale": f"{metrics['rl/staleness_max']:.0f}"}
@@ -293,7 +295,7 @@ class Run:
                                                                           else 0),
                          "learner_restarts": self.learner_restarts}
         try:
-            self._last_words(summary)
+            self._collect_summaries(summary)
         finally:  # (a second Ctrl-C while Ray shuts down finds summary.json written)
             self.writer.close()
             self._write_summary(summary)
@@ -328,28 +330,31 @@ class Run:
             print(f"stopped: {reason}; every process is shut down; {resume}", file=sys.stderr)
         return summary
 
-    def _last_words(self, summary: dict) -> None:
-        """Into `summary`: the actors' and rank 0's summaries as they stop, or why one cannot be had (rank 0 died; a
-        restart was interrupted before the run's processes were up again). An error stopping the actors stands."""
+    def _collect_summaries(self, summary: dict) -> None:
+        """Into `summary`: the actors' and rank 0's summaries as they stop, or why rank 0's cannot be had (it died;
+        a restart was interrupted before the run's processes were up again). An error stopping the actors stands."""
         up = self.ray.is_initialized()
         try:
             if self.rollouts is not None and up:
                 summary["actors"] = self.rollouts.stop(timeout_s=120)
         finally:
-            try:
-                if self.learners is None or not up:
-                    raise RuntimeError("not running: a restart did not finish")
-                summary["learner"] = self.ray.get(self.learners.rank0.summary.remote(), timeout=60)
-            except Exception as e:  # (the error that ended the loop follows)
-                summary["learner_error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+            if self.learners is None or not up:
+                summary["learner_error"] = "not running: a restart did not finish"
+            else:
+                try:
+                    summary["learner"] = self.ray.get(self.learners.rank0.summary.remote(), timeout=60)
+                except Exception as e:  # (the error that ended the loop follows)
+                    summary["learner_error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
 
     def _write_summary(self, summary: dict) -> None:
         """summary.json whole or not at all (a full disk leaves the previous one, not an empty file)."""
         path = self.dir / "summary.json"
+        partial = path.with_suffix(".partial")
         try:
-            path.with_suffix(".partial").write_text(json.dumps(summary, indent=2))
-            path.with_suffix(".partial").replace(path)
+            partial.write_text(json.dumps(summary, indent=2))
+            partial.replace(path)
         except OSError as e:
+            partial.unlink(missing_ok=True)
             print(f"could not write {path}: {e}", file=sys.stderr)
 
 

@@ -64,8 +64,8 @@ def _intact(path: Path, entry: dict | int) -> bool:
 
 def manifest(checkpoint: Path) -> dict | None:
     """A checkpoint's manifest when every file it lists is there with its size and sha256 (a file damaged in place,
-    same size or not, fails); None for a partial or damaged checkpoint. Reading every byte is the price: a resume or a
-    restart reads them anyway."""
+    same size or not, fails); None for a partial or damaged checkpoint. Reading every byte is the price, once per
+    process (`_sha256`): a resume or a restart reads them anyway."""
     try:
         listed = json.loads((checkpoint / MANIFEST).read_text())
         whole = all(_intact(checkpoint / name, entry) for name, entry in listed["files"].items())

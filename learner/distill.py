@@ -261,7 +261,7 @@ class RemoteDistiller:
     thread, scheduled as idle). `observe` and `start` as the learner calls them; `take_outgoing`, `save` and `load` for
     its publish and checkpoints."""
 
-    def __init__(self, cfg: DictConfig, restarts: int = 0):
+    def __init__(self, cfg: DictConfig, restarts: int = 0, off: bool = False):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
@@ -281,7 +281,7 @@ class RemoteDistiller:
         self.newest: tuple | None = None  # the newest draft version handed out: where a replacement starts
         self.skipped = 0  # steps whose trajectories came while the actor was busy
         self.restarts = restarts  # the run's (with those before a learner restart): max_restarts counts per run
-        self.failed = False  # died or raised more than max_restarts times: distillation is off for the rest of the run
+        self.failed = off  # died or raised more than max_restarts times: distillation is off for the rest of the run
 
     def ready(self) -> bool:
         """Whether a step starting now gets distilled: the actor is free (or done with the last step's); the learner
@@ -311,9 +311,10 @@ class RemoteDistiller:
             return {}
         if self.running is not None:
             if not ray.wait([self.running], timeout=0)[0]:
-                limit, ran = self.cfg.trainer.step_timeout_s, time.monotonic() - self.running_since
-                if limit and ran > limit:  # hung (a stopped process, a stuck kernel): alive to Ray, so only time tells
-                    return self.replace(TimeoutError(f"its step has run {ran:.0f} s, past trainer.step_timeout_s"))
+                step, ran = self.cfg.trainer.step_timeout_s, time.monotonic() - self.running_since  # (idle priority)
+                if step and ran > max(step, self.cfg.rollout.start_timeout_s):  # hung: alive, so only time tells
+                    return self.replace(TimeoutError(f"its step has run {ran:.0f} s, past the longer of "
+                                                     "trainer.step_timeout_s and rollout.start_timeout_s"))
                 self.batches, self.skipped = [], self.skipped + 1
                 return {"draft/skipped_steps": float(self.skipped)}
             try:
@@ -354,7 +355,7 @@ class RemoteDistiller:
             log.error("draft LM distillation failed after %d restarts (speculation.distill.max_restarts) and is off "
                       "for the rest of this run; the actors keep the draft version they run: %s", self.restarts, reason)
             self.failed = True
-            return {"draft/alarm": 1.0, "draft/restarts": float(self.restarts)}
+            return {"draft/alarm": 1.0, "draft/off": 1.0, "draft/restarts": float(self.restarts)}
         self.restarts += 1
         self.worker = self.spawn()
         if self.newest is not None:  # its first call: the next `start` waits for it like for a distillation

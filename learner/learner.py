@@ -43,9 +43,10 @@ class Learner(RankCheckpoints):
     `__init__` on every rank, then `start(master)` on every rank with rank 0's `master_address()`."""
 
     def __init__(self, cfg: DictConfig, policy_dir: str, reference_dir: str, plan: CursorPlan, rank: int = 0,
-                 keys: KeyPair | None = None, distiller_restarts: int = 0):
+                 keys: KeyPair | None = None, distiller: tuple[int, bool] = (0, False)):
         """`keys` (rank 0): the servers' CURVE pair; then only clients `admit`ted may connect to the inbox or
-        the weight publisher (transport/auth.py). `distiller_restarts` (rank 0): the run's so far."""
+        the weight publisher (transport/auth.py). `distiller` (rank 0): the run's distiller restarts so far, and
+        whether distillation is off."""
         self.cfg, self.policy_dir, self.reference_dir = cfg, policy_dir, reference_dir
         self.rank, self.world, self.micro = rank, cfg.learner.num_ranks, cfg.learner.micro_batch_size
         self.bucket_bytes = cfg.transport.weight_bucket_mib << 20  # weights are gathered and sent this much at a time
@@ -57,7 +58,7 @@ class Learner(RankCheckpoints):
                                accepts=Trajectory | WeightAck | Heartbeat, gate=self.gate)  # a weight bucket: dropped
             # the draft LM distilled beside the policy, published on the same channel (learner/distill.py)
             distilled = cfg.speculation.distill.every_versions > 0
-            self.distiller = RemoteDistiller(cfg, distiller_restarts) if distilled else None
+            self.distiller = RemoteDistiller(cfg, *distiller) if distilled else None
             draft_tensors = self.distiller.tensors + 1 if self.distiller else 0
             self.outlet = WeightOutlet(cfg, policy_dir, self.gate, draft_tensors, self.bucket_bytes)
             vocab = json.loads((Path(policy_dir) / "config.json").read_text())["vocab_size"]

@@ -150,6 +150,7 @@ def test_the_held_out_file_cannot_be_the_training_file(tmp_path):
     with pytest.raises(ConfigError, match=r"'data.eval_source'.*would be the training problems"):
         load_run_config("grpo_tiny", [f"data.source={path}",  # (the same file, by another path)
                                       f"data.eval_source={tmp_path}/../{tmp_path.name}/train.jsonl"])
+    assert load_run_config("grpo_tiny", [f"data.source={path}", f"data.eval_source={path}", "trainer.eval_every=0"])
 
 
 def test_a_logging_dir_under_home_is_expanded_once_at_load(tmp_path, monkeypatch):
@@ -162,13 +163,20 @@ def test_a_loopback_transport_host_is_refused_on_a_cluster_with_nodes_elsewhere(
     """Processes on another node would dial their own loopback for rank 0 and wait out rollout.start_timeout_s."""
     from driver import placement
 
+    def node(address: str, **resources: float) -> dict:
+        return {"NodeManagerAddress": address, "Alive": True, "Resources": resources}
+
     cfg = load_run_config("grpo_tiny")
-    nodes = [{"NodeManagerAddress": "10.0.0.1", "Alive": True}, {"NodeManagerAddress": "10.0.0.1", "Alive": True}]
+    nodes = [node("10.0.0.1", CPU=2), node("10.0.0.1", CPU=2), node("10.0.0.9", CPU=0)]  # and a head node of no CPU
     monkeypatch.setattr(placement.ray, "nodes", lambda: nodes)
     placement.check_reachable(cfg)  # one machine's nodes (a local multi-node cluster): loopback reaches them all
-    nodes.append({"NodeManagerAddress": "10.0.0.2", "Alive": True})
-    with pytest.raises(ConfigError, match=r"'transport.host' = '127.0.0.1'.*10.0.0.1, 10.0.0.2"):
+    nodes.append(node("10.0.0.2", CPU=2))
+    with pytest.raises(ConfigError, match=r"'transport.host' = '127.0.0.1'.*10.0.0.1, 10.0.0.2: "):
         placement.check_reachable(cfg)
+    roles = load_run_config("grpo_tiny", ["cluster.learner_resource=learner", "cluster.rollout_resource=rollout"])
+    nodes[-1] = node("10.0.0.2", CPU=2, other=1)  # a node no role can use
+    nodes[0]["Resources"].update(learner=1, rollout=1)
+    placement.check_reachable(roles)
 
 
 def test_bad_file_names_the_key_and_file(tmp_path):

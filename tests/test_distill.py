@@ -227,7 +227,8 @@ def test_distillation_never_holds_the_learner_back(policy_batches, tmp_path):
         ray.kill(distiller.worker)  # dies again: past speculation.distill.max_restarts the run goes on without it
         step(10)
         ray.wait([distiller.running], timeout=30)
-        assert step(11) == {"draft/alarm": 1.0, "draft/restarts": 1.0} and step(12) == {} and distiller.batches == []
+        assert step(11) == {"draft/alarm": 1.0, "draft/off": 1.0, "draft/restarts": 1.0}
+        assert step(12) == {} and distiller.batches == []
         distiller.save(tmp_path / "after")  # the version the actors keep, for a run resumed from this checkpoint
         assert json.loads((tmp_path / "after" / "version.json").read_text())["version"] == version
     finally:
@@ -237,7 +238,8 @@ def test_distillation_never_holds_the_learner_back(policy_batches, tmp_path):
 @pytest.mark.engine
 def test_a_distiller_hung_in_a_step_past_the_step_timeout_is_replaced(policy_batches):
     """A distiller process stopped mid-step is alive to Ray, so only time tells: its step is skipped while within
-    `trainer.step_timeout_s`, and past it the distiller is taken for dead and replaced (not skipped for ever). The
+    the run's longer deadline (`trainer.step_timeout_s`, `rollout.start_timeout_s`), and past it the distiller is
+    taken for dead and replaced (not skipped for ever). The
     replacements are counted per run, across a learner restart's new rank 0."""
     import signal
 
@@ -246,8 +248,8 @@ def test_a_distiller_hung_in_a_step_past_the_step_timeout_is_replaced(policy_bat
     ray.init(num_cpus=1, include_dashboard=False)
     try:
         cfg = config(max_restarts=1)
-        with read_write(cfg):
-            cfg.trainer.step_timeout_s = 3.0  # (below what the loader allows, to keep the test short)
+        with read_write(cfg):  # (below what the loader allows, to keep the test short)
+            cfg.trainer.step_timeout_s = cfg.rollout.start_timeout_s = 3.0
         distiller = RemoteDistiller(cfg)
         hung = distiller.worker
         os.kill(ray.get(hung.__ray_call__.remote(lambda worker: os.getpid())), signal.SIGSTOP)
@@ -269,7 +271,7 @@ def test_a_distiller_hung_in_a_step_past_the_step_timeout_is_replaced(policy_bat
         assert carried.start(1) == {}
         ray.kill(carried.worker)
         ray.wait([carried.running], timeout=30)
-        assert carried.start(2) == {"draft/alarm": 1.0, "draft/restarts": 1.0} and carried.failed
+        assert carried.start(2) == {"draft/alarm": 1.0, "draft/off": 1.0, "draft/restarts": 1.0} and carried.failed
     finally:
         ray.shutdown()
 

@@ -3,7 +3,6 @@ response of each group is more likely and the unrewarded ones less likely (real 
 a step split over several ranks is the step one rank takes."""
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -338,7 +337,8 @@ def test_ranks_share_a_step_and_take_the_same_step_as_one_rank(tmp_path, ranks, 
                                         f"learner.zero_stage={stage}"])
         ray.init(num_cpus=world, include_dashboard=False, runtime_env={"env_vars": env})
         try:
-            learner = LearnerGroup(cfg, model_dir, model_dir, CursorPlan(0, 1, 3), resume=None, num_gpus=0)
+            learner = LearnerGroup(cfg, model_dir, model_dir, CursorPlan(0, 1, 3), num_gpus=0)
+            learner.start(resume=None)
             outbox = Outbox(learner.trajectory_endpoint, hwm=64)
             for t in trajectories:
                 outbox.send(t)
@@ -459,18 +459,20 @@ def test_a_checkpoint_never_seals_what_a_crashed_save_left_in_its_partial_direct
     assert any(name.startswith("deepspeed/") for name in listed) and not leftover.exists()
 
 
-def test_a_learner_start_builds_no_deepspeed_op(tmp_path, monkeypatch):
+def test_a_learner_start_builds_no_deepspeed_op(monkeypatch):
     """DeepSpeed's init JIT-loaded its shared-memory all-reduce (CPU inference only) under a lock file in the torch
     extensions directory: a rank killed meanwhile left the lock, and every later learner start on the host waited
-    on it for ever. A start now loads no op: here a stale lock in an extensions directory of its own stands."""
+    on it for ever. A start now loads no op (here loading one fails the test instead of waiting on a lock)."""
     import deepspeed.comm.comm
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
     from learner.learner import Learner
 
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    op = tmp_path / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / "deepspeed_shm_comm"
-    op.mkdir(parents=True)
-    (op / "lock").touch()  # what a killed rank left
+    def load(self, *args, **kwargs):
+        raise AssertionError(f"a learner start loaded DeepSpeed's {self.NAME}")
+
+    monkeypatch.setattr(ShareMemCommBuilder, "load", load)
+    monkeypatch.setattr(deepspeed.comm.comm, "cdb", None)  # DeepSpeed's backend anew, as in a fresh rank process
     model_dir = str(resolve("builtin:dense"))
     learner = Learner(load_config("grpo_tiny", ["transport.auth=none"]), model_dir, model_dir, CursorPlan(0, 1, 2))
     learner.start()

@@ -331,7 +331,7 @@ def test_an_actor_that_dies_starting_is_reported_with_the_error_its_constructor_
 class HangsStarting:
     """A learner rank whose `start` never returns (a stopped process, a distiller that hangs in its constructor)."""
 
-    def __init__(self, cfg, policy_dir, reference_dir, plan, rank, *rank0_only):
+    def __init__(self, cfg, policy_dir, reference_dir, plan, rank, **rank0_only):
         pass
 
     def endpoints(self) -> tuple[str, str]:
@@ -346,15 +346,16 @@ class HangsStarting:
 
 def test_learner_ranks_that_hang_while_starting_are_given_up_after_the_step_timeout(local_ray, monkeypatch):
     """The ranks' start had no deadline: one stopped while it started (or rank 0's distiller, in its constructor)
-    held the run, or its automatic restart, for ever. Past trainer.step_timeout_s it is a TimeoutError, which
+    held the run, or its automatic restart, for ever. Past the longer of trainer.step_timeout_s and
+    rollout.start_timeout_s (a start may load a multi-GB checkpoint) it is a TimeoutError, which
     `Run.learners_alive` takes for a lost learner (below)."""
     import driver.learners
 
     monkeypatch.setattr(driver.learners, "Learner", HangsStarting)
-    cfg = load_config("grpo_tiny", ["trainer.step_timeout_s=10"])
+    cfg = load_config("grpo_tiny", ["trainer.step_timeout_s=10", "rollout.start_timeout_s=12"])
     started = time.monotonic()
-    with pytest.raises(TimeoutError, match="did not start within 10 s"):
-        driver.learners.LearnerGroup(cfg, "policy", "policy", CursorPlan(0, 1, 4), None, num_gpus=0)
+    with pytest.raises(TimeoutError, match="did not start within 12 s"):  # the longer of the two
+        driver.learners.LearnerGroup(cfg, "policy", "policy", CursorPlan(0, 1, 4), num_gpus=0).start(None)
     assert time.monotonic() - started < 60
 
 
