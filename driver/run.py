@@ -4,8 +4,9 @@
 config to `logging.dir/config.yaml`, starts Ray, places the learner ranks (`learners.LearnerGroup`) and rollout
 actors (`rollouts.RolloutPool`), and hands them what they share: endpoints, the data-cursor plan, the starting
 weight version. While it waits on any learner call it supervises the actors (one that dies is replaced and its
-work re-issued). A learner rank whose process dies ends the step with `LearnerLost`; `restart()` then starts every
-process again from the run's newest checkpoint (`trainer.max_learner_restarts`). `close()` stops every process and
+work re-issued). A learner rank whose process dies, or hangs in a step or while starting, ends the step (or the
+start) with `LearnerLost`; `restart()` then starts every process again from the run's newest checkpoint
+(`trainer.max_learner_restarts`). `close()` stops every process and
 writes `summary.json` however the loop ended."""
 
 from __future__ import annotations
