@@ -6,8 +6,8 @@ actors (`rollouts.RolloutPool`), and hands them what they share: endpoints, the 
 weight version. While it waits on any learner call it supervises the actors (one that dies is replaced and its
 work re-issued). A learner rank whose process dies, or hangs in a step or while starting, ends the step (or the
 start) with `LearnerLost`; `restart()` then starts every process again from the run's newest checkpoint
-(`trainer.max_learner_restarts`). `close()` stops every process and
-writes `summary.json` however the loop ended."""
+(`trainer.max_learner_restarts`). `close()` stops every process and writes `summary.json` however the loop
+ended."""
 
 from __future__ import annotations
 
