@@ -170,8 +170,9 @@ class DistillConfig:
                                "committed", at_least(0))
     num_gpus: float = knob(0.0, "share of rank 0's GPU the distiller runs on (rank 0 keeps the rest; 0: CPU; > 0 "
                            "only when cluster.device is cuda)", between(0, 1, "[)", "a share of rank 0's GPU"))
-    max_restarts: int = knob(3, "a distiller that dies, or hangs in a step past trainer.step_timeout_s, is replaced "
-                             "(from the newest draft version) this often per run", at_least(0))
+    max_restarts: int = knob(3, "a distiller that dies, or hangs in a step (past the longer of trainer."
+                             "step_timeout_s and rollout.start_timeout_s), is replaced (from the newest draft "
+                             "version) this often per run", at_least(0))
     zero_advantage_rows: bool = knob(False, "also teach from the rows the GRPO step does not train (zero advantage): "
                                      "rank 0 forwards them for the distiller after publishing each step (under ZeRO-3 "
                                      "every rank, every step), a forward of its own; false: the distiller learns from "

@@ -8,16 +8,11 @@ from omegaconf import DictConfig
 
 from configs.load import ConfigError
 from driver.placement import reserve, slot
+from learner.base import longer_deadline
 from learner.checkpoint import SHARED_WAIT_S
 from learner.learner import Learner
 from tasks.schedule import CursorPlan
 from transport.auth import KeyPair
-
-
-def start_deadline(cfg: DictConfig) -> float | None:
-    """How long learner ranks may take to start (a multi-GB checkpoint to load; rank 0's distiller to build) before
-    they are taken for lost: the longer of trainer.step_timeout_s and rollout.start_timeout_s (None: no deadline)."""
-    return max(cfg.trainer.step_timeout_s, cfg.rollout.start_timeout_s) if cfg.trainer.step_timeout_s else None
 
 
 class LearnerGroup:
@@ -41,8 +36,8 @@ class LearnerGroup:
 
     def start(self, resume: str | None) -> None:
         """Every rank joins the process group and builds its DeepSpeed engine, loading checkpoint `resume` if given;
-        a TimeoutError past `start_deadline` (ranks that hang while starting are lost like ones in a step)."""
-        timeout = start_deadline(self.cfg)
+        a TimeoutError past `longer_deadline` (ranks that hang while starting are lost like ones in a step)."""
+        timeout = longer_deadline(self.cfg)
         try:
             self.trajectory_endpoint, self.weight_endpoint = ray.get(self.rank0.endpoints.remote(), timeout=timeout)
             master = ray.get(self.rank0.master_address.remote(), timeout=timeout)

@@ -20,6 +20,13 @@ Checkpoints (their layout, sealing and which one a resume or restart takes) are 
 from __future__ import annotations
 
 
+def longer_deadline(cfg) -> float | None:
+    """How long a learner rank's start (a multi-GB checkpoint to load, rank 0's distiller to build) or a distiller's
+    step (at idle priority) may take before it is taken for hung: the longer of trainer.step_timeout_s and
+    rollout.start_timeout_s (None: trainer.step_timeout_s is 0, never)."""
+    return max(cfg.trainer.step_timeout_s, cfg.rollout.start_timeout_s) if cfg.trainer.step_timeout_s else None
+
+
 def staleness(policy_versions: list[int], learner_version: int) -> int:
     """How many versions behind the learner the oldest token of a trajectory is."""
     return learner_version - min(policy_versions, default=learner_version)

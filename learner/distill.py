@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from learner.base import longer_deadline
 from learner.grpo import Packed
 from models.zoo import resolve
 from sampling.coupled import GREEDY_BELOW, NOISE_ELEMENTS, group_seed, gumbel, processed_logits
@@ -311,10 +312,9 @@ class RemoteDistiller:
             return {}
         if self.running is not None:
             if not ray.wait([self.running], timeout=0)[0]:
-                step, ran = self.cfg.trainer.step_timeout_s, time.monotonic() - self.running_since  # (idle priority)
-                if step and ran > max(step, self.cfg.rollout.start_timeout_s):  # hung: alive, so only time tells
-                    return self.replace(TimeoutError(f"its step has run {ran:.0f} s, past the longer of "
-                                                     "trainer.step_timeout_s and rollout.start_timeout_s"))
+                limit, ran = longer_deadline(self.cfg), time.monotonic() - self.running_since
+                if limit is not None and ran > limit:  # hung: alive to Ray, so only time tells
+                    return self.replace(TimeoutError(f"its step has run {ran:.0f} s, past its deadline {limit:g} s"))
                 self.batches, self.skipped = [], self.skipped + 1
                 return {"draft/skipped_steps": float(self.skipped)}
             try:
@@ -341,10 +341,10 @@ class RemoteDistiller:
         return outgoing
 
     def replace(self, error: Exception) -> dict[str, float]:
-        """The actor died, raised, or hung in a step past `trainer.step_timeout_s`: a new one starts from the newest
-        draft version handed out (the one the actors run or are about to), while `speculation.distill.max_restarts`
-        allows; the step it was learning from is lost to it. After that the run goes on without distillation. Either
-        way no trajectory depends on it (the coupled sampler): nothing is lost but the drafter's updates."""
+        """The actor died, raised, or hung in a step (`learner.base.longer_deadline`): a new one starts from the newest
+        draft version handed out (what the actors run), while `speculation.distill.max_restarts` allows; the step it
+        was learning from is lost to it. After that the run goes on without distillation. Either way no trajectory
+        depends on it (the coupled sampler): nothing is lost but the drafter's updates."""
         import ray
 
         self.running, self.batches = None, []
