@@ -1,7 +1,8 @@
 """End-to-end benchmark: whole GRPO runs of the launcher, side by side, one fresh process per run.
 
     python -m bench.e2e --preset smoke|full --out PATH      (on the 2-core CPU host: smoke ~5 min, full ~35)
-                        [--systems sync fastest_of_n ...] [--repeats N] [--staleness S] [--set KEY=VALUE ...]
+                        [--systems sync fastest_of_n ...] [--reference sync|async] [--repeats N] [--staleness S]
+                        [--set KEY=VALUE ...]
 
 Systems, fixed before the run, in this order, each `launch.py --config grpo_tiny` with the same seed:
 - `sync`: rollout, then train, then the next rollout (`algorithm.max_staleness: 0`: an actor starts a step's groups
@@ -19,7 +20,9 @@ Systems, fixed before the run, in this order, each `launch.py --config grpo_tiny
   is accepted (its acceptance length says so). The asynchronous loop has no such ceiling to measure: which weights
   sample a token depends on timing, so no earlier run knows its tokens.
 The asynchronous systems run at `algorithm.max_staleness` S (`--staleness`, 1 unless asked). Each repeat runs every
-system (rotating order). Per system: seconds per step (the run's wall time from its first step's TensorBoard event
+system (rotating order) and the reference (`--reference`: `sync`, or `async` to measure what turning speculation on
+does to the asynchronous loop without spending each repeat's longest run on `sync`); speed-ups are paired per repeat
+over `sync` and over `async`, each where it ran. Per system: seconds per step (the run's wall time from its first step's TensorBoard event
 to its last over the steps between: the first step holds the engines' start; a mean, since at staleness 1 the gaps
 alternate between a long and a short one and their median is either), the actors' engine seconds per step
 (`rollout_s`) and of those its engine steps and the seconds of the coupled sampler, the drafter bridge and the
@@ -202,7 +205,8 @@ def plot(result: dict, path: Path) -> None:
         if system["acceptance_by_step"]:
             left.plot(system["acceptance_by_step"], label=name)
     left.set(xlabel="step", ylabel="acceptance length (tokens per verify step)", title="drafters over the run (live)")
-    left.legend()
+    if left.lines:
+        left.legend()
     for name, system in result["systems"].items():
         for member, series in system.get("member_acceptance_by_step", {}).items():
             members.plot(*zip(*series), label=f"{name}: {member}")
@@ -227,7 +231,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS),
-                        help="a subset (sync always runs: every speed-up is over it, paired per repeat)")
+                        help="a subset (the reference always runs)")
+    parser.add_argument("--reference", choices=["sync", "async"], default="sync",
+                        help="the system that always runs; speed-ups are paired per repeat over sync and over async, "
+                             "each where it ran")
     parser.add_argument("--repeats", type=int, help="override the preset's number of interleaved repeats")
     parser.add_argument("--staleness", type=int, default=1,
                         help="algorithm.max_staleness of the asynchronous systems (sync always runs at 0)")
@@ -240,7 +247,9 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--repeats must be 1 or more, got {args.repeats}")
     preset = {**PRESETS[args.preset], **({"repeats": args.repeats} if args.repeats else {})}
     preset["overrides"] = [*preset["overrides"], *args.set]
-    names = [name for name in SYSTEMS if name == "sync" or name in args.systems]
+    names = [name for name in SYSTEMS if name == args.reference or name in args.systems]
+    if "oracle" in names and "sync" not in names:
+        parser.error("the oracle replays the tokens of the same repeat's `sync` run: list sync among --systems")
     for name in names:  # a misspelt --set key fails here, naming it, not minutes into the benchmark
         try:
             system_config(name, preset["overrides"], args.staleness)
@@ -290,7 +299,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "late_gain_over_initial": [late_gain(r) for r in runs[name]]}
                if "replayed_acceptance_by_step" in first else {}),
             "heldout_reward": statistics.median(r["heldout_reward"] for r in runs[name]),
-            "speedup_over_sync": paired([r["step_s"] for r in runs["sync"]], [r["step_s"] for r in runs[name]]),
+            **({"speedup_over_sync": paired([r["step_s"] for r in runs["sync"]], [r["step_s"] for r in runs[name]])}
+               if "sync" in runs else {}),
             # the asynchronous loop without speculation, paired: what turning speculation on does to the main job
             **({"speedup_over_async": paired([r["step_s"] for r in runs["async"]], [r["step_s"] for r in runs[name]])}
                if "async" in runs and name not in ("sync", "oracle") else {}),
@@ -310,12 +320,19 @@ def main(argv: list[str] | None = None) -> dict:
         acceptance = statistics.fmean(s["acceptance_by_step"]) if s["acceptance_by_step"] else 1.0
         p = s["profile"]
         print(f"| {name} | {s['step_s']:.2f} | {s['rollout_s']:.2f} | {p['train_s']:.2f} | {p['learner_wait_s']:.2f} "
-              f"| {p['actor_idle_s']:.2f} | {s['speedup_over_sync']['speedup']:.2f} | "
-              f"{format(s['speedup_over_async']['speedup'], '.2f') if 'speedup_over_async' in s else '-'} | "
+              f"| {p['actor_idle_s']:.2f} | {over(s, 'speedup_over_sync')} | {over(s, 'speedup_over_async')} | "
               f"{acceptance:.2f} | "
               f"{s['heldout_reward']:.3f} |")
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return result
+
+
+def over(system: dict, key: str) -> str:
+    """A speed-up cell of the console table: the paired median with its interval, '-' where not measured."""
+    if key not in system:
+        return "-"
+    low, high = system[key].get("speedup_ci95", (None, None))
+    return f"{system[key]['speedup']:.2f}" + ("" if low is None else f" ({low:.2f}-{high:.2f})")
 
 
 if __name__ == "__main__":

@@ -165,6 +165,35 @@ def test_end_to_end_benchmark_refuses_a_misspelt_set_key_by_name_before_any_run(
     assert e.value.code == 2 and "learner.lrr" in capsys.readouterr().err
 
 
+def test_end_to_end_benchmark_against_async_runs_no_sync_and_pairs_each_system_with_async(tmp_path, monkeypatch):
+    """`--reference async` (the do-no-harm measurement): each repeat runs async and the listed systems, never sync,
+    and a system's speed-up is paired per repeat over async; the oracle, which replays sync, is refused without it."""
+    import bench.e2e
+
+    ran = []
+    step_s = {"async": [1.0, 2.0, 1.5], "frozen": [0.8, 2.0, 1.2]}  # per repeat: 1.25x, 1.0x, 1.25x
+
+    def fake_run(system, steps, overrides, logdir, log):
+        ran.append(system)
+        return {"step_s": step_s[system][sum(r == system for r in ran) - 1], "rollout_s": 0.5,
+                "profile": {"train_s": 0.2, "learner_wait_s": 0.1, "actor_idle_s": 0.0},
+                "engine_profile": {"steps": 10.0}, "drafting": {"planned_tokens": 0.0},
+                "acceptance_by_step": [], "member_acceptance_by_step": {}, "heldout_reward": 0.1,
+                "dropped_stale": 0}
+
+    monkeypatch.setattr(bench.e2e, "run", fake_run)
+    result = bench.e2e.main(["--preset", "smoke", "--out", str(tmp_path / "e2e.json"), "--systems", "frozen",
+                             "--reference", "async", "--repeats", "3"])
+    assert sorted(ran) == ["async"] * 3 + ["frozen"] * 3
+    assert set(result["systems"]) == {"async", "frozen"}
+    assert result["systems"]["frozen"]["speedup_over_async"]["speedup"] == 1.25
+    assert "speedup_over_sync" not in result["systems"]["frozen"]
+    with pytest.raises(SystemExit) as e:
+        bench.e2e.main(["--preset", "smoke", "--out", str(tmp_path / "never.json"), "--systems", "oracle",
+                        "--reference", "async"])
+    assert e.value.code == 2
+
+
 def test_every_end_to_end_system_is_a_valid_run_config():
     """bench.e2e launches each system as grpo_tiny plus overrides: every combination must pass the launcher's
     config checks (a misspelt key would only surface minutes into the benchmark)."""
