@@ -3,7 +3,7 @@
     python -m bench.rollout [--preset smoke|full|longtail|gpu|policy] [--epochs-before N] [--warm-up] [--out PATH]
 
 Systems (fixed before the run; `specactor` is the configured default, never the best of several afterwards)
-- `vllm`: plain vLLM with its own sampler, no speculation, unseeded requests: what RL frameworks run today;
+- `vllm`: plain vLLM with its own sampler, no speculation, unseeded requests: what RL frameworks run;
 - `vanilla`: vLLM with SpecActor's coupled sampler, no speculation (the tokens every coupled system must equal);
 - `vllm_spec_draft`, `vllm_spec_ngram`, `vllm_spec_suffix`: vLLM's own speculative decoding as a user would
   configure it (the last, vLLM's suffix decoding, runs where `make vllm-suffix` built its suffix tree);

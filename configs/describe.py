@@ -20,9 +20,9 @@ INTRO = """\
 then run that command (tests/test_config_docs.py fails while the two disagree). -->
 
 A run reads one config: `python launch.py --config NAME key=value ...`, where NAME is a bundled config
-(`configs/NAME.yaml`: grpo_tiny, grpo_moe_tiny, grpo_moe) or the path of a YAML file, and each `a.b=c` after it
-overrides one key (`python launch.py --config grpo_tiny trainer.steps=50 rollout.temperature=0.7`). A YAML names
-only what differs from the defaults below, section by section:
+(`configs/NAME.yaml`: grpo_tiny, grpo_moe_tiny, grpo_gpu1, grpo_moe) or the path of a YAML file, and each `a.b=c`
+after it overrides one key (`python launch.py --config grpo_tiny trainer.steps=50 rollout.temperature=0.7`). A YAML
+names only what differs from the defaults below, section by section:
 
 ```yaml
 model:

@@ -82,7 +82,7 @@ class ModelConfig:
     """The policy the actors sample and the learner trains."""
 
     path: str = knob(MISSING, "a Hugging Face checkpoint directory (with its config.json), or a built-in model: "
-                              "builtin:dense, builtin:moe")
+                              "builtin:dense, builtin:moe, builtin:draft, builtin:wordy_dense, builtin:wordy_draft")
     dtype: Dtype = knob(Dtype.float32, "the rollout engines' weights and activations")
     max_model_len: int = knob(1024, "the longest prompt plus answer the rollout engines hold, in tokens; it bounds "
                               "the bytes of a trajectory message the learner accepts", between(16, MAX_TOKENS))
@@ -195,7 +195,7 @@ class SpeculationConfig:
                            "step verifies, for the outcome where every draft is accepted and, from the draft LM, the "
                            "likeliest ones where a draft is rejected or its first guess is wrong "
                            "(actor/draft_ahead.py); a request whose outcome "
-                           "it was takes them, one that missed drafts now only where the cost model says it pays. "
+                           "it was takes them, one that missed drafts at once only where the cost model says it pays. "
                            "Every built-in drafter (fastest_of_n races its members' preparations)")
     max_batch: int = knob(0, "never draft while more than this many requests run (0: no bound)",
                           at_least(0, "0: no limit"))
@@ -268,10 +268,10 @@ class TrainerConfig:
                                       "it must be behind trainer.steps. null: a fresh run",
                                       named("a checkpoint or a run directory"))
     max_learner_restarts: int = knob(
-        2, "a learner rank whose process dies (killed, out of memory, its node lost) restarts every process of the "
-        "run from its newest checkpoint (its start, if none was written yet: trainer.checkpoint_every), this often "
-        "per run; 0: the run stops and says where to resume from. An error raised in training code always stops "
-        "the run", at_least(0))
+        2, "a learner rank whose process dies (killed, out of memory, its node lost) or hangs "
+        "(trainer.step_timeout_s) restarts every process of the run from its newest checkpoint (its start, if none "
+        "was written yet: trainer.checkpoint_every), this often per run; 0: the run stops and says where to resume "
+        "from. An error raised in training code always stops the run", at_least(0))
     step_timeout_s: float = knob(
         1800.0, "learner ranks that have not finished a step's training, publishing or checkpoint this long (a "
         "stopped process, a stuck collective: alive to Ray, so nothing else notices), or their start within the "

@@ -10,10 +10,10 @@ truth, so a drafter that lost or never had state for a request must still answer
 breaks this contract) is switched off in its engine, which decodes on without drafts (actor/draft_bridge.py).
 
 A plugin is a plain class implementing `Drafter`, constructed with keyword options from the config
-(`speculation.options`) and named by a built-in name (`ngram`, `draft_lm`), a dotted path (`pkg.mod.Class`) or
-the name of a `specactor.drafters` entry point. `tests/plugin_contracts/` checks every built-in drafter and the
-example under `examples/`; run it on yours. A `CompositeDrafter` (a drafter made of members) adds what the engine
-reports per member.
+(`speculation.options`) and named by a built-in name (`ngram`, `draft_lm`, `suffix`, `fastest_of_n`), a dotted path
+(`pkg.mod.Class`) or the name of a `specactor.drafters` entry point. `tests/plugin_contracts/` checks every built-in
+drafter and the example under `examples/`; run it on yours. A `CompositeDrafter` (a drafter made of members) adds
+what the engine reports per member.
 """
 
 from __future__ import annotations
