@@ -22,18 +22,18 @@ Systems, fixed before the run, in this order, each `launch.py --config grpo_tiny
 The asynchronous systems run at `algorithm.max_staleness` S (`--staleness`, 1 unless asked). Each repeat runs every
 system (rotating order) and the reference (`--reference`: `sync`, or `async` to measure what turning speculation on
 does to the asynchronous loop without spending each repeat's longest run on `sync`); speed-ups are paired per repeat
-over `sync` and over `async`, each where it ran. Per system: seconds per step (the run's wall time from its first step's TensorBoard event
-to its last over the steps between: the first step holds the engines' start; a mean, since at staleness 1 the gaps
-alternate between a long and a short one and their median is either), the actors' engine seconds per step
-(`rollout_s`) and of those its engine steps and the seconds of the coupled sampler, the drafter bridge and the
-drafter (`engine_profile`), a profile of where a step's time goes (means per step: the learner's GRPO step and its
-wait for the step's groups; the actors' idle seconds, nothing admissible to run until new weights; the share of rows
-with zero advantage, which get no backward pass), acceptance length per step (live; for fastest-of-N also each
-member's token acceptance on every proposal it made, chosen or not; and for the distilled draft LM, replayed on each
-step's trajectories beside the run's starting draft LM), and the final held-out reward (T = 1), which must
-agree across the asynchronous systems within the noise between repeats of one system: the coupled sampler makes
-the trajectories independent of the drafter, but asynchrony makes them depend on when weights arrive. JSON, with a
-PNG of acceptance over steps beside it.
+over `sync` and over `async`, each where it ran. Per system: seconds per step (the run's wall time from its first
+step's TensorBoard event to its last over the steps between: the first step holds the engines' start; a mean, since
+at staleness 1 the gaps alternate between a long and a short one and their median is either), the actors' engine
+seconds per step (`rollout_s`) and of those its engine steps and the seconds of the coupled sampler, the drafter
+bridge and the drafter (`engine_profile`), a profile of where a step's time goes (means per step: the learner's GRPO
+step and its wait for the step's groups; the actors' idle seconds, nothing admissible to run until new weights; the
+share of rows with zero advantage, which get no backward pass), acceptance length per step (live; for fastest-of-N
+also each member's token acceptance on every proposal it made, chosen or not; and for the distilled draft LM,
+replayed on each step's trajectories beside the run's starting draft LM), and the final held-out reward (T = 1),
+which must agree across the asynchronous systems within the noise between repeats of one system: the coupled sampler
+makes the trajectories independent of the drafter, but asynchrony makes them depend on when weights arrive. JSON,
+with a PNG of acceptance over steps beside it.
 """
 
 from __future__ import annotations
