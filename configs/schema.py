@@ -264,8 +264,11 @@ class TrainerConfig:
     eval_every: int = knob(0, "every N steps (0: never) the rollout actors answer the held-out set (data.eval_*) "
                            "greedily and at the rollout temperature under their current weights, beside training; "
                            "logged as eval/* at the step it started", at_least(0, "0: no held-out evaluation"))
-    resume_from: Optional[str] = knob(None, "a checkpoint (checkpoints/step_N) or a run directory (its newest one); "
-                                      "it must be behind trainer.steps. null: a fresh run",
+    resume_from: Optional[str] = knob(None, "a checkpoint (checkpoints/step_N) or a run directory (its newest whole "
+                                      "one, newer damaged ones passed over with a warning); it must be behind "
+                                      "trainer.steps. A resume keeps model.path, seed, the data keys its order depends "
+                                      "on, learner.num_ranks, zero_stage and dtype (another value is refused at load); "
+                                      "learner.lr and weight_decay follow this config. null: a fresh run",
                                       named("a checkpoint or a run directory"))
     max_learner_restarts: int = knob(
         2, "a learner rank whose process dies (killed, out of memory, its node lost) or hangs "

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from configs.load import ConfigError, check_model, find_config, load_config
 from drafters.base import DrafterLoadError, drafter_class
-from learner.checkpoint import RESUME_KEYS, checkpoint_state
+from learner.checkpoint import checkpoint_state, resume_config
 from transport.messages import MAX_DRAFTERS, MAX_NAME
 
 
@@ -74,6 +74,15 @@ def check_drafters(path: Path, speculation: DictConfig) -> None:
             check_model(path, f"{where}.model", options.get("model", "builtin:draft"))
 
 
+def same_setting(key: str, now, then) -> bool:
+    """Whether a resume's `now` keeps its checkpoint's `then`: equal, or for a path one file or directory named two
+    ways (relative and absolute, or through `~`)."""
+    if now == then:
+        return True
+    paths = key in ("model.path", "data.source") and isinstance(now, str) and isinstance(then, str)
+    return paths and Path(now).expanduser().resolve() == Path(then).expanduser().resolve()
+
+
 def check_checkpoints(path: Path, cfg: DictConfig) -> None:
     """trainer.resume_from names a checkpoint behind trainer.steps; logging.dir holds no other run's checkpoints."""
     resumed_run = None
@@ -86,9 +95,10 @@ def check_checkpoints(path: Path, cfg: DictConfig) -> None:
         if step >= cfg.trainer.steps:
             raise ConfigError(f"{path}: key 'trainer.resume_from' is at step {step} but trainer.steps = "
                               f"{cfg.trainer.steps}; raise trainer.steps to train further")
-        for key, value in state.get("config", {}).items():  # (a checkpoint written before they were kept: none)
-            if key in RESUME_KEYS and OmegaConf.select(cfg, key) != value:
-                raise ConfigError(f"{path}: key '{key}' = {OmegaConf.select(cfg, key)!r}, but the checkpoint "
+        kept = resume_config(cfg)
+        for key, value in state.get("config", {}).items():  # (a key added since that checkpoint was written: unchecked)
+            if key in kept and not same_setting(key, kept[key], value):
+                raise ConfigError(f"{path}: key '{key}' = {kept[key]!r}, but the checkpoint "
                                   f"trainer.resume_from names was written with {value!r}: a resumed run keeps it (its "
                                   "weights, data order or optimizer state depend on it)")
     try:  # a directory that holds another run's checkpoints is that run's, unless this run continues it

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from actor.engine import set_env_defaults
 from configs.load import ConfigError
 from driver.logs import LOG_FILE, route, unroute, worker_env
-from learner.checkpoint import RUN_FILE, checkpoint_state, is_branch, run_of
+from learner.checkpoint import RUN_FILE, checkpoint_state, is_branch, passed_over, run_of
 from learner.rollout_log import FILE as ROLLOUTS
 from models.zoo import resolve
 from tasks.dataset import check_prompt_lengths
@@ -90,17 +90,17 @@ class Run:
     def _take_run_dir(self) -> tuple[Path | None, dict]:
         """The checkpoint to start from (None: the run's first step) and its state; the run's id written to the
         directory (an earlier run's checkpoints and logs there deleted first when `logging.overwrite` asks)."""
-
         cfg, checkpoint, state = self.cfg, None, {"version": 0, "data_cursor": 0}
         if cfg.trainer.resume_from:  # continue: same step counter, same data cursor, optimizer state restored
             checkpoint, state = checkpoint_state(cfg.trainer.resume_from)
             print(f"resuming from {checkpoint}: step {state['version']}, data cursor {state['data_cursor']}")
+            for newer in passed_over(cfg.trainer.resume_from, checkpoint):  # said, not silently redone
+                print(f"warning: passed over {newer}: damaged or incomplete (see its manifest)", file=sys.stderr)
         # a run's checkpoints carry its id, and the directory names the run that writes it: resuming from it never
-        # picks up checkpoints an earlier run left there. A resumed run keeps the id of the run it continues from its
-        # newest checkpoint; from an older one it is a branch with an id of its own, so a restart never jumps onto
-        # the abandoned timeline's newer checkpoints
-        self.run_id = state.get("run_id") if checkpoint is not None and not is_branch(checkpoint) else None
-        self.run_id = self.run_id or uuid.uuid4().hex
+        # picks up an earlier run's checkpoints. A resume from a run's newest checkpoint keeps its id; from an older
+        # one it is a branch with an id of its own, so a restart never jumps onto the abandoned timeline's checkpoints
+        branch = checkpoint is None or is_branch(checkpoint)
+        self.run_id = (None if branch else state.get("run_id")) or uuid.uuid4().hex
         # (checked at load: asked for; a branch of the directory's own run keeps the checkpoint it resumes from, and
         # nothing is deleted where that checkpoint is one of the directory's, whichever run wrote it)
         inside = checkpoint is not None and (self.dir / "checkpoints").resolve() in checkpoint.resolve().parents

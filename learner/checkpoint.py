@@ -104,6 +104,17 @@ def find_checkpoint(path: str) -> Path:
                             f"(checkpoints/step_N/{MANIFEST}) of its run")
 
 
+def passed_over(resume_from: str, checkpoint: Path) -> list[Path]:
+    """What a resume from run directory `resume_from` passed over to take `checkpoint` (`find_checkpoint`: the newest
+    whole one): the newer step directories beside it, damaged or incomplete. None where `resume_from` names
+    `checkpoint` itself (a branch from an older checkpoint passes over nothing)."""
+    if Path(resume_from).expanduser() == checkpoint:
+        return []
+    step = int(STEP_DIR.fullmatch(checkpoint.name)[1])
+    newer = [p for p in checkpoint.parent.glob("step_*") if STEP_DIR.fullmatch(p.name)]
+    return sorted(p for p in newer if int(STEP_DIR.fullmatch(p.name)[1]) > step)
+
+
 def is_branch(checkpoint: Path) -> bool:
     """Whether resuming from `checkpoint` leaves a newer whole checkpoint of its run behind (its run directory's)."""
     try:
@@ -112,9 +123,16 @@ def is_branch(checkpoint: Path) -> bool:
         return False
 
 
-# what a resumed run must keep: the policy its weights belong to, the data order its cursor counts in, the shape of
-# the optimizer state its ranks saved (state.json holds them; driver/preflight.py compares them at load)
-RESUME_KEYS = ("model.path", "seed", "data.source", "data.size", "learner.num_ranks", "learner.zero_stage")
+# what a resumed run must keep: the policy its weights belong to, the data order its cursor counts in, the shape and
+# precision of the optimizer state its ranks saved (state.json holds them; driver/preflight.py compares them at load)
+RESUME_KEYS = ("model.path", "seed", "data.source", "data.size", "data.max_ops", "data.max_operand",
+               "data.tail_exponent", "learner.num_ranks", "learner.zero_stage", "learner.dtype")
+
+
+def resume_config(cfg) -> dict:
+    """`cfg`'s values of RESUME_KEYS as state.json keeps them (an enum by its value)."""
+    values = {key: OmegaConf.select(cfg, key) for key in RESUME_KEYS}
+    return {key: getattr(value, "value", value) for key, value in values.items()}
 
 
 def checkpoint_state(path: str) -> tuple[Path, dict]:
@@ -216,7 +234,7 @@ class RankCheckpoints:
         check_sees_all(partial(final), seen_by_rank, SHARED_WAIT_S)
         with self.lock:
             state = {"version": self.version, "run_id": run_id, "skipped_steps": self.skipped_steps,
-                     "config": {key: OmegaConf.select(self.cfg, key) for key in RESUME_KEYS}, **self.intake.state()}
+                     "config": resume_config(self.cfg), **self.intake.state()}
         seal(final, state)
         return str(final)
 
@@ -236,8 +254,11 @@ class RankCheckpoints:
         rank reads it without hashing it again)."""
         path = Path(path)
         state = json.loads((path / "state.json").read_text())
-        # the schedule follows this config (a changed learner.lr applies), fast-forwarded to the checkpoint's step
+        # the schedule follows this config (a changed learner.lr applies), fast-forwarded to the checkpoint's step,
+        # and so does the weight decay (DeepSpeed brings back the saved optimizer's settings with its state)
         self.engine.load_checkpoint(str(path / "deepspeed"), tag="state", load_lr_scheduler_states=False)
+        for group in self.engine.optimizer.param_groups:
+            group["weight_decay"] = self.cfg.learner.weight_decay
         self.version, self.skipped_steps = state["version"], state.get("skipped_steps", 0)
         self.engine.lr_scheduler.last_epoch = self.version - 1
         self.engine.lr_scheduler.step()

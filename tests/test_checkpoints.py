@@ -7,7 +7,7 @@ import json
 import pytest
 
 from learner.checkpoint import (RUN_FILE, UnsharedDirectory, check_sees_all, files_under, find_checkpoint, partial,
-                               seal)
+                               passed_over, seal)
 
 
 def write(root, step: int, run_id: str, payload: bytes = b"weights") -> None:
@@ -52,6 +52,10 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path):
     assert find_checkpoint(str(tmp_path)).name == "step_2"
     with pytest.raises(FileNotFoundError, match="incomplete or damaged checkpoint"):
         find_checkpoint(str(tmp_path / "checkpoints" / "step_4"))
+    # the resume says what it passed over (the driver warns), unless it was asked for that checkpoint by name
+    taken = find_checkpoint(str(tmp_path))
+    assert passed_over(str(tmp_path), taken) == [tmp_path / "checkpoints" / "step_4"]
+    assert passed_over(str(taken), taken) == []
 
 
 @pytest.mark.parametrize("damaged", ["state.json", "hf/model.safetensors"])
@@ -120,15 +124,15 @@ def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints_unless
 
 
 @pytest.mark.parametrize("override,key", [("model.path=builtin:moe", "model.path"), ("seed=7", "seed"),
-                                          ("learner.zero_stage=3", "learner.zero_stage")])
+                                          ("learner.zero_stage=3", "learner.zero_stage"),
+                                          ("learner.dtype=bfloat16", "learner.dtype"), ("data.max_ops=3", "data.max_ops")])
 def test_a_resume_keeps_what_its_checkpoints_weights_data_order_and_optimizer_state_depend_on(tmp_path, override, key):
     """The checkpoint's weights were trained from its model, its data cursor counts in its seed's order, its optimizer
     state is sharded as its ranks were: a resume that changes one of them is refused at load, naming the key (it
     trained another model silently, took other prompts, or failed inside DeepSpeed)."""
     from configs.load import ConfigError, load_config
     from driver.preflight import load_run_config
-    from learner.checkpoint import RESUME_KEYS
-    from omegaconf import OmegaConf
+    from learner.checkpoint import resume_config
 
     cfg = load_config("grpo_tiny", [])
     final = tmp_path / "checkpoints" / "step_2"
@@ -137,12 +141,39 @@ def test_a_resume_keeps_what_its_checkpoints_weights_data_order_and_optimizer_st
     (partial(final) / "deepspeed").mkdir()
     (partial(final) / "deepspeed" / "state.pt").write_bytes(b"optimizer")
     seal(final, {"version": 2, "run_id": "a", "data_cursor": 4,
-                 "config": {k: OmegaConf.select(cfg, k) for k in RESUME_KEYS}})
+                 "config": resume_config(cfg)})
     (tmp_path / RUN_FILE).write_text(json.dumps({"run_id": "a"}))
     resume = ["trainer.steps=20", f"logging.dir={tmp_path}", f"trainer.resume_from={tmp_path}"]
     assert load_run_config("grpo_tiny", resume)
     with pytest.raises(ConfigError, match=rf"key '{key}'.*written with"):
         load_run_config("grpo_tiny", [*resume, override])
+
+
+def test_a_resume_names_its_data_file_as_it_likes_but_keeps_the_file(tmp_path, monkeypatch):
+    """The checkpoint was written with data.source as a relative path: the same file named absolutely resumes, another
+    file is refused, naming the key."""
+    from configs.load import ConfigError, load_config
+    from driver.preflight import load_run_config
+    from learner.checkpoint import resume_config
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("train.jsonl", "other.jsonl"):
+        records = ({"question": f"{i}+1=?", "answer": f"{i}+1={i + 1}\n#### {i + 1}"} for i in range(40))
+        (data / name).write_text("".join(json.dumps(record) + "\n" for record in records))
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("grpo_tiny", ["data.source=data/train.jsonl"])
+    final = tmp_path / "run" / "checkpoints" / "step_2"
+    (partial(final) / "hf").mkdir(parents=True)
+    (partial(final) / "hf" / "model.safetensors").write_bytes(b"weights")
+    (partial(final) / "deepspeed").mkdir()
+    (partial(final) / "deepspeed" / "state.pt").write_bytes(b"optimizer")
+    seal(final, {"version": 2, "run_id": "a", "data_cursor": 4, "config": resume_config(cfg)})
+    (tmp_path / "run" / RUN_FILE).write_text(json.dumps({"run_id": "a"}))
+    resume = ["trainer.steps=20", f"logging.dir={tmp_path / 'run'}", f"trainer.resume_from={tmp_path / 'run'}"]
+    assert load_run_config("grpo_tiny", [*resume, f"data.source={data / 'train.jsonl'}"])
+    with pytest.raises(ConfigError, match=r"key 'data.source'.*written with 'data/train.jsonl'"):
+        load_run_config("grpo_tiny", [*resume, f"data.source={data / 'other.jsonl'}"])
 
 
 def test_rank_zero_seals_only_when_it_sees_every_ranks_files(tmp_path):
@@ -231,3 +262,32 @@ def test_a_resume_reads_a_checkpoints_bytes_once_and_still_sees_a_file_damaged_s
     path = tmp_path / "checkpoints" / "step_4" / "hf" / "model.safetensors"
     path.write_bytes(b"weighTs")  # the same size, rewritten
     assert find_checkpoint(str(tmp_path)).name == "step_2"
+
+
+def test_a_resumed_rank_trains_with_this_configs_lr_and_weight_decay_not_the_checkpoints(tmp_path):
+    """Loading a checkpoint brings the saved optimizer's settings back with its state (DeepSpeed loads the optimizer's
+    state dict, param groups included); the resumed run's learner.lr and learner.weight_decay are its own config's,
+    the schedule fast-forwarded to the checkpoint's step. The engine here is a stand-in for DeepSpeed's."""
+    from types import SimpleNamespace
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from learner.checkpoint import RankCheckpoints
+
+    def optimizer(lr: float, weight_decay: float) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=lr, weight_decay=weight_decay)
+
+    saved = optimizer(lr=1e-3, weight_decay=0.0).state_dict()  # what the checkpoint's run trained with
+    current = optimizer(lr=5e-4, weight_decay=0.5)  # this run's config, as learner/optim.py builds it
+    schedule = torch.optim.lr_scheduler.LambdaLR(current, lambda step: min(1.0, (step + 1) / 4))
+    engine = SimpleNamespace(optimizer=current, lr_scheduler=schedule,
+                             load_checkpoint=lambda *args, **kwargs: current.load_state_dict(saved))
+    (tmp_path / "state.json").write_text(json.dumps({"version": 7}))
+    rank = RankCheckpoints()
+    rank.engine, rank.rank, rank.distiller = engine, 1, None
+    rank.cfg = OmegaConf.create({"learner": {"lr": 5e-4, "weight_decay": 0.5}})
+    rank.load_checkpoint(str(tmp_path))
+    assert rank.version == 7
+    assert current.param_groups[0]["weight_decay"] == 0.5
+    assert current.param_groups[0]["lr"] == pytest.approx(5e-4)  # past its warm-up at step 7
