@@ -130,9 +130,11 @@ RESUME_KEYS = ("model.path", "seed", "data.source", "data.size", "data.max_ops",
 
 
 def resume_config(cfg) -> dict:
-    """`cfg`'s values of RESUME_KEYS as state.json keeps them (an enum by its value)."""
-    values = {key: OmegaConf.select(cfg, key) for key in RESUME_KEYS}
-    return {key: getattr(value, "value", value) for key, value in values.items()}
+    """`cfg`'s values of RESUME_KEYS as state.json keeps them (an enum by its value); the arithmetic task's own keys
+    only where it is the data source (a JSONL file's order does not depend on them)."""
+    arithmetic = OmegaConf.select(cfg, "data.source") == "arithmetic"
+    keys = [key for key in RESUME_KEYS if arithmetic or key == "data.source" or not key.startswith("data.")]
+    return {key: getattr(value, "value", value) for key, value in ((k, OmegaConf.select(cfg, k)) for k in keys)}
 
 
 def checkpoint_state(path: str) -> tuple[Path, dict]:

@@ -21,7 +21,7 @@ def load_jsonl(path: str | Path, fits: Callable[[str], str | None] | None = None
     given, says what is wrong with a record's prompt (None: nothing), e.g. that the model cannot hold it."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise DataFormatError(f"{path}: no such data file")
+        raise DataFormatError(f"{path}: {'a directory, not a data file' if path.is_dir() else 'no such data file'}")
     problems = []
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):

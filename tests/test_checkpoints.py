@@ -151,7 +151,7 @@ def test_a_resume_keeps_what_its_checkpoints_weights_data_order_and_optimizer_st
 
 def test_a_resume_names_its_data_file_as_it_likes_but_keeps_the_file(tmp_path, monkeypatch):
     """The checkpoint was written with data.source as a relative path: the same file named absolutely resumes, another
-    file is refused, naming the key."""
+    file is refused, naming the key; the arithmetic task's own keys do not bind a JSONL run."""
     from configs.load import ConfigError, load_config
     from driver.preflight import load_run_config
     from learner.checkpoint import resume_config
@@ -172,6 +172,7 @@ def test_a_resume_names_its_data_file_as_it_likes_but_keeps_the_file(tmp_path, m
     (tmp_path / "run" / RUN_FILE).write_text(json.dumps({"run_id": "a"}))
     resume = ["trainer.steps=20", f"logging.dir={tmp_path / 'run'}", f"trainer.resume_from={tmp_path / 'run'}"]
     assert load_run_config("grpo_tiny", [*resume, f"data.source={data / 'train.jsonl'}"])
+    assert load_run_config("grpo_tiny", [*resume, "data.source=data/train.jsonl", "data.size=5", "data.max_ops=2"])
     with pytest.raises(ConfigError, match=r"key 'data.source'.*written with 'data/train.jsonl'"):
         load_run_config("grpo_tiny", [*resume, f"data.source={data / 'other.jsonl'}"])
 

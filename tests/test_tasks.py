@@ -162,6 +162,8 @@ def test_a_jsonl_file_may_start_with_a_byte_order_mark_and_be_named_from_home(tm
 def test_jsonl_missing_or_empty_file(tmp_path):
     with pytest.raises(DataFormatError, match="no such data file"):
         load_jsonl(tmp_path / "absent.jsonl")
+    with pytest.raises(DataFormatError, match="a directory, not a data file"):
+        load_jsonl(tmp_path)
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(DataFormatError, match="holds no records"):
         load_jsonl(tmp_path / "empty.jsonl")
