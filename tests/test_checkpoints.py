@@ -125,7 +125,8 @@ def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints_unless
 
 @pytest.mark.parametrize("override,key", [("model.path=builtin:moe", "model.path"), ("seed=7", "seed"),
                                           ("learner.zero_stage=3", "learner.zero_stage"),
-                                          ("learner.dtype=bfloat16", "learner.dtype"), ("data.max_ops=3", "data.max_ops")])
+                                          ("learner.dtype=bfloat16", "learner.dtype"),
+                                          ("data.max_ops=3", "data.max_ops")])
 def test_a_resume_keeps_what_its_checkpoints_weights_data_order_and_optimizer_state_depend_on(tmp_path, override, key):
     """The checkpoint's weights were trained from its model, its data cursor counts in its seed's order, its optimizer
     state is sharded as its ranks were: a resume that changes one of them is refused at load, naming the key (it
