@@ -43,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:  # nothing starts: placement, memory per GPU and sync cost, checked against the cluster
         from driver.plan import plan
 
-        return plan(cfg, args.cluster, args.gpu_gib)
+        try:
+            return plan(cfg, args.cluster, args.gpu_gib)
+        except ConfigError as e:  # what only the model can tell: a prompt too long for it
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
     from driver.run import LearnerLost, Run
 
     try:

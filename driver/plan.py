@@ -23,6 +23,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from driver.preflight import check_prompts_fit
 from learner.distill import draft_model
 from models.zoo import resolve
 
@@ -186,8 +187,9 @@ def weight_sync(cfg: DictConfig, gb: float) -> str:
 
 
 def plan(cfg: DictConfig, cluster: list[Node] | None, gpu_gib: float) -> int:
-    """Prints the plan on `cluster` (a described one), or else the one at `cluster.address` or this machine; 0 if
-    it holds the run, 3 naming the first shortfall otherwise, 2 when there is no cluster to plan on."""
+    """Prints the plan on `cluster` (a described one), or else the one at `cluster.address` or this machine; 0 if it
+    holds the run, 3 naming the first shortfall, 2 with no cluster to plan on (ConfigError: a prompt too long)."""
+    check_prompts_fit(cfg, resolve(cfg.model.path))
     where = "described" if cluster else "this machine (embedded Ray)"
     nodes = cluster or this_machine()
     if cluster is None and cfg.cluster.address:
@@ -220,8 +222,7 @@ def plan(cfg: DictConfig, cluster: list[Node] | None, gpu_gib: float) -> int:
               + f" = {total / GIB:.2f} GiB of {budget / GIB:.0f} ({note})")
         if cuda and total > budget and shortfall is None:
             shortfall = f"a {name} needs {total / GIB:.2f} GiB, a GPU has {budget / GIB:.0f}"
-    distiller = distiller_bytes(cfg)
-    if distiller:
+    if distiller := distiller_bytes(cfg):  # (0 without distillation, counted below all the same)
         share = cfg.speculation.distill.num_gpus  # 0 unless cluster.device is cuda (configs/load.py)
         on_gpu = f"a {share:g} share of rank 0's GPU" if share else "rank 0's node, CPU"
         print(f"  draft LM distiller: {distiller / 2**20:.1f} MiB on {on_gpu} (28 bytes per draft parameter: fp32 "

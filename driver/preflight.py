@@ -12,6 +12,8 @@ from omegaconf import DictConfig, OmegaConf
 from configs.load import ConfigError, check_model, find_config, load_config
 from drafters.base import DrafterLoadError, drafter_class
 from learner.checkpoint import checkpoint_state, resume_config
+from tasks.dataset import check_prompt_lengths
+from tasks.jsonl import DataFormatError
 from transport.messages import MAX_DRAFTERS, MAX_NAME
 
 
@@ -22,6 +24,20 @@ def load_run_config(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
     check_drafters(path, cfg.speculation)
     check_checkpoints(path, cfg)
     return cfg
+
+
+def check_prompts_fit(cfg: DictConfig, model_dir: Path) -> None:
+    """Every prompt of the run's data leaves the model room to answer, counted by the model's tokenizer in
+    `model_dir`: the check that needs the model, made by the run before anything starts or is written and by
+    `--plan` (a model directory without a tokenizer, a shape's config.json alone, is not checked)."""
+    from transformers import AutoTokenizer
+
+    if not any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return
+    try:
+        check_prompt_lengths(cfg.data, AutoTokenizer.from_pretrained(str(model_dir)), cfg.model.max_model_len)
+    except DataFormatError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_drafters(path: Path, speculation: DictConfig) -> None:

@@ -24,13 +24,11 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from actor.engine import set_env_defaults
-from configs.load import ConfigError
 from driver.logs import LOG_FILE, route, unroute, worker_env
+from driver.preflight import check_prompts_fit
 from learner.checkpoint import RUN_FILE, checkpoint_state, is_branch, passed_over, run_of
 from learner.rollout_log import FILE as ROLLOUTS
 from models.zoo import resolve
-from tasks.dataset import check_prompt_lengths
-from tasks.jsonl import DataFormatError
 from tasks.schedule import CursorPlan
 from transport.auth import keypair
 
@@ -48,12 +46,7 @@ class Run:
 
     def __init__(self, cfg: DictConfig):
         reference_dir = policy_dir = str(resolve(cfg.model.path))  # builds the built-in models on first use
-        from transformers import AutoTokenizer  # the prompts, with the model's: before anything starts or is written
-
-        try:
-            check_prompt_lengths(cfg.data, AutoTokenizer.from_pretrained(policy_dir), cfg.model.max_model_len)
-        except DataFormatError as e:
-            raise ConfigError(str(e)) from None
+        check_prompts_fit(cfg, Path(policy_dir))  # with the model's tokenizer: before anything starts or is written
         self.cfg, self.dir = cfg, Path(cfg.logging.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         log_file, level = str((self.dir / LOG_FILE).resolve()), cfg.logging.engine_level.value

@@ -100,3 +100,14 @@ def test_a_plan_on_cluster_address_without_a_cluster_says_what_to_do(capsys, mon
     err = capsys.readouterr().err
     assert "no Ray cluster at cluster.address='auto'" in err and "--cluster NODESxGPUS" in err
     assert "Traceback" not in err
+
+
+def test_a_plan_refuses_a_prompt_the_model_cannot_hold_as_the_run_would(tmp_path, capsys):
+    """The prompt-length check needs the model's tokenizer: `--plan` makes it too where the model directory has one,
+    so a data file the launch would refuse (exit 2, before Ray) is not passed by the plan."""
+    import json
+
+    (tmp_path / "long.jsonl").write_text(json.dumps({"question": "1+1=? " * 400, "answer": "1+1=2\n#### 2"}) + "\n")
+    assert launch.main(["--config", "grpo_tiny", f"data.source={tmp_path / 'long.jsonl'}", "--plan"]) == 2
+    err = capsys.readouterr().err
+    assert "config error" in err and "data.source" in err and "leaves no room" in err
