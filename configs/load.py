@@ -91,6 +91,11 @@ def load_config(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
     return cfg
 
 
+def same_file(a: str, b: str) -> bool:
+    """Whether paths `a` and `b` name one file or directory (relative or absolute, or through `~`)."""
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
 def _refuse_numbers_for_switches(given: DictConfig, cfg: DictConfig, where: str) -> None:
     """OmegaConf takes any number for a true/false key (`speculation.planner=-1` reads as true, `=0` as false): a
     number given for one is refused, naming the key."""
@@ -127,8 +132,7 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
         except DataFormatError as e:
             raise ConfigError(f"{path}: key '{key}' = {source!r}: {e}") from None
     if cfg.trainer.eval_every > 0:
-        files = {Path(source).expanduser().resolve() for source in jsonl_sources(cfg.data).values()}
-        if len(files) == 1 and len(jsonl_sources(cfg.data)) == 2:
+        if len(jsonl_sources(cfg.data)) == 2 and same_file(cfg.data.source, cfg.data.eval_source):
             raise ConfigError(f"{path}: key 'data.eval_source' = {cfg.data.eval_source!r} is data.source's file: "
                               "the held-out problems would be the training problems")
         try:  # the held-out set exists (a finite training set can leave too few problems outside it)

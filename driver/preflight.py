@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from configs.load import ConfigError, check_model, find_config, load_config
+from configs.load import ConfigError, check_model, find_config, load_config, same_file
 from drafters.base import DrafterLoadError, drafter_class
 from learner.checkpoint import checkpoint_state, resume_config
 from tasks.dataset import check_prompt_lengths
@@ -93,10 +93,8 @@ def check_drafters(path: Path, speculation: DictConfig) -> None:
 def same_setting(key: str, now, then) -> bool:
     """Whether a resume's `now` keeps its checkpoint's `then`: equal, or for a path one file or directory named two
     ways (relative and absolute, or through `~`)."""
-    if now == then:
-        return True
     paths = key in ("model.path", "data.source") and isinstance(now, str) and isinstance(then, str)
-    return paths and Path(now).expanduser().resolve() == Path(then).expanduser().resolve()
+    return now == then or (paths and same_file(now, then))
 
 
 def check_checkpoints(path: Path, cfg: DictConfig) -> None:

@@ -106,7 +106,7 @@ def find_checkpoint(path: str) -> Path:
 
 def passed_over(resume_from: str, checkpoint: Path) -> list[Path]:
     """What a resume from run directory `resume_from` passed over to take `checkpoint` (`find_checkpoint`: the newest
-    whole one): the newer step directories beside it, damaged or incomplete. None where `resume_from` names
+    whole one): the newer step directories beside it, damaged or incomplete. Nothing where `resume_from` names
     `checkpoint` itself (a branch from an older checkpoint passes over nothing)."""
     if Path(resume_from).expanduser() == checkpoint:
         return []
