@@ -27,6 +27,7 @@ from actor.draft_ahead import DraftsAhead
 from actor.draft_commits import Commits
 from actor.drafter_checks import (CallWatch, Histories, guarded, labels_within, plain_answers, printable,
                                   sources_within)
+from actor.drafter_process import ProcessDrafter
 from actor.draft_planner import Acceptance, DraftCost, Explore, Rest, StepCost, Survival, geometric, plan
 from drafters.base import CompositeDrafter, Drafter, DraftRequest, prepares_ahead
 from drafters.calibration import Calibration
@@ -256,6 +257,8 @@ class DrafterBridge:
         spec/alarm)."""
         self.failure = f"drafter {self.name} switched off: {type(error).__name__}: {error}"
         self.verifying, self.runner._sample.planning = {}, False
+        if isinstance(self.drafter, ProcessDrafter):  # its process goes (it may be stuck in a call)
+            self.drafter.end()
         log.error("%s; this engine decodes on without drafts", self.failure, exc_info=error)
 
     def settle(self) -> float:

@@ -7,7 +7,8 @@ Everything here runs inside the vLLM worker (through `collective_rpc`). `install
   both draw the coupled sample of `sampling/coupled.py`, keyed by each row's request seed and output position;
   vLLM's per-request torch generators are never used (which also avoids vLLM-CPU's seeded chunked-prefill crash);
 - binds a `Drafter` plugin to the `custom_class` proposer `actor/draft_bridge.DrafterBridge`, which vLLM calls
-  once per engine step, and runs a step without drafts on vLLM's plain path (actor/undrafted_steps.py).
+  once per engine step (decoupled beside a CPU engine: one in a process of its own, actor/drafter_process.py), and
+  runs a step without drafts on vLLM's plain path (actor/undrafted_steps.py).
 `apply_weights` updates weights in place with the CPU re-packing fixes;
 `take_records` returns each finished request's logprobs and speculation stats; `remember_outputs`,
 `new_policy_version` and `swap_draft_weights` reach the drafter between engine steps, and `stuck_drafter` names
@@ -27,6 +28,7 @@ import torch
 
 from actor.draft_bridge import DrafterBridge
 from actor.drafter_checks import built_within
+from actor.drafter_process import start_drafter_process
 from actor.undrafted_steps import run_undrafted_steps_plainly
 from drafters.base import load_drafter
 from sampling.coupled import PLACEHOLDER, coupled_sample, verify
@@ -249,8 +251,10 @@ def install(worker, drafter_path: str | None = None, drafter_options: dict | Non
         try:
             if switched_off:
                 raise RuntimeError(switched_off)
-            drafter = built_within(functools.partial(_build_drafter, runner.device, drafter_path, drafter_options),
-                                   build_deadline_s)
+            build = functools.partial(_build_drafter, runner.device, drafter_path, drafter_options)
+            if decoupled and runner.device.type == "cpu":  # beside a CPU engine: in a process of its own, off the GIL
+                build = functools.partial(start_drafter_process, drafter_path, drafter_options or {}, "cpu")
+            drafter = built_within(build, build_deadline_s)
         except Exception as e:  # drafts only save time: this engine decodes without them, every trajectory says why
             runner.drafter.bind(runner, drafter_path, max_batch, planning)
             runner.drafter.switch_off(e)

@@ -1,17 +1,18 @@
-"""What drafting beside the engine costs the engine's own step on a CPU host, on a thread and in a process:
+"""What drafting beside the engine costs the engine's own step on a CPU host, from a thread and from a process:
 
     python -m bench.draft_contention [--triples 150] [--out runs/bench/draft_contention.json]
 
-Decoupled speculation (actor/draft_ahead.py) prepares the next step's drafts on a thread of the engine's process while
-the engine verifies. The engine runs one thread, so on a 2-core host the drafting thread has the other core to
-itself; what the two still share is the interpreter's lock (the GIL), which each takes between torch calls. One
-engine (the long-tail preset's cost-padded target, plain decoding) steps 8 long requests, and as each step starts a
-drafting worker is set off on one call of the draft LM's `propose_ahead` for `OUTCOMES` outcomes of 5 tokens (about
-what a decoupled long-tail step prepares), or none is: on a thread of the engine's process, in a process of its own
-(the same call on the same free core, no lock shared), or no drafting at all. Three consecutive steps form a triple,
-one of each, in an order that rotates; each triple's ratios of a drafting step to its undrafted one are the result
-(median and a distribution-free 95% interval), beside the drafting call's own seconds. A busy host drifts over
-seconds, not over three ~50 ms steps.
+Decoupled speculation (actor/draft_ahead.py) prepares the next step's drafts from a thread of the engine's process
+while the engine verifies. The engine runs one thread, so on a 2-core host the drafting has the other core to
+itself; what a drafting thread still shares with the engine is the interpreter's lock (the GIL), which each takes
+between torch calls. One engine (the long-tail preset's cost-padded target, plain decoding) steps 8 long requests,
+and as each step starts a thread of the engine's process is set off on one call of the draft LM's `propose_ahead`
+for `OUTCOMES` outcomes of 5 tokens (about what a decoupled long-tail step prepares), or none is: the draft LM in
+the engine's process (`thread`: what a GPU engine does), in a process of its own called over its socket
+(`process`: actor/drafter_process.py, what a CPU engine does), or no drafting at all. Three consecutive steps form a
+triple, one of each, in an order that rotates; each triple's ratios of a drafting step to its undrafted one are the
+result (median and a distribution-free 95% interval), beside the drafting call's own seconds. A busy host drifts
+over seconds, not over three ~50 ms steps.
 """
 
 from __future__ import annotations
@@ -33,15 +34,17 @@ OUTCOMES = 48  # outcomes a drafting call prepares (a decoupled long-tail step p
 MODES = ("none", "thread", "process")
 
 
-def _drafting(go, done, seconds) -> None:
-    """A drafting worker: one `propose_ahead` call of the built-in draft LM each time `go` is set, its seconds into
-    `seconds`, then `done`; returns once `go` is set with `seconds` negative (a thread's or a process's body)."""
+def _drafting(go, done, seconds, own_process: bool) -> None:
+    """A drafting thread: one `propose_ahead` call of the built-in draft LM (`own_process`: in a process of its own)
+    each time `go` is set, its seconds into `seconds`, then `done`; returns once `go` is set with `seconds`
+    negative."""
     import numpy as np
 
+    from actor.drafter_process import start_drafter_process
     from drafters.base import DraftRequest
     from drafters.draft_lm import DraftLM
 
-    drafter = DraftLM()
+    drafter = start_drafter_process("draft_lm", {}, "cpu") if own_process else DraftLM()
     outcomes = [DraftRequest(request_id=f"o{i}", seed=i, position=40, max_tokens=5, temperature=1.0, top_k=0,
                              top_p=1.0, token_ids=np.arange(3 + i % 7, 53 + i % 7, dtype=np.int64) % 50)
                 for i in range(OUTCOMES)]
@@ -65,12 +68,12 @@ def _measure(triples: int) -> dict:
     from bench.rollout import PRESETS, TARGETS, make_llm, workload
     from models.zoo import resolve
 
-    spawn = multiprocessing.get_context("spawn")
-    workers = {"thread": (threading.Event(), threading.Event(), multiprocessing.Value("d", 0.0, lock=False)),
-               "process": (spawn.Event(), spawn.Event(), spawn.Value("d", 0.0, lock=False))}
-    threading.Thread(target=_drafting, args=workers["thread"], daemon=True).start()
-    process = spawn.Process(target=_drafting, args=workers["process"], daemon=True)
-    process.start()
+    workers = {mode: (threading.Event(), threading.Event(), multiprocessing.Value("d", 0.0, lock=False))
+               for mode in ("thread", "process")}
+    drafting = [threading.Thread(target=_drafting, args=(*worker, mode == "process"), daemon=True)
+                for mode, worker in workers.items()]
+    for thread in drafting:
+        thread.start()
     target = Path(tempfile.mkdtemp()) / "target"
     build_padded_target(resolve("builtin:dense"), target, **TARGETS["cpu"], seed=0)
     llm = make_llm("vanilla", target, resolve("builtin:draft"), None, "cpu", 4)
@@ -109,7 +112,8 @@ def _measure(triples: int) -> dict:
         for go, _, seconds in workers.values():
             seconds.value = -1.0
             go.set()
-        process.join(10)
+        for thread in drafting:
+            thread.join(10)
         close_engine(llm)
     return {"steps": steps, "calls": calls}
 

@@ -120,7 +120,7 @@ def make_llm(name: str, target: Path, draft: Path, oracle: Path | None, device: 
             overrides.append(f"speculation.options.path={oracle}")
         if name.startswith("specactor_fastest"):
             overrides.append(f"speculation.drafters={FASTEST_OF}")
-        if name.endswith("_decoupled"):  # its drafting thread takes the core the engine leaves
+        if name.endswith("_decoupled"):  # its drafter, in a process of its own, takes the core the engine leaves
             overrides.append("speculation.decoupled=true")
         return make_engine(load_config("grpo_tiny", overrides), target)
     kwargs = engine_kwargs(load_config("grpo_tiny", overrides), target)

@@ -191,8 +191,10 @@ class SpeculationConfig:
     planner: bool = knob(True, "the cost-model planner (actor/draft_planner.py) chooses 0..num_speculative_tokens "
                          "drafts per request every step from measured step and drafting costs, each request's "
                          "acceptance and how likely it is to run on (where requests ended); false: always the full k")
-    decoupled: bool = knob(False, "drafts for the next engine step are prepared on a thread of their own while this "
-                           "step verifies, for the outcome where every draft is accepted and, from the draft LM, the "
+    decoupled: bool = knob(False, "drafts for the next engine step are prepared while this step verifies (beside a "
+                           "CPU engine by the drafter in a process of its own, actor/drafter_process.py; on a GPU on a "
+                           "thread and CUDA stream of its own), for the outcome where every draft is accepted and, "
+                           "from the draft LM, the "
                            "likeliest ones where a draft is rejected or its first guess is wrong "
                            "(actor/draft_ahead.py); a request whose outcome "
                            "it was takes them, one that missed drafts at once only where the cost model says it pays. "

@@ -1,0 +1,177 @@
+"""A drafter in a process of its own (actor/drafter_process.py): the same drafts as in the engine's process, calls in
+order, histories sent once, and every way the child can fail raised in the engine's process as an error."""
+
+import gc
+import os
+
+import numpy as np
+import pytest
+
+from actor.drafter_process import MAX_QUEUED, start_drafter_process
+from drafters.base import CompositeDrafter, Drafter, DraftRequest, prepares_ahead
+
+
+class Recorder(Drafter):
+    """Drafts what it saw of each request (history length, its sum mod 997, unverified tokens) and what it heard
+    since (commits, removals, policies), to check the child gets the engine's requests and calls as sent."""
+
+    def __init__(self, fail: str = ""):
+        if fail == "build":
+            raise ValueError("no weights here")
+        self.fail, self.heard, self.told = fail, [], 0
+
+    def propose(self, requests, k):
+        if self.fail == "propose":
+            raise ValueError("bad draft")
+        if self.fail == "exit":
+            os._exit(3)
+        if self.fail == "unpicklable":
+            return [(t for t in ()) for _ in requests]
+        assert all(not r.token_ids.flags.writeable for r in requests)
+        self.told = len(self.heard)
+        answer = [[len(r.token_ids), int(np.sum(r.token_ids)) % 997, r.unverified, self.told] for r in requests]
+        self.heard.clear()
+        return answer
+
+    def commit(self, request_id, committed):
+        if self.fail == "commit":
+            raise KeyError(request_id)
+        self.heard.append(("commit", request_id, tuple(committed)))
+
+    def remove(self, request_id):
+        self.heard.append(("remove", request_id))
+
+    def new_policy(self, version):
+        self.heard.append(("policy", version))
+
+    def confidences(self):
+        return [[0.5] * 4] if self.told == 0 else None
+
+
+def request(rid: str, tokens, unverified: int = 0) -> DraftRequest:
+    array = np.asarray(tokens, dtype=np.int64)
+    array.flags.writeable = False
+    return DraftRequest(rid, seed=1, position=len(tokens), token_ids=array, unverified=unverified)
+
+
+def recorder(**options) -> Drafter:
+    return start_drafter_process(f"{__name__}.Recorder", options, "cpu")
+
+
+def test_the_stand_in_is_named_and_kinded_as_the_plugin():
+    drafter = recorder()
+    assert type(drafter).__name__ == "Recorder" and not prepares_ahead(drafter)
+    assert not isinstance(drafter, CompositeDrafter) and not drafter.prepares_rejections
+
+
+def test_histories_cross_once_and_the_child_sees_each_whole():
+    drafter = recorder()
+    history = list(range(3, 40))
+    assert drafter.propose([request("a", history)], 4) == [[37, sum(history) % 997, 0, 0]]
+    history += [5, 6]
+    drafter.commit("a", [5, 6])
+    drafter.new_policy(2)
+    assert drafter.propose([request("a", history)], 4) == [[39, sum(history) % 997, 0, 2]]
+    assert drafter.link.known == {"a": 39}
+    ahead = history + [8, 9]  # two drafts under verification: not the child's history
+    assert drafter.propose([request("a", ahead, unverified=2), request("b", [1, 2])], 4) == \
+        [[41, sum(ahead) % 997, 2, 0], [2, 3, 0, 0]]
+    assert drafter.link.known == {"a": 39, "b": 2}
+    history += [7]  # committed: 7, not the drafts 8, 9
+    assert drafter.propose([request("a", history)], 4) == [[40, sum(history) % 997, 0, 0]]
+    drafter.remove("a")
+    assert drafter.link.known == {"b": 2}
+    assert drafter.propose([request("a", [4, 4])], 4) == [[2, 8, 0, 1]]  # the removal heard; a new history
+
+
+def test_queued_calls_go_in_order_and_in_bounded_batches():
+    drafter = recorder()
+    for i in range(MAX_QUEUED + 5):
+        drafter.commit("a", [i])
+    assert len(drafter.link.queued) == 5  # the first MAX_QUEUED went on their own
+    assert drafter.propose([request("a", [1])], 4)[0][3] == MAX_QUEUED + 5
+
+
+def test_confidences_come_back_with_their_proposal():
+    drafter = recorder()
+    drafter.propose([request("a", [1, 2])], 4)
+    assert drafter.confidences() == [[0.5] * 4]
+    drafter.commit("a", [3])
+    drafter.propose([request("a", [1, 2, 3])], 4)
+    assert drafter.confidences() is None
+
+
+@pytest.mark.parametrize("fail, said", [("propose", "propose: ValueError: bad draft"),
+                                        ("commit", "propose: KeyError: 'a'"),
+                                        ("unpicklable", "propose: TypeError"),
+                                        ("exit", "the drafter's process ended (exit code 3) during propose")])
+def test_what_goes_wrong_in_the_child_is_raised_here(fail, said):
+    drafter = recorder(fail=fail)
+    drafter.commit("a", [1])
+    with pytest.raises(RuntimeError, match=said.replace("(", r"\(").replace(")", r"\)")):
+        drafter.propose([request("a", [1, 2])], 4)
+
+
+def test_a_constructor_that_raises_is_raised_here_and_its_process_ends():
+    with pytest.raises(RuntimeError, match="build: ValueError: no weights here"):
+        recorder(fail="build")
+    with pytest.raises(RuntimeError, match="drafter 'nowhere.Nothing': cannot import"):
+        start_drafter_process("nowhere.Nothing", {}, "cpu")
+
+
+def test_the_child_ends_with_its_stand_in():
+    drafter = recorder()
+    process = drafter.link.process
+    del drafter
+    gc.collect()
+    assert process.wait(timeout=10) == 0
+
+
+def same_confidences(remote, local):
+    """To float32 rounding: the child's math library may sum in another order (its own thread count)."""
+    theirs, ours = remote.confidences(), local.confidences()
+    assert [len(c) for c in theirs] == [len(c) for c in ours]
+    assert sum(theirs, []) == pytest.approx(sum(ours, []), rel=1e-4, abs=1e-5)
+
+
+def test_a_draft_lm_in_a_process_drafts_what_it_drafts_in_the_engines():
+    """Drafts, confidences and proposals ahead (outcomes past accepted and rejected drafts, second guesses) over
+    steps that commit, leave and come back: exactly the in-process draft LM's."""
+    from actor.draft_ahead import ahead
+    from drafters.draft_lm import DraftLM
+
+    remote, local = start_drafter_process("draft_lm", {}, "cpu"), DraftLM()
+    assert type(remote).__name__ == "DraftLM" and prepares_ahead(remote) and remote.prepares_guesses
+    rng = np.random.default_rng(0)
+    histories = {f"r{i}": list(rng.integers(3, 50, 30 + i)) for i in range(6)}
+    for step in range(4):
+        requests = [DraftRequest(r, seed=i, position=len(h) - 30, token_ids=np.array(h), max_tokens=4,
+                                 temperature=(0.0, 0.7, 1.0)[i % 3], top_p=(1.0, 0.9, 1.0)[i % 3])
+                    for i, (r, h) in enumerate(histories.items())]
+        drafts = local.propose(requests, 4)
+        assert remote.propose(requests, 4) == drafts
+        same_confidences(remote, local)
+        outcomes = ahead([(r, drafts[n], j, g) for n, r in enumerate(requests) for j in range(len(drafts[n]) + 1)
+                          for g in (0, 1)], 5)
+        assert remote.propose_ahead(outcomes, 5) == local.propose_ahead(outcomes, 5)
+        same_confidences(remote, local)
+        for n, (rid, history) in enumerate(histories.items()):
+            committed = drafts[n][:2] + [7]
+            history += committed
+            local.commit(rid, committed)
+            remote.commit(rid, committed)
+        if step == 1:
+            local.remove("r0")
+            remote.remove("r0")
+            del histories["r0"]
+
+
+def test_a_drafter_switched_off_takes_its_process_with_it():
+    """The bridge switches off a drafter whose call raised; a child that is stuck or spinning would otherwise hold
+    the core the engine leaves for as long as the engine runs."""
+    from tests.plugin_contracts.test_drafter_bridge import bridge, propose
+
+    drafter = recorder(fail="propose")
+    b, _ = bridge(drafter, ["a-x", "b-y"], planning=False)
+    assert propose(b, [[5], [6]]) == [[], []] and "bad draft" in b.failure
+    assert drafter.link.process.wait(timeout=10) == -9
