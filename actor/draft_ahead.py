@@ -13,10 +13,11 @@ missed is drafted at once only where the cost model says it pays (else it decode
 waiting for the thread and that drafting are on the engine's critical path. Drafts only: every token is still the
 target's coupled sample.
 
-On a CPU the thread needs a core of its own beside the engine's one-thread forward, and it still takes the
-interpreter's lock between its torch calls, which slows the engine's step by about a third of the thread's busy
-time (bench/draft_contention.py); on a GPU engine the draft LM drafts on the engine's GPU on a CUDA stream of its
-own, or a drafter is given a GPU of its own through its `device` option."""
+On a CPU the drafting needs a core of its own beside the engine's one-thread forward, and a drafter in the engine's
+process takes the interpreter's lock between its torch calls, which slows the engine's step by about a third of its
+busy time (bench/draft_contention.py): beside a CPU engine the drafter runs in a process of its own
+(actor/drafter_process.py), and this thread only sends the call and waits. On a GPU engine the draft LM drafts on
+the engine's GPU on a CUDA stream of its own, or a drafter is given a GPU of its own through its `device` option."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ from actor.drafter_checks import guarded, plain_answers, sources_within
 from drafters.base import CompositeDrafter, DraftRequest
 
 # a preparation still running this long after its verify step is a hung drafter: the bridge switches it off (its
-# thread is left to itself) and the engine decodes on, instead of stalling until the actor is taken for dead
+# thread is left to itself; a drafter's process is ended) and the engine decodes on, instead of stalling until the
+# actor is taken for dead
 SETTLE_DEADLINE_S = 60.0
 # the most outcomes past each request's likeliest one a preparation holds: each is a scratch slot in the draft LM's
 # cache while it is drafted, and the cache keeps its largest size (a cold thread asked for all 10 outcomes of 128

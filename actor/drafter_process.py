@@ -2,22 +2,26 @@
 
 A drafting thread in the engine's process shares the interpreter's lock (the GIL) with the engine's thread, which
 each take between torch calls: on the 2-core host every millisecond the thread drafts adds about 0.3 ms to the
-engine's step, while the same drafting in a process of its own adds next to nothing (bench/draft_contention.py).
-So with `speculation.decoupled` on a CPU engine the plugin is built and called in a child process, and the engine's
-process holds a stand-in (`start_drafter_process`): an instance of a class named as the plugin's, with its kind
-(`prepares_rejections`, `prepares_guesses`, whether it has `propose_ahead`, whether it is a `CompositeDrafter`),
-whose every method is the plugin's, called over a socket. The decoupled thread waits on that socket without the lock.
+engine's step, while the same drafting in a process of its own adds a fraction of that (bench/draft_contention.py).
+So with `speculation.decoupled` on a CPU engine a plugin with `propose_ahead` is built and called in a child process
+(within the constructor's deadline, or the child is ended), and the engine's process holds a stand-in
+(`start_drafter_process`): an instance of a class named as the plugin's, with its kind (`prepares_rejections`,
+`prepares_guesses`, whether it has `propose_ahead`, whether it is a `CompositeDrafter`), whose every method is the
+plugin's, called over a socket. The decoupled thread waits on that socket without the lock.
 
 - A call that answers (`propose`, `propose_ahead`, `swap_weights`, a composite's reports) is one round trip; a
   proposal's answer carries its `confidences()` and (a composite's) `sources()`. Calls that answer nothing (`commit`,
   `remove`, `remember`, `new_policy`) are queued and go, in order, with the next call that answers (or once
-  `MAX_QUEUED` are waiting); an error raised by one is raised by that call.
+  `MAX_QUEUED` are waiting).
 - A request's history crosses once: the child keeps each request's committed tokens, and a call sends only what it
-  has not seen (and, for a proposal ahead, the unverified drafts and guess).
+  has not seen (and, for a proposal ahead, the unverified drafts and guess); a history that is not the one the child
+  holds (shorter, or another last token) is sent whole.
 - Messages are pickled by the standard pickler (tensors by value): the child is the engine's own, built from the
   config's drafter name and options. The child exits when the engine's process closes the socket, or dies.
-- A child that raises, answers what cannot be pickled or dies makes the call raise RuntimeError saying so: the
-  bridge switches the drafter off, as it does one that raises in-process; drafts only ever save time.
+- A proposal is read in the child as the engine's process reads one in-process (into lists, at most k tokens each).
+- A child that raises, answers what cannot be pickled or dies makes the call raise RuntimeError saying so (a queued
+  call's error is raised by the next call that answers, naming the queued one): the bridge switches the drafter
+  off, as it does one that raises in-process, and ends the child; drafts only ever save time.
 
 On a GPU engine the drafter stays in the engine's process and drafts on a CUDA stream of its own
 (drafters/draft_lm.py): a child would need a CUDA context and a copy of the weights of its own."""
@@ -33,6 +37,7 @@ import sys
 import threading
 import time
 import weakref
+from itertools import islice
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -45,9 +50,10 @@ PROPOSALS = ("propose", "propose_ahead")
 REPORTS = ("member_labels", "failures")  # a composite's, asked as calls that answer
 
 
-def start_drafter_process(path: str, options: dict, device: str) -> Drafter:
+def start_drafter_process(path: str, options: dict, device: str, deadline_s: float | None = None) -> Drafter:
     """The drafter `path` built with `options` on `device` in a child process, and its stand-in here. Raises
-    RuntimeError with the child's error where its constructor raised, or the process ended before it answered."""
+    RuntimeError with the child's error where its constructor raised, or the process ended before it answered, and
+    TimeoutError where it had not answered after `deadline_s` seconds (None: no deadline); the child then ends."""
     ours, theirs = socket.socketpair()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}  # (imports as here)
     process = subprocess.Popen([sys.executable, "-m", "actor.drafter_process", str(theirs.fileno())],
@@ -55,8 +61,9 @@ def start_drafter_process(path: str, options: dict, device: str) -> Drafter:
     theirs.close()
     link = _Link(Connection(ours.detach()), process)
     try:
-        name, rejections, guesses, ahead, composite = link.ask("build", (path, options, device))
+        name, rejections, guesses, ahead, composite = link.ask("build", (path, options, device), deadline_s)
     except BaseException:
+        link.process.kill()
         link.close()
         raise
     kind = {"prepares_rejections": rejections, "prepares_guesses": guesses, "__module__": __name__}
@@ -73,21 +80,27 @@ class _Link:
     def __init__(self, connection: Connection, process: subprocess.Popen):
         self.connection, self.process = connection, process
         self.queued: list[tuple[str, tuple]] = []
-        self.known: dict[str, int] = {}  # per request, the committed tokens of its history the child holds
+        # per request, how many committed tokens of its history the child holds, and the last of them
+        self.known: dict[str, tuple[int, int]] = {}
 
     def queue(self, method: str, args: tuple) -> None:
         self.queued.append((method, args))
         if len(self.queued) >= MAX_QUEUED:
             self.ask(None, ())
 
-    def ask(self, method: str | None, args: tuple):
-        """Sends the queued calls and `method(*args)` (None: the queued calls only), and returns the answer."""
+    def ask(self, method: str | None, args: tuple, deadline_s: float | None = None):
+        """Sends the queued calls and `method(*args)` (None: the queued calls only), and returns the answer (waited
+        for `deadline_s` seconds at most: None, for ever)."""
         queued, self.queued = self.queued, []
         try:
             self.connection.send_bytes(pickle.dumps((queued, method, args), protocol=pickle.HIGHEST_PROTOCOL))
-            status, value = pickle.loads(self.connection.recv_bytes())
+            answered = deadline_s is None or self.connection.poll(deadline_s)
+            status, value = pickle.loads(self.connection.recv_bytes()) if answered else ("", None)
         except (EOFError, OSError) as e:
             raise RuntimeError(f"the drafter's process ended (exit code {self.exit_code()}) during {method}") from e
+        if not answered:
+            raise TimeoutError(f"its {'constructor' if method == 'build' else method} had not returned after "
+                               f"{deadline_s:g} s")
         if status != "ok":
             raise RuntimeError(f"in the drafter's process: {value}")
         return value
@@ -103,10 +116,12 @@ class _Link:
         sent = []
         for r in requests:
             committed = len(r.token_ids) - r.unverified
-            held = min(self.known.get(r.request_id, 0), committed)
+            held, last = self.known.get(r.request_id, (0, 0))
+            if held > committed or (held and int(r.token_ids[held - 1]) != last):
+                held = 0  # not the history the child holds (shorter, or another): all of it again
             sent.append((r.request_id, r.seed, r.position, r.temperature, r.top_k, r.top_p, r.max_tokens,
                          r.unverified, r.rejected, r.guess, held, np.asarray(r.token_ids[held:]).tolist()))
-            self.known[r.request_id] = max(held, committed)
+            self.known[r.request_id] = (committed, int(r.token_ids[committed - 1]) if committed else 0)
         return sent
 
     def close(self) -> None:
@@ -156,6 +171,7 @@ class ProcessDrafter(Drafter):
     def end(self) -> None:
         """Ends the child at once, wherever it is (the bridge switched the drafter off)."""
         self.link.process.kill()
+        self.link.process.wait()
 
 
 class ProcessComposite(ProcessDrafter, CompositeDrafter):
@@ -175,10 +191,11 @@ def serve(connection: Connection) -> None:
 
     def request(fields: tuple) -> DraftRequest:
         rid, seed, position, temperature, top_k, top_p, max_tokens, unverified, rejected, guess, held, tail = fields
-        tokens = np.concatenate([histories[rid][:held], tail]) if held else np.array(tail, dtype=np.int64)
+        tokens = np.asarray(tail, dtype=np.int64)
+        if held:
+            tokens = np.concatenate([histories[rid][:held], tokens])
         tokens.flags.writeable = False
-        if len(tokens) - unverified > len(histories.get(rid, ())):
-            histories[rid] = tokens[: len(tokens) - unverified]
+        histories[rid] = tokens[: len(tokens) - unverified]  # (as the engine's process counts what it sent)
         return DraftRequest(rid, seed, position, tokens, temperature, top_k, top_p, max_tokens, unverified,
                             rejected, guess)
 
@@ -188,31 +205,45 @@ def serve(connection: Connection) -> None:
             queued, method, args = pickle.loads(connection.recv_bytes())
         except (EOFError, OSError):
             return
+        called = method  # (the call an error is reported under)
         try:
             if method == "build":
                 drafter = load_drafter(*args)
                 answer = (type(drafter).__name__, drafter.prepares_rejections, drafter.prepares_guesses,
                           prepares_ahead(drafter), isinstance(drafter, CompositeDrafter))
             for name, queued_args in queued:
+                called = name
                 if name == "remove":
                     histories.pop(queued_args[0], None)
                 getattr(drafter, name)(*queued_args)
+            called = method
             if method in PROPOSALS:
                 requests, k = args
-                proposals = getattr(drafter, method)([request(r) for r in requests], k)
-                answer = (proposals, drafter.confidences(),
-                          drafter.sources() if isinstance(drafter, CompositeDrafter) else None)
+                answer = proposed(drafter, getattr(drafter, method)([request(r) for r in requests], k), k)
             elif method in REPORTS or method == "swap_weights":
                 answer = getattr(drafter, method)(*args)
             elif method is None:
                 answer = None
             message = pickle.dumps(("ok", answer), protocol=pickle.HIGHEST_PROTOCOL)
         except BaseException as e:  # noqa: BLE001 -- the plugin's error (an exit too) is the engine's to judge
-            message = pickle.dumps(("error", f"{method}: {type(e).__name__}: {e}"))
+            message = pickle.dumps(("error", f"{called}: {type(e).__name__}: {e}"))
             if method == "build":
                 connection.send_bytes(message)
                 return
         connection.send_bytes(message)
+
+
+def proposed(drafter: Drafter, proposals, k: int) -> tuple:
+    """A proposal's answer: the plugin's proposals read into lists (at most `k` tokens each: a generator or a lazy
+    sequence is read here, as the engine's process reads one in-process), its confidences likewise and a composite's
+    sources; (None, None, None) where it proposed nothing ahead."""
+    if proposals is None:
+        return None, None, None
+    proposals = [p if p is None else list(islice(p, k)) for p in proposals]
+    confidences = drafter.confidences()
+    if confidences is not None:
+        confidences = [c if c is None else list(islice(c, k)) for c in confidences]
+    return proposals, confidences, drafter.sources() if isinstance(drafter, CompositeDrafter) else None
 
 
 def _exit_with_parent(parent: int) -> None:

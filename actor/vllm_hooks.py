@@ -30,7 +30,7 @@ from actor.draft_bridge import DrafterBridge
 from actor.drafter_checks import built_within
 from actor.drafter_process import start_drafter_process
 from actor.undrafted_steps import run_undrafted_steps_plainly
-from drafters.base import load_drafter
+from drafters.base import drafter_class, load_drafter, prepares_ahead
 from sampling.coupled import PLACEHOLDER, coupled_sample, verify
 from transport.collective import WeightReceiver
 from transport.messages import SpecStats
@@ -251,10 +251,11 @@ def install(worker, drafter_path: str | None = None, drafter_options: dict | Non
         try:
             if switched_off:
                 raise RuntimeError(switched_off)
-            build = functools.partial(_build_drafter, runner.device, drafter_path, drafter_options)
-            if decoupled and runner.device.type == "cpu":  # beside a CPU engine: in a process of its own, off the GIL
-                build = functools.partial(start_drafter_process, drafter_path, drafter_options or {}, "cpu")
-            drafter = built_within(build, build_deadline_s)
+            if decoupled and runner.device.type == "cpu" and prepares_ahead(drafter_class(drafter_path)):
+                drafter = start_drafter_process(drafter_path, drafter_options or {}, "cpu", build_deadline_s)
+            else:  # (decoupled beside a CPU engine, above: in a process of its own, off the interpreter's lock)
+                drafter = built_within(functools.partial(_build_drafter, runner.device, drafter_path, drafter_options),
+                                       build_deadline_s)
         except Exception as e:  # drafts only save time: this engine decodes without them, every trajectory says why
             runner.drafter.bind(runner, drafter_path, max_batch, planning)
             runner.drafter.switch_off(e)

@@ -152,9 +152,11 @@ class CompositeDrafter(Drafter):
         reported as choice shares (`spec/choice/<name>`)."""
 
 
-def prepares_ahead(drafter: Drafter) -> bool:
-    """Whether `drafter` implements `propose_ahead` (decoupled speculation), rather than inheriting the default."""
-    return type(drafter).propose_ahead is not Drafter.propose_ahead
+def prepares_ahead(drafter: Drafter | type[Drafter]) -> bool:
+    """Whether `drafter` (or a drafter class) implements `propose_ahead` (decoupled speculation), rather than
+    inheriting the default."""
+    cls = drafter if isinstance(drafter, type) else type(drafter)
+    return cls.propose_ahead is not Drafter.propose_ahead
 
 
 def _is(value: Any, kind: type) -> bool:
