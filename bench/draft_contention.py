@@ -30,7 +30,7 @@ from actor.engine import set_env_defaults
 from bench.engine_process import in_fresh_process
 from bench.stats import median_ci
 
-OUTCOMES = 48  # outcomes a drafting call prepares (a decoupled long-tail step prepared 50.9 a step, 12.8 ms of work)
+OUTCOMES = 48  # outcomes a drafting call prepares (a decoupled long-tail step prepares 22-56: docs/benchmarks.md)
 MODES = ("none", "thread", "process")
 
 
