@@ -45,7 +45,6 @@ import numpy as np
 from drafters.base import CompositeDrafter, Drafter, DraftRequest, load_drafter, prepares_ahead
 
 MAX_QUEUED = 4096  # calls that answer nothing, queued before they are sent on their own
-QUEUED = ("commit", "remove", "remember", "new_policy")
 PROPOSALS = ("propose", "propose_ahead")
 REPORTS = ("member_labels", "failures")  # a composite's, asked as calls that answer
 
