@@ -21,8 +21,10 @@ the engine's GPU on a CUDA stream of its own, or a drafter is given a GPU of its
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Callable, NamedTuple
 
@@ -57,7 +59,10 @@ class DraftsAhead:
     drafter's thread (`cost`, fitted on its calls), and counts for a benchmark's profile."""
 
     def __init__(self):
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-ahead")
+        # the drafter's thread: a daemon, so that a drafter stuck in a call never holds up the engine process's exit
+        # (a pool's worker is joined at exit); its jobs are (future, work)
+        self.jobs: queue.SimpleQueue[tuple[Future, Callable[[], dict]]] = queue.SimpleQueue()
+        threading.Thread(target=run_jobs, args=(self.jobs,), name="draft-ahead", daemon=True).start()
         self.future: Future | None = None
         self.prepared: dict[str, list[Prepared]] = {}
         self.cost = DraftCost()
@@ -156,7 +161,18 @@ class DraftsAhead:
             finally:
                 self.seconds += time.perf_counter() - start
 
-        self.future = self.pool.submit(work)
+        self.future = Future()
+        self.jobs.put((self.future, work))
+
+
+def run_jobs(jobs: queue.SimpleQueue) -> None:
+    """The drafter's thread: each job's work, its answer or error into its future."""
+    while True:
+        future, work = jobs.get()
+        try:
+            future.set_result(work())
+        except BaseException as e:  # noqa: BLE001 -- the drafter's error is raised where the engine settles
+            future.set_exception(e)
 
 
 def ahead(outcomes: list[tuple[DraftRequest, list[int], int, int]], k: int) -> list[DraftRequest]:

@@ -5,13 +5,14 @@ file, before any process starts: `load_run_config` is what the launcher loads a 
 from __future__ import annotations
 
 import inspect
+import json
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from configs.load import ConfigError, check_model, find_config, load_config, same_file
 from drafters.base import DrafterLoadError, drafter_class
-from learner.checkpoint import checkpoint_state, resume_config
+from learner.checkpoint import RUN_FILE, checkpoint_state, file_sha256, resume_config
 from tasks.dataset import check_prompt_lengths
 from tasks.jsonl import DataFormatError
 from transport.messages import MAX_DRAFTERS, MAX_NAME
@@ -97,12 +98,33 @@ def same_setting(key: str, now, then) -> bool:
     return now == then or (paths and same_file(now, then))
 
 
+def data_digest(cfg: DictConfig) -> str | None:
+    """The sha256 of the run's data.source file (None: the arithmetic task), which its run.json keeps."""
+    source = OmegaConf.select(cfg, "data.source", default="arithmetic")
+    return None if source == "arithmetic" else file_sha256(Path(source).expanduser())
+
+
+def check_data_unchanged(path: Path, cfg: DictConfig, run_dir: Path) -> None:
+    """A resume's data.source holds the bytes it held when the checkpoint's run began (its run.json's digest): the
+    data cursor counts prompts in that file's order, and an edited file would resume on other prompts silently."""
+    try:
+        then = json.loads((run_dir / RUN_FILE).read_text()).get("data_sha256")
+    except (OSError, ValueError, AttributeError):
+        return  # (a run directory without the digest: written before runs kept it, or not readable)
+    now = data_digest(cfg)
+    if then is not None and now is not None and now != then:
+        raise ConfigError(f"{path}: key 'data.source' = {cfg.data.source!r}: the file changed since the run that wrote "
+                          f"trainer.resume_from's checkpoint began (sha256 {then[:12]}..., now {now[:12]}...); a "
+                          "resumed run's data cursor counts prompts in that file's order: restore it, or start a "
+                          "fresh run")
+
+
 def check_checkpoints(path: Path, cfg: DictConfig) -> None:
     """trainer.resume_from names a checkpoint behind trainer.steps; logging.dir holds no other run's checkpoints."""
     resumed_run = None
     if cfg.trainer.resume_from:
         try:
-            state = checkpoint_state(cfg.trainer.resume_from)[1]
+            checkpoint, state = checkpoint_state(cfg.trainer.resume_from)
             step, resumed_run = state["version"], state.get("run_id")
         except (FileNotFoundError, KeyError, ValueError) as e:
             raise ConfigError(f"{path}: key 'trainer.resume_from': {e}") from None
@@ -115,6 +137,7 @@ def check_checkpoints(path: Path, cfg: DictConfig) -> None:
                 raise ConfigError(f"{path}: key '{key}' = {kept[key]!r}, but the checkpoint "
                                   f"trainer.resume_from names was written with {value!r}: a resumed run keeps it (its "
                                   "weights, data order or optimizer state depend on it)")
+        check_data_unchanged(path, cfg, checkpoint.parent.parent)
     try:  # a directory that holds another run's checkpoints is that run's, unless this run continues it
         held, state = checkpoint_state(cfg.logging.dir)
     except (FileNotFoundError, KeyError, ValueError):

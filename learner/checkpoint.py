@@ -37,10 +37,12 @@ MANIFEST = "manifest.json"
 REQUIRED = {"state.json", "hf", "deepspeed"}  # what every checkpoint's manifest lists (files, or files under them)
 STEP_DIR = re.compile(r"step_([0-9]+)(\.old)?")  # checkpoints/step_N (step_N.old: see `seal`)
 SHARED_WAIT_S = 60.0  # how long rank 0 waits to see another rank's files before it calls logging.dir unshared
-RUN_FILE = "run.json"  # in a run directory: {"run_id": ...} of the run that writes its checkpoints
+# in a run directory: {"run_id": ..., "data_sha256": ...} of the run that writes its checkpoints (the digest of its
+# data.source file; absent for the arithmetic task)
+RUN_FILE = "run.json"
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     stat = path.stat()
     return _sha256_of(str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
@@ -59,13 +61,13 @@ def _sha256_of(path: str, inode: int, size: int, mtime_ns: int) -> str:
 def _intact(path: Path, entry: dict | int) -> bool:
     if isinstance(entry, int):  # a manifest written before they carried hashes: its sizes are all it can check
         return path.stat().st_size == entry
-    return path.stat().st_size == entry["size"] and _sha256(path) == entry["sha256"]
+    return path.stat().st_size == entry["size"] and file_sha256(path) == entry["sha256"]
 
 
 def manifest(checkpoint: Path) -> dict | None:
     """A checkpoint's manifest when every file it lists is there with its size and sha256 (a file damaged in place,
     same size or not, fails); None for a partial or damaged checkpoint. Reading every byte is the price, once per
-    process (`_sha256`): a resume or a restart reads them anyway."""
+    process (`file_sha256`): a resume or a restart reads them anyway."""
     try:
         listed = json.loads((checkpoint / MANIFEST).read_text())
         whole = all(_intact(checkpoint / name, entry) for name, entry in listed["files"].items())
@@ -162,7 +164,7 @@ def seal(final: Path, state: dict) -> None:
     `find_checkpoint` takes while `final` is missing (a crash between the two renames), and removed after."""
     partial_dir = partial(final)
     (partial_dir / "state.json").write_text(json.dumps(state, indent=2))
-    files = {str(p.relative_to(partial_dir)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+    files = {str(p.relative_to(partial_dir)): {"size": p.stat().st_size, "sha256": file_sha256(p)}
              for p in sorted(partial_dir.rglob("*")) if p.is_file()}
     (partial_dir / MANIFEST).write_text(json.dumps({"run_id": state["run_id"], "files": files}, indent=1))
     for p in [*partial_dir.rglob("*"), partial_dir]:

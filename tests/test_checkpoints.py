@@ -178,6 +178,35 @@ def test_a_resume_names_its_data_file_as_it_likes_but_keeps_the_file(tmp_path, m
         load_run_config("grpo_tiny", [*resume, f"data.source={data / 'other.jsonl'}"])
 
 
+def test_a_resume_refuses_a_data_file_edited_since_its_run_began(tmp_path, monkeypatch):
+    """The run directory's run.json keeps the sha256 of data.source as the run began: the same bytes resume (the file
+    rewritten unchanged too), an edited file is refused at load, naming the key (its cursor would count other
+    prompts)."""
+    from configs.load import ConfigError, load_config
+    from driver.preflight import data_digest, load_run_config
+    from learner.checkpoint import resume_config
+
+    records = [{"question": f"{i}+1=?", "answer": f"{i}+1={i + 1}\n#### {i + 1}"} for i in range(40)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(record) + "\n" for record in records))
+    cfg = load_config("grpo_tiny", [f"data.source={data}"])
+    final = tmp_path / "run" / "checkpoints" / "step_2"
+    (partial(final) / "hf").mkdir(parents=True)
+    (partial(final) / "hf" / "model.safetensors").write_bytes(b"weights")
+    (partial(final) / "deepspeed").mkdir()
+    (partial(final) / "deepspeed" / "state.pt").write_bytes(b"optimizer")
+    seal(final, {"version": 2, "run_id": "a", "data_cursor": 4, "config": resume_config(cfg)})
+    (tmp_path / "run" / RUN_FILE).write_text(json.dumps({"run_id": "a", "data_sha256": data_digest(cfg)}))
+    resume = ["trainer.steps=20", f"logging.dir={tmp_path / 'run'}", f"trainer.resume_from={tmp_path / 'run'}",
+              f"data.source={data}"]
+    data.write_text(data.read_text())  # rewritten, the same bytes
+    assert load_run_config("grpo_tiny", resume)
+    data.write_text("".join(json.dumps(record) + "\n" for record in reversed(records)))  # the same prompts reordered
+    with pytest.raises(ConfigError, match=r"key 'data.source'.*changed since the run.*began"):
+        load_run_config("grpo_tiny", resume)
+    assert data_digest(load_config("grpo_tiny", [])) is None  # the arithmetic task: no file to keep
+
+
 def test_rank_zero_seals_only_when_it_sees_every_ranks_files(tmp_path):
     """Two learner nodes, each writing its rank's shard on its own disk: rank 0 must refuse, naming the file."""
     def save(node, rank: int):

@@ -5,6 +5,8 @@ import gc
 import os
 import re
 import subprocess
+import sys
+import threading
 import time
 
 import numpy as np
@@ -52,6 +54,8 @@ class Recorder(Drafter):
         self.heard.append(("policy", version))
 
     def propose_ahead(self, requests, k):  # (nothing prepared: no confidences asked)
+        if self.fail == "hang":
+            threading.Event().wait()
         return None
 
     def confidences(self):
@@ -163,6 +167,32 @@ def test_the_child_ends_with_its_stand_in():
     del drafter
     gc.collect()
     assert process.wait(timeout=10) == 0
+
+
+def test_a_drafter_stuck_preparing_ahead_holds_up_neither_the_engines_exit_nor_its_own_end():
+    """The engine's process ends while its drafter's thread waits on a child stuck in propose_ahead: the process
+    exits (the thread is a daemon: a pool's worker would be joined for ever), and the child is ended with it."""
+    script = (f"from actor.draft_ahead import DraftsAhead\n"
+              f"from actor.drafter_process import start_drafter_process\n"
+              f"drafter = start_drafter_process('{__name__}.Recorder', {{'fail': 'hang'}}, 'cpu')\n"
+              f"print(drafter.link.process.pid, flush=True)\n"
+              f"DraftsAhead().launch([], lambda: drafter.propose_ahead([], 5))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
+    engine = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert engine.returncode == 0, engine.stderr
+    child = int(engine.stdout.split()[0])
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{child}") and not zombie(child):
+        time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{child}") or zombie(child)
+
+
+def zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def same_confidences(remote, local):
