@@ -140,7 +140,8 @@ def make_llm(name: str, target: Path, draft: Path, oracle: Path | None, device: 
 
 def generate(llm, prompt_ids: list[list[int]], params: list, records: list | None = None) -> dict:
     """Steps the engine by hand over every request: makespan, per-request finish times and tokens, batch curve.
-    `records`: a coupled engine's steps are appended to it (bench/trace.py)."""
+    `records`: a coupled engine's counters before the first step, then its steps, are appended to it
+    (bench/trace.py)."""
     from vllm.inputs.engine import tokens_input
 
     from bench.trace import step_record
@@ -149,6 +150,8 @@ def generate(llm, prompt_ids: list[list[int]], params: list, records: list | Non
     for i, (ids, p) in enumerate(zip(prompt_ids, params)):
         engine.add_request(f"r{i}", tokens_input(ids), p)
     finish, tokens, curve = [0.0] * len(params), [[] for _ in params], []
+    if records is not None:
+        records.append([0.0, *llm.collective_rpc(step_record)[0]])
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         begin = time.perf_counter()

@@ -35,9 +35,10 @@ def step_record(worker) -> list[float]:
 
 
 def steps_of(records: list[list[float]]) -> list[list[float]]:
-    """`[wall, *step_record]` per step with the cumulative seconds made per step."""
-    out, last = [], [0.0, 0.0, 0.0, 0.0]
-    for wall, tokens, requests, *cumulative in records:
+    """`[wall, *step_record]` per step with the cumulative seconds made per step; the first record is the engine's
+    before the run's first step (its counters hold what the engine spent before: a warm-up, earlier batches)."""
+    out, last = [], records[0][3:]
+    for wall, tokens, requests, *cumulative in records[1:]:
         out.append([round(wall, 6), int(tokens), int(requests),
                     *(round(c - p, 6) for c, p in zip(cumulative, last))])
         last = cumulative

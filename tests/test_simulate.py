@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bench.simulate import Costs, simulate, validate
-from bench.trace import match_lengths
+from bench.trace import match_lengths, steps_of
 from drafters.base import Drafter
 
 
@@ -113,6 +113,14 @@ def test_match_lengths_count_the_proposed_tokens_that_are_the_committed_ones(rig
     sequences = [[5, 6, 7, 8], [9, 10]]
     drafter = Knowing(dict(enumerate(sequences)), right)
     assert match_lengths(drafter, [[1], [2]], [0, 1], sequences, k=3, temperature=1.0) == (expected, None)
+
+
+def test_a_traced_steps_seconds_are_its_own_not_what_the_engine_spent_before_the_run():
+    """Records are [wall, tokens, requests, cumulative sampler, bridge, drafter seconds, unseen tokens]; the first is
+    the engine's counters before the run (a warm-up epoch's drafting): the first step is charged only its own."""
+    records = [[0.0, 0, 0, 2.0, 3.0, 5.0, 900], [3.1, 1840, 128, 2.5, 3.25, 5.125, 1000],
+               [0.3, 128, 128, 2.75, 3.5, 5.5, 1100]]
+    assert steps_of(records) == [[3.1, 1840, 128, 0.5, 0.25, 0.125, 100], [0.3, 128, 128, 0.25, 0.25, 0.375, 100]]
 
 
 @pytest.mark.slow
