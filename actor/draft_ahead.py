@@ -24,17 +24,17 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import replace
 from typing import Callable, NamedTuple
 
 import numpy as np
 
-from actor.draft_planner import DraftCost
+from actor.draft_planner import DraftCost, StepCost, plan
 from actor.drafter_checks import guarded, plain_answers, sources_within
 from drafters.base import CompositeDrafter, DraftRequest
 
-# a preparation still running this long after its verify step is a hung drafter: the bridge switches it off (its
+# a preparation still running this long after it was launched is a hung drafter: the bridge switches it off (its
 # thread is left to itself; a drafter's process is ended) and the engine decodes on, instead of stalling until the
 # actor is taken for dead
 SETTLE_DEADLINE_S = 60.0
@@ -64,24 +64,38 @@ class DraftsAhead:
         self.jobs: queue.SimpleQueue[tuple[Future, Callable[[], dict]]] = queue.SimpleQueue()
         threading.Thread(target=run_jobs, args=(self.jobs,), name="draft-ahead", daemon=True).start()
         self.future: Future | None = None
+        self.launched = 0.0  # when the preparation in flight was launched
         self.prepared: dict[str, list[Prepared]] = {}
         self.cost = DraftCost()
         self.seconds = 0.0  # time the thread spent preparing (off the critical path)
         self.outcomes = 0  # outcomes prepared
+        self.busy_steps = 0  # engine steps that went on without drafts: the preparation had outlasted its patience
         # per kind (all drafts accepted, a draft rejected): prepared outcomes that came about, and of those the ones
         # where a guess was the target's token (their drafts taken); per kind and guess, the outcomes it was right in
         self.reached, self.hits = {False: 0, True: 0}, {False: 0, True: 0}
         self.right = {(kind, guess): 0 for kind in (False, True) for guess in (0, 1)}
 
-    def settle(self) -> float:
-        """Waits for the preparation in flight (its error is raised here; TimeoutError past SETTLE_DEADLINE_S);
-        returns the seconds waited."""
+    def settle(self, patience: float | None = None) -> float:
+        """Waits for the preparation in flight, `patience` seconds at most (None: as long as it takes), and returns
+        the seconds waited; the preparation is still in flight (`busy`) where it outlasted them. Its error is raised
+        here, and TimeoutError once it has run SETTLE_DEADLINE_S."""
         if self.future is None:
             return 0.0
         start = time.perf_counter()
+        left = self.launched + SETTLE_DEADLINE_S - start
+        done, _ = wait([self.future], timeout=max(0.0, left if patience is None else min(patience, left)))
+        if not done:
+            if time.perf_counter() >= self.launched + SETTLE_DEADLINE_S:
+                raise TimeoutError(f"propose_ahead had not returned {SETTLE_DEADLINE_S:g} s after it was called")
+            return time.perf_counter() - start
         future, self.future = self.future, None
-        self.prepared = future.result(timeout=SETTLE_DEADLINE_S)
+        self.prepared = future.result()
         return time.perf_counter() - start
+
+    @property
+    def busy(self) -> bool:
+        """Whether a preparation is still in flight (it outlasted `settle`'s patience)."""
+        return self.future is not None
 
     def take(self, request_id: str, history) -> tuple[list[int], list[float] | None, str] | None:
         """The drafts (with their confidences and source) prepared for `request_id` for the outcome `history` is:
@@ -161,7 +175,7 @@ class DraftsAhead:
             finally:
                 self.seconds += time.perf_counter() - start
 
-        self.future = Future()
+        self.future, self.launched = Future(), time.perf_counter()
         self.jobs.put((self.future, work))
 
 
@@ -213,3 +227,19 @@ def outcomes(chains: list[tuple[DraftRequest, list[int], int]], rates: np.ndarra
     thread = cost.predict(np.full(len(rows), tokens), rows * tokens)
     fits = min(int(np.searchsorted(thread > step_s, True)), MAX_FURTHER + 1)
     return first + [(chains[n][0], chains[n][1], j, g) for _, n, j, g in likely[: max(fits - 1, 0)]]
+
+
+def worth_drafting_now(asked: list[tuple[int, DraftRequest]], base_tokens: int, ready: list[tuple[str, int]],
+                       gains: Callable[[list[str]], np.ndarray], step_cost: StepCost, draft_cost: DraftCost,
+                       unseen: Callable[[DraftRequest], int]) -> list[tuple[int, DraftRequest]]:
+    """The requests (row, request) whose drafts were not prepared, with the budgets the cost model gives drafting them
+    now, on the critical path (0: left out; they decode plainly this step, and get drafts prepared for the next),
+    weighed against the whole step of `base_tokens`: drafting them delays the tokens of every request of the step,
+    the `ready` ones' (their ids and prepared drafts) too. `gains`: the bridge's per-request gains of each draft
+    token; `unseen`: the history tokens drafting a request now would catch up on."""
+    missed = [list(g[: r.max_tokens]) for g, (_, r) in zip(gains([r.request_id for _, r in asked]), asked)]
+    ready_gains = gains([rid for rid, _ in ready])
+    elsewhere = base_tokens - len(asked) + sum(float(g[:n].sum()) for g, (_, n) in zip(ready_gains, ready))
+    budgets, _ = plan(missed, base_tokens + sum(n for _, n in ready), step_cost, draft_cost,
+                      unseen=[unseen(r) for _, r in asked], elsewhere=elsewhere)
+    return [(j, replace(r, max_tokens=b)) for (j, r), b in zip(asked, budgets) if b > 0]

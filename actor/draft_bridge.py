@@ -18,12 +18,11 @@ import logging
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from actor.draft_ahead import DraftsAhead
+from actor.draft_ahead import DraftsAhead, worth_drafting_now
 from actor.draft_commits import Commits
 from actor.drafter_checks import (CallWatch, Histories, guarded, labels_within, plain_answers, printable,
                                   sources_within)
@@ -105,8 +104,9 @@ class DrafterBridge:
         batch = self.runner.input_batch
         req_ids = batch.req_ids[: batch.num_reqs]
         self._observe_step(start, req_ids)
-        self.waited = self.settle()  # no drafter call while its thread still runs (counted in drafter_seconds)
-        if self._rests(len(req_ids)):
+        # no drafter call while its thread still runs: waited for a step's time at most (counted in drafter_seconds)
+        self.waited = self.settle(self.predicted or None)
+        if self._rests(req_ids, sampled_token_ids):
             return [[] for _ in req_ids]
         gone = self._forget(req_ids)
         lengths = num_tokens_no_spec[: len(req_ids)].tolist()  # plain ints: a numpy scalar per request costs more
@@ -136,11 +136,18 @@ class DrafterBridge:
                                self.acceptance.rates, self.predicted, self.k, self.members, self.vocab_size)
         return drafts
 
-    def _rests(self, rows: int) -> bool:
-        """Whether this step of `rows` requests is one of the planner's rest (`Rest`): no drafts, and no work per
-        request; the drafter hears the rest's commits later (actor/draft_commits.py)."""
-        rests = (self.planning and not self.failure and not self.verifying and not self.explore.due()
-                 and not (self.max_batch and rows > self.max_batch) and self.rest.keeps(rows))
+    def _rests(self, req_ids: list[str], sampled_token_ids) -> bool:
+        """Whether this step drafts nothing and does no work per request: a step of the planner's rest (`Rest`), or,
+        decoupled, one where the drafter's thread still prepares after a step's time (a stall: a cache that grew, a
+        busy host), which costs more to wait for than a step without drafts (the drafts just verified are observed).
+        The drafter hears the commits at the next plan (actor/draft_commits.py)."""
+        rows, busy = len(req_ids), self.ahead is not None and self.ahead.busy and not self.failure
+        rests = busy or (self.planning and not self.failure and not self.verifying and not self.explore.due()
+                         and not (self.max_batch and rows > self.max_batch) and self.rest.keeps(rows))
+        if busy:
+            self._observe_verified([(r, list(t)) for r, t in zip(req_ids, sampled_token_ids) if r in self.verifying])
+            self.verifying, self.ahead.busy_steps = {}, self.ahead.busy_steps + 1
+            self.predicted = float(self.step_cost.predict(rows))
         if rests:  # (`planning` again: a plan above `max_batch` set it off)
             self.commits.rested = self.runner._sample.planning = True
             self.explore.stepped(drafted=False)
@@ -168,18 +175,22 @@ class DrafterBridge:
 
     def _hear(self, commits: list[tuple[str, list[int]]], gone: list[tuple[str, list[int]]]) -> None:
         """What the verifier committed: each drafted request's acceptance and labels, then the drafter told."""
-        for req_id, committed in commits:  # each drafted request's acceptance, and its tokens' labels
-            sent, proposal, confidences = self.verifying.get(req_id, (0, None, None))
-            if sent:
-                self.acceptance.observe(req_id, sent, min(len(committed) - 1, sent))
-            if confidences is not None:
-                self.calibration.observe(confidences, proposal, committed)
+        self._observe_verified(commits)
         if not self.failure:
             try:
                 self._tell(gone, commits)
             except Exception as e:
                 self.switch_off(e)
         self.verifying = {}
+
+    def _observe_verified(self, commits: list[tuple[str, list[int]]]) -> None:
+        """Each drafted request's acceptance, and its tokens' labels, from what the verifier committed."""
+        for req_id, committed in commits:
+            sent, proposal, confidences = self.verifying.get(req_id, (0, None, None))
+            if sent:
+                self.acceptance.observe(req_id, sent, min(len(committed) - 1, sent))
+            if confidences is not None:
+                self.calibration.observe(confidences, proposal, committed)
 
     def _plan(self, req_ids: list[str], rows: list[int], lengths: list[int]) -> tuple[list[int], bool]:
         """Each drafting row's budget (k without the planner) and whether this step explores."""
@@ -189,7 +200,7 @@ class DrafterBridge:
         unseen = [lengths[row] - self.shown.get(req_ids[row], 0) for row in rows]
         gains = self._gains([req_ids[row] for row in rows])
         # decoupled: as if drafting were free, since prepared drafts cost the engine nothing; a miss is re-planned
-        # with what drafting it on the critical path costs (`_worth_drafting_now`)
+        # with what drafting it on the critical path costs (`worth_drafting_now`)
         budgets, _ = plan(gains, len(req_ids), self.step_cost,
                           self.draft_cost if self.ahead is None else None, explore=explore, unseen=unseen)
         if rows:
@@ -261,14 +272,15 @@ class DrafterBridge:
             self.drafter.end()
         log.error("%s; this engine decodes on without drafts", self.failure, exc_info=error)
 
-    def settle(self) -> float:
+    def settle(self, patience: float | None = None) -> float:
         """Waits for the drafts being prepared on the drafter's thread (decoupled), since no other call of the drafter
-        may run meanwhile; returns the seconds waited. An error it raised there switches the drafter off."""
+        may run meanwhile: `patience` seconds at most (None: until they are ready); returns the seconds waited. An
+        error it raised there switches the drafter off."""
         waited = 0.0
         if self.ahead is not None and not self.failure:
             try:
                 with self.watch.running("propose_ahead"):
-                    waited = self.ahead.settle()
+                    waited = self.ahead.settle(patience)
             except Exception as e:
                 self.switch_off(e)
         self.drafter_seconds, self.waited_total = self.drafter_seconds + waited, self.waited_total + waited
@@ -353,7 +365,8 @@ class DrafterBridge:
         asked = [(j, r) for j, r in enumerate(requests) if j not in found]
         if self.ahead is not None and asked:
             ready = [(requests[j].request_id, min(len(p), budgets[j])) for j, (p, _, _) in found.items()]
-            asked = self._worth_drafting_now(asked, base_tokens, ready)
+            asked = worth_drafting_now(asked, base_tokens, ready, self._gains, self.step_cost, self.draft_cost,
+                                       self._unseen)
         start = time.perf_counter()
         if asked:
             allowed = [r.max_tokens for _, r in asked]
@@ -375,19 +388,6 @@ class DrafterBridge:
         any_rated = any(c is not None for c in confidences)
         sources = [str(s) for *_, s in triples] if isinstance(self.drafter, CompositeDrafter) else None
         return proposals, confidences if any_rated else None, sources, prepared
-
-    def _worth_drafting_now(self, asked: list[tuple[int, DraftRequest]], base_tokens: int,
-                            ready: list[tuple[str, int]]) -> list[tuple[int, DraftRequest]]:
-        """Decoupled: the requests whose drafts were not prepared, with the budgets the cost model gives drafting them
-        now, on the critical path (0: they decode plainly this step, and get drafts prepared for the next), weighed
-        against the whole step: drafting them delays the tokens of every request of the step, the `ready` ones' (their
-        ids and prepared drafts) too."""
-        gains = [list(g[: r.max_tokens]) for g, (_, r) in zip(self._gains([r.request_id for _, r in asked]), asked)]
-        ready_gains = self._gains([rid for rid, _ in ready])
-        elsewhere = base_tokens - len(asked) + sum(float(g[:n].sum()) for g, (_, n) in zip(ready_gains, ready))
-        budgets, _ = plan(gains, base_tokens + sum(n for _, n in ready), self.step_cost, self.draft_cost,
-                          unseen=[self._unseen(r) for _, r in asked], elsewhere=elsewhere)
-        return [(j, replace(r, max_tokens=b)) for (j, r), b in zip(asked, budgets) if b > 0]
 
     def _gains(self, req_ids: list[str]) -> np.ndarray:
         """Per request (this step's), the expected committed tokens each of k draft tokens adds: reached and accepted

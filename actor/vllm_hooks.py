@@ -348,7 +348,7 @@ def profile(worker) -> dict[str, float]:
     """Seconds spent so far in the coupled sampler, in the drafter bridge (ids, acceptance, the planner) and in the
     drafter plugin itself (its proposals, commits and removals), and the history tokens the drafter was shown for
     the first time (its catch-up); decoupled, the drafter's thread's seconds, the engine's wait for it, the outcomes
-    it prepared, and per kind (all drafts accepted; one rejected) the prepared outcomes that came about and those
+    it prepared, the steps that went on without waiting longer (`busy_steps`), and per kind (all drafts accepted; one rejected) the prepared outcomes that came about and those
     where a guess was the target's token (`_second`: the drafter's second guess); zeros for hooks not installed."""
     runner = worker.model_runner
     bridge = getattr(runner, "drafter", None)
@@ -359,7 +359,7 @@ def profile(worker) -> dict[str, float]:
             "drafter_s": bridge.drafter_seconds if drafting else 0.0,
             "unseen_tokens": bridge.unseen_total if drafting else 0,
             **({"ahead_thread_s": ahead.seconds, "ahead_waited_s": bridge.waited_total,
-                "ahead_outcomes": ahead.outcomes,
+                "ahead_outcomes": ahead.outcomes, "ahead_busy_steps": ahead.busy_steps,
                 **{f"ahead_{name}_{count}": value for rejection, name in ((False, "chain"), (True, "rejection"))
                    for count, value in (("reached", ahead.reached[rejection]), ("hits", ahead.hits[rejection]),
                                         ("second_hits", ahead.right[rejection, 1]))}} if ahead else {})}

@@ -9,14 +9,15 @@ from pathlib import Path
 def speculation_report(spec, grew: dict, verify: int, steps: int) -> dict:
     """A coupled system's run, from its requests' summed speculation stats (`spec`), what its engine's profile
     counters grew by (`grew`), its verify steps and engine steps: for decoupled drafting, the verify steps whose
-    drafts were ready, the outcomes prepared a step and, per kind, the share of prepared outcomes that came about
-    whose guess was the target's token; the draft planner's tokens allowed per request and step and its step-cost
-    error; for a composite drafter, each member's share of the draft steps and its token acceptance on every
-    proposal it made."""
+    drafts were ready, the outcomes prepared a step, the steps that did not wait longer for them and, per kind, the
+    share of prepared outcomes that came about whose guess was the target's token; the draft planner's tokens
+    allowed per request and step and its step-cost error; for a composite drafter, each member's share of the draft
+    steps and its token acceptance on every proposal it made."""
     run = {}
     if spec.prepared_steps:
         run["prepared_hit_rate"] = round(spec.prepared_steps / max(verify, 1), 3)
         run["prepared_outcomes_per_step"] = round(grew["ahead_outcomes"] / steps, 2)
+        run["busy_steps"] = grew["ahead_busy_steps"]  # steps that went on without drafts: the drafter still prepared
         kinds = ("chain", "rejection", "chain_second", "rejection_second")
         run["guess_accuracy"] = {kind: round(grew[f"ahead_{kind}_hits"] / max(
             grew[f"ahead_{kind.removesuffix('_second')}_reached"], 1), 3) for kind in kinds}

@@ -2,9 +2,13 @@
 was prepared for (every draft accepted, then the guessed token), once; the drafter's error surfaces when the engine
 waits for it. That no token changes is the exactness tests' (tests/test_speculative_rollout.py)."""
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
+from actor import draft_ahead
 from actor.draft_ahead import MAX_FURTHER, DraftsAhead, ahead, outcomes
 from actor.draft_planner import DraftCost
 from drafters.base import DraftRequest
@@ -120,3 +124,21 @@ def test_a_second_guess_is_taken_where_the_first_was_not_the_targets_token():
     assert drafts.reached[False] == drafts.hits[False] == 1 and drafts.right[False, 1] == 1  # the outcome counted once
     rates = drafts.guess_rates()
     assert rates[False, 1] > rates[True, 1] and rates[False, 0] < rates[True, 0]  # from the prior, moved by it
+
+
+def test_a_preparation_is_waited_for_as_long_as_asked_and_one_that_never_ends_is_a_timeout(monkeypatch):
+    """`settle(patience)` returns after `patience` with the preparation still in flight (`busy`), and takes its
+    drafts once it has ended; past SETTLE_DEADLINE_S after its launch, waiting raises TimeoutError."""
+    request = DraftRequest("a", seed=1, position=3, token_ids=np.array([1, 2, 3]), temperature=1.0)
+    release = threading.Event()
+    drafts = DraftsAhead()
+    drafts.launch([request], lambda: (release.wait(), ([[4, 5]], None, None))[1])
+    assert 0.05 <= drafts.settle(0.05) < 1.0 and drafts.busy
+    release.set()
+    drafts.settle(5.0)
+    assert not drafts.busy and drafts.take("a", np.array([1, 2, 3, 4])) == ([5], None, "")
+    monkeypatch.setattr(draft_ahead, "SETTLE_DEADLINE_S", 0.2)
+    drafts.launch([request], lambda: (time.sleep(30), None)[1])
+    assert drafts.settle(0.01) < 0.2 and drafts.busy
+    with pytest.raises(TimeoutError, match="propose_ahead had not returned 0.2 s after it was called"):
+        drafts.settle()
