@@ -41,8 +41,7 @@ SWITCH_S = 0.0005
 class DrafterBridge:
     def __init__(self, vllm_config):
         self.k = vllm_config.speculative_config.num_speculative_tokens
-        self.runner = None
-        self.drafter: Drafter | str | None = None  # (str: the name of one that could not be built)
+        self.runner, self.drafter = None, None  # (the drafter: a str names one that could not be built)
         self.name = ""  # the drafter's, as logs and trajectories call it
         self.max_batch, self.planning = 0, True
         self.live: set[str] = set()  # the requests of the last step's batch
@@ -62,8 +61,7 @@ class DrafterBridge:
         self.failure = ""  # why the drafter was switched off ("": it was not)
         self.watch = CallWatch()  # the drafter's call the engine's thread is in (a hung one: driver/rollouts.py)
         self.ahead: DraftsAhead | None = None  # speculation.decoupled: the next step's drafts, prepared meanwhile
-        # seconds the engine waited for the preparation in flight: this step, and over its life (a benchmark's profile)
-        self.waited = self.waited_total = 0.0
+        self.waited = self.waited_total = 0.0  # the engine's wait for the thread: this step, and over its life
         self.unseen_total = 0  # history tokens shown to the drafter for the first time, over the engine's life
 
     def load_model(self, *args, **kwargs) -> None:  # vLLM hands over the target model; drafters bring their own
@@ -144,8 +142,10 @@ class DrafterBridge:
         rows, busy = len(req_ids), self.ahead is not None and self.ahead.busy and not self.failure
         rests = busy or (self.planning and not self.failure and not self.verifying and not self.explore.due()
                          and not (self.max_batch and rows > self.max_batch) and self.rest.keeps(rows))
-        if busy:
+        if busy:  # (the wait is the engine's drafting time on each request: spec/critical_draft_seconds)
             self._observe_verified([(r, list(t)) for r, t in zip(req_ids, sampled_token_ids) if r in self.verifying])
+            for req_id in req_ids:
+                self.runner._sample.stats_for(req_id).draft_seconds += self.waited / rows
             self.verifying, self.ahead.busy_steps = {}, self.ahead.busy_steps + 1
             self.predicted = float(self.step_cost.predict(rows))
         if rests:  # (`planning` again: a plan above `max_batch` set it off)

@@ -495,13 +495,15 @@ def test_a_preparation_that_outlasts_a_step_is_not_waited_for_and_no_call_overla
     it the step drafts nothing and calls the drafter nowhere; the drafts it verified are still observed, and the next
     plan tells the drafter every token committed meanwhile, once and in order."""
     drafter = Ahead([[1, 2], [3]])  # (it prepares for 0.2 s)
-    b, _ = bridge(drafter, ["a-x", "b-y"], planning=False, decoupled=True)
+    b, runner = bridge(drafter, ["a-x", "b-y"], planning=False, decoupled=True)
     b.step_cost.observe(2, 0.01)  # a step measured: 10 ms
     history = np.arange(40).reshape(2, -1) % VOCAB
     assert b.propose([[5], [6]], np.array([8, 8]), history) == [[1, 2], [3]]
     verified = b.acceptance.verified
+    charged = sum(r.stats.draft_seconds for r in runner._sample.records.values())
     assert b.propose([[8, 9], [28]], np.array([10, 9]), history) == [[], []]  # its preparation still runs
-    assert b.waited < 0.15 and b.ahead.busy and b.ahead.busy_steps == 1
+    assert 0.005 < b.waited < 0.15 and b.ahead.busy and b.ahead.busy_steps == 1
+    assert sum(r.stats.draft_seconds for r in runner._sample.records.values()) == pytest.approx(charged + b.waited)
     assert b.acceptance.verified == verified + 3  # a-x's 2 drafts (1 accepted) and b-y's 1 (rejected) observed
     time.sleep(0.3)
     assert b.propose([[10], [29]], np.array([11, 10]), history) == [[1, 2], [3]]
