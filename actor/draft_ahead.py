@@ -38,6 +38,9 @@ from drafters.base import CompositeDrafter, DraftRequest
 # thread is left to itself; a drafter's process is ended) and the engine decodes on, instead of stalling until the
 # actor is taken for dead
 SETTLE_DEADLINE_S = 60.0
+# the share of the engine's predicted step it waits for a preparation still running: past it, a stall (a cache that
+# grew, a busy host) most often runs on for longer than a step, and the step goes on without drafts
+PATIENCE_SHARE = 0.5
 # the most outcomes past each request's likeliest one a preparation holds: each is a scratch slot in the draft LM's
 # cache while it is drafted, and the cache keeps its largest size (a cold thread asked for all 10 outcomes of 128
 # requests grew it to 2,048 slots, whose every later doubling in length then stalled the engine for over a second)
@@ -70,19 +73,21 @@ class DraftsAhead:
         self.seconds = 0.0  # time the thread spent preparing (off the critical path)
         self.outcomes = 0  # outcomes prepared
         self.busy_steps = 0  # engine steps that went on without drafts: the preparation had outlasted its patience
+        self.overdue_since = 0  # busy_steps when the preparation in flight was launched
         # per kind (all drafts accepted, a draft rejected): prepared outcomes that came about, and of those the ones
         # where a guess was the target's token (their drafts taken); per kind and guess, the outcomes it was right in
         self.reached, self.hits = {False: 0, True: 0}, {False: 0, True: 0}
         self.right = {(kind, guess): 0 for kind in (False, True) for guess in (0, 1)}
 
     def settle(self, patience: float | None = None) -> float:
-        """Waits for the preparation in flight, `patience` seconds at most (None: as long as it takes), and returns
-        the seconds waited; the preparation is still in flight (`busy`) where it outlasted them. Its error is raised
-        here, and TimeoutError once it has run SETTLE_DEADLINE_S."""
+        """Waits for the preparation in flight, `patience` seconds at most (None: as long as it takes; once it has
+        outlasted a patience, no more), and returns the seconds waited; the preparation is still in flight (`busy`)
+        where it outlasted them. Its error is raised here, and TimeoutError once it has run SETTLE_DEADLINE_S."""
         if self.future is None:
             return 0.0
         start = time.perf_counter()
         left = self.launched + SETTLE_DEADLINE_S - start
+        patience = 0.0 if self.busy_steps > self.overdue_since else patience  # (a stall: waited for once)
         done, _ = wait([self.future], timeout=max(0.0, left if patience is None else min(patience, left)))
         if not done:
             if time.perf_counter() >= self.launched + SETTLE_DEADLINE_S:
@@ -175,7 +180,7 @@ class DraftsAhead:
             finally:
                 self.seconds += time.perf_counter() - start
 
-        self.future, self.launched = Future(), time.perf_counter()
+        self.future, self.launched, self.overdue_since = Future(), time.perf_counter(), self.busy_steps
         self.jobs.put((self.future, work))
 
 

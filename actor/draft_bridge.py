@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from actor.draft_ahead import DraftsAhead, worth_drafting_now
+from actor.draft_ahead import PATIENCE_SHARE, DraftsAhead, worth_drafting_now
 from actor.draft_commits import Commits
 from actor.drafter_checks import (CallWatch, Histories, guarded, labels_within, plain_answers, printable,
                                   sources_within)
@@ -102,8 +102,8 @@ class DrafterBridge:
         batch = self.runner.input_batch
         req_ids = batch.req_ids[: batch.num_reqs]
         self._observe_step(start, req_ids)
-        # no drafter call while its thread still runs: waited for a step's time at most (counted in drafter_seconds)
-        self.waited = self.settle(self.predicted or None)
+        # no drafter call while its thread still runs: waited for half a step at most (counted in drafter_seconds)
+        self.waited = self.settle(PATIENCE_SHARE * self.predicted or None)
         if self._rests(req_ids, sampled_token_ids):
             return [[] for _ in req_ids]
         gone = self._forget(req_ids)
@@ -136,7 +136,7 @@ class DrafterBridge:
 
     def _rests(self, req_ids: list[str], sampled_token_ids) -> bool:
         """Whether this step drafts nothing and does no work per request: a step of the planner's rest (`Rest`), or,
-        decoupled, one where the drafter's thread still prepares after a step's time (a stall: a cache that grew, a
+        decoupled, one where the drafter's thread still prepares after half a step (a stall: a cache that grew, a
         busy host), which costs more to wait for than a step without drafts (the drafts just verified are observed).
         The drafter hears the commits at the next plan (actor/draft_commits.py)."""
         rows, busy = len(req_ids), self.ahead is not None and self.ahead.busy and not self.failure

@@ -47,7 +47,7 @@ from pathlib import Path
 
 from actor.engine import engine_preload, set_env_defaults
 from bench.engine_process import in_fresh_process
-from bench.rollout_report import plot, speculation_report, table
+from bench.rollout_report import plot, profile_medians, speculation_report, table
 from bench.stats import paired
 from configs.schema import Device
 from transport.messages import total
@@ -348,10 +348,12 @@ def main(argv: list[str] | None = None) -> dict:
                          "makespans_s": [round(m, 3) for m in makespans], **paired(vanilla_s, makespans),
                          "tokens": first["tokens"], "acceptance_length": first["acceptance_length"],
                          "verify_steps": first["verify_steps"], "engine_steps": first["steps"]}
-        for key in ("profile_ms_per_step", "planner", "choice_shares", "member_token_acceptance", "prepared_hit_rate",
-                    "prepared_outcomes_per_step", "guess_accuracy"):
+        for key in ("planner", "choice_shares", "member_token_acceptance", "prepared_hit_rate",
+                    "prepared_outcomes_per_step", "busy_steps", "guess_accuracy"):
             if key in first:
                 systems[name][key] = first[key]
+        if "profile_ms_per_step" in first:
+            systems[name].update(profile_medians(repeats))
         if name in ("vanilla", "oracle", "specactor"):
             systems[name]["batch_curve"] = first["batch_curve"][:: max(1, len(first["batch_curve"]) // 400)]
         identical[name] = sum(a == b for a, b in zip(first["sequences"], reference)) / len(reference)

@@ -3,6 +3,7 @@ table on the console and the PNG (bench/rollout.py)."""
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 
@@ -31,6 +32,16 @@ def speculation_report(spec, grew: dict, verify: int, steps: int) -> dict:
         run["member_token_acceptance"] = {m: round(yes / max(yes + no, 1), 3)
                                           for m, (yes, no) in sorted(spec.drafter_labels.items())}
     return run
+
+
+def profile_medians(repeats: list[dict]) -> dict:
+    """A coupled system's profile over its repeats: the median of each part's milliseconds a step, and the median
+    share of the makespan the drafter took on the engine's critical path (`critical_draft_share`)."""
+    median = lambda f: statistics.median(map(f, repeats))  # noqa: E731
+    return {"profile_ms_per_step": {k: round(median(lambda r: r["profile_ms_per_step"][k]), 3)
+                                    for k in repeats[0]["profile_ms_per_step"]},
+            "critical_draft_share": round(median(
+                lambda r: r["profile_ms_per_step"]["drafter"] * r["steps"] / 1000 / r["makespan_s"]), 4)}
 
 
 def plot(result: dict, path: Path) -> None:
