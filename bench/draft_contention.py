@@ -7,7 +7,7 @@ while the engine verifies. The engine runs one thread, so on a 2-core host the d
 itself; what a drafting thread still shares with the engine is the interpreter's lock (the GIL), which each takes
 between torch calls. One engine (the long-tail preset's cost-padded target, plain decoding) steps 8 long requests,
 and as each step starts a thread of the engine's process is set off on one call of the draft LM's `propose_ahead`
-for `OUTCOMES` outcomes of 5 tokens (a decoupled long-tail step prepares 22 to 56), or none is: the draft LM in
+for `OUTCOMES` outcomes of 5 tokens (a decoupled long-tail step prepares 47 to 66), or none is: the draft LM in
 the engine's process (`thread`: what a GPU engine does), in a process of its own called over its socket
 (`process`: actor/drafter_process.py, what a CPU engine does), or no drafting at all. Three consecutive steps form a
 triple, one of each, in an order that rotates; each triple's ratios of a drafting step to its undrafted one are the
@@ -30,7 +30,7 @@ from actor.engine import set_env_defaults
 from bench.engine_process import in_fresh_process
 from bench.stats import median_ci
 
-OUTCOMES = 48  # outcomes a drafting call prepares (a decoupled long-tail step prepares 22-56: docs/benchmarks.md)
+OUTCOMES = 48  # outcomes a drafting call prepares (a decoupled long-tail step prepares 47-66: docs/benchmarks.md)
 MODES = ("none", "thread", "process")
 
 
