@@ -24,6 +24,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from concurrent.futures import Future, wait
 from dataclasses import replace
 from typing import Callable, NamedTuple
@@ -66,6 +67,7 @@ class DraftsAhead:
         # (a pool's worker is joined at exit); its jobs are (future, work)
         self.jobs: queue.SimpleQueue[tuple[Future, Callable[[], dict]]] = queue.SimpleQueue()
         threading.Thread(target=run_jobs, args=(self.jobs,), name="draft-ahead", daemon=True).start()
+        weakref.finalize(self, self.jobs.put, None)  # (the thread ends with this object)
         self.future: Future | None = None
         self.launched = 0.0  # when the preparation in flight was launched
         self.prepared: dict[str, list[Prepared]] = {}
@@ -87,7 +89,8 @@ class DraftsAhead:
             return 0.0
         start = time.perf_counter()
         left = self.launched + SETTLE_DEADLINE_S - start
-        patience = 0.0 if self.busy_steps > self.overdue_since else patience  # (a stall: waited for once)
+        if patience is not None and self.busy_steps > self.overdue_since:  # (a stall: waited for once)
+            patience = 0.0
         done, _ = wait([self.future], timeout=max(0.0, left if patience is None else min(patience, left)))
         if not done:
             if time.perf_counter() >= self.launched + SETTLE_DEADLINE_S:
@@ -185,13 +188,15 @@ class DraftsAhead:
 
 
 def run_jobs(jobs: queue.SimpleQueue) -> None:
-    """The drafter's thread: each job's work, its answer or error into its future."""
-    while True:
-        future, work = jobs.get()
+    """The drafter's thread: each job's work, its answer or error into its future, until a None; it holds no job
+    between two (a job's work holds the drafter)."""
+    while (job := jobs.get()) is not None:
+        future, work = job
         try:
             future.set_result(work())
         except BaseException as e:  # noqa: BLE001 -- the drafter's error is raised where the engine settles
             future.set_exception(e)
+        del job, future, work
 
 
 def ahead(outcomes: list[tuple[DraftRequest, list[int], int, int]], k: int) -> list[DraftRequest]:

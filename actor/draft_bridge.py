@@ -147,9 +147,8 @@ class DrafterBridge:
             for req_id in req_ids:
                 self.runner._sample.stats_for(req_id).draft_seconds += self.waited / rows
             self.verifying, self.ahead.busy_steps = {}, self.ahead.busy_steps + 1
-            self.predicted = float(self.step_cost.predict(rows))
-        if rests:  # (`planning` again: a plan above `max_batch` set it off)
-            self.commits.rested = self.runner._sample.planning = True
+        if rests:  # (`planning` again: a plan above `max_batch` set it off; none is counted above it)
+            self.commits.rested, self.runner._sample.planning = True, not (self.max_batch and rows > self.max_batch)
             self.explore.stepped(drafted=False)
         return rests
 

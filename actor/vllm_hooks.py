@@ -345,11 +345,11 @@ def take_records(worker, req_ids: list[str]) -> dict[str, RequestRecord]:
 
 
 def profile(worker) -> dict[str, float]:
-    """Seconds spent so far in the coupled sampler, in the drafter bridge (ids, acceptance, the planner) and in the
-    drafter plugin itself (its proposals, commits and removals), and the history tokens the drafter was shown for
-    the first time (its catch-up); decoupled, the drafter's thread's seconds, the engine's wait for it, the outcomes
-    it prepared, the steps that went on without waiting longer (`busy_steps`), and per kind (all drafts accepted; one rejected) the prepared outcomes that came about and those
-    where a guess was the target's token (`_second`: the drafter's second guess); zeros for hooks not installed."""
+    """Seconds so far in the coupled sampler, the drafter bridge (ids, acceptance, the planner) and the drafter
+    plugin (its proposals, commits and removals), and history tokens the drafter saw first (its catch-up); decoupled,
+    the drafter's thread's seconds, the engine's wait for it, the outcomes it prepared, the steps that went on without
+    waiting longer (`busy_steps`), and per kind (all drafts accepted; one rejected) the prepared outcomes that came
+    about and those where a guess was the target's token (`_second`: the second guess); zeros where not installed."""
     runner = worker.model_runner
     bridge = getattr(runner, "drafter", None)
     drafting = isinstance(bridge, DrafterBridge)

@@ -268,9 +268,10 @@ class TrainerConfig:
                            "logged as eval/* at the step it started", at_least(0, "0: no held-out evaluation"))
     resume_from: Optional[str] = knob(None, "a checkpoint (checkpoints/step_N) or a run directory (its newest whole "
                                       "one, newer damaged ones passed over with a warning); it must be behind "
-                                      "trainer.steps. A resume keeps model.path, seed, the data keys its order depends "
-                                      "on, learner.num_ranks, zero_stage and dtype (another value is refused at load), and "
-                                      "data.source's bytes (its run.json keeps their sha256); learner.lr and weight_decay follow this config. null: a fresh run",
+                                      "trainer.steps. A resume keeps model.path, seed, the data keys its order "
+                                      "depends on, learner.num_ranks, zero_stage and dtype (another value is refused "
+                                      "at load), and data.source's bytes (its run.json keeps their sha256); learner.lr "
+                                      "and weight_decay follow this config. null: a fresh run",
                                       named("a checkpoint or a run directory"))
     max_learner_restarts: int = knob(
         2, "a learner rank whose process dies (killed, out of memory, its node lost) or hangs "

@@ -142,3 +142,27 @@ def test_a_preparation_is_waited_for_as_long_as_asked_and_one_that_never_ends_is
     assert drafts.settle(0.01) < 0.2 and drafts.busy
     with pytest.raises(TimeoutError, match="propose_ahead had not returned 0.2 s after it was called"):
         drafts.settle()
+
+
+def test_the_drafters_thread_holds_nothing_between_preparations_and_ends_with_its_owner():
+    """A preparation's work (which holds the drafter) is let go once it is done, and the thread ends when the
+    DraftsAhead that owns it is collected (a thread per engine, for ever, held every engine's last drafter)."""
+    import gc
+    import weakref
+
+    class Drafter:
+        pass
+
+    before = set(threading.enumerate())
+    drafter, drafts = Drafter(), DraftsAhead()
+    held, threads = weakref.ref(drafter), set(threading.enumerate()) - before  # (its thread)
+    drafts.launch([], lambda d=drafter: (None, None, None) if d else None)
+    drafts.settle()
+    del drafter
+    gc.collect()
+    assert held() is None
+    assert [t.name for t in threads] == ["draft-ahead"]
+    del drafts
+    gc.collect()
+    time.sleep(0.2)
+    assert not threads & set(threading.enumerate())

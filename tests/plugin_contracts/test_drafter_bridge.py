@@ -508,11 +508,13 @@ def test_a_preparation_that_outlasts_a_step_is_not_waited_for_and_no_call_overla
     assert b.acceptance.verified == verified + 3  # a-x's 2 drafts (1 accepted) and b-y's 1 (rejected) observed
     assert b.propose([[10], [29]], np.array([11, 10]), history) == [[], []]  # still preparing: not waited for again
     assert b.waited < 0.004 and b.ahead.busy_steps == 2
+    new_policy_version(SimpleNamespace(model_runner=SimpleNamespace(drafter=b)), 1)  # between steps: it waits
     time.sleep(0.3)
     assert b.propose([[11], [30]], np.array([12, 11]), history) == [[1, 2], [3]]
     assert drafter.commits == [("a-x", [5]), ("b-y", [6]), ("a-x", [8, 9, 10, 11]), ("b-y", [28, 29, 30])]
     b.settle()
-    assert drafter.ahead_calls == 2 and not any(busy for _, busy in drafter.overlaps)  # (none launched while busy)
+    assert drafter.ahead_calls == 2 and ("new_policy", False) in drafter.overlaps  # (none launched while busy)
+    assert not any(busy for _, busy in drafter.overlaps)
 
 
 def test_a_drafter_that_prepares_rejections_is_asked_for_the_outcomes_with_a_rejected_draft():
