@@ -10,13 +10,15 @@ from learner.checkpoint import (RUN_FILE, UnsharedDirectory, check_sees_all, fil
                                passed_over, seal)
 
 
-def write(root, step: int, run_id: str, payload: bytes = b"weights") -> None:
+def write(root, step: int, run_id: str, payload: bytes = b"weights", config: dict | None = None) -> None:
+    """A sealed checkpoint of `run_id` at `step` under run directory `root` (`config`: what state.json keeps of the
+    run's config, `learner.checkpoint.resume_config`)."""
     final = root / "checkpoints" / f"step_{step}"
     (partial(final) / "hf").mkdir(parents=True)
     (partial(final) / "hf" / "model.safetensors").write_bytes(payload)
     (partial(final) / "deepspeed").mkdir()
     (partial(final) / "deepspeed" / "state.pt").write_bytes(b"optimizer")
-    seal(final, {"version": step, "run_id": run_id, "data_cursor": 2 * step})
+    seal(final, {"version": step, "run_id": run_id, "data_cursor": 2 * step, **({"config": config} if config else {})})
 
 
 def test_a_resume_takes_only_a_checkpoint_dir_by_its_name_and_whole_parts(tmp_path):
@@ -136,13 +138,7 @@ def test_a_resume_keeps_what_its_checkpoints_weights_data_order_and_optimizer_st
     from learner.checkpoint import resume_config
 
     cfg = load_config("grpo_tiny", [])
-    final = tmp_path / "checkpoints" / "step_2"
-    (partial(final) / "hf").mkdir(parents=True)
-    (partial(final) / "hf" / "model.safetensors").write_bytes(b"weights")
-    (partial(final) / "deepspeed").mkdir()
-    (partial(final) / "deepspeed" / "state.pt").write_bytes(b"optimizer")
-    seal(final, {"version": 2, "run_id": "a", "data_cursor": 4,
-                 "config": resume_config(cfg)})
+    write(tmp_path, 2, "a", config=resume_config(cfg))
     (tmp_path / RUN_FILE).write_text(json.dumps({"run_id": "a"}))
     resume = ["trainer.steps=20", f"logging.dir={tmp_path}", f"trainer.resume_from={tmp_path}"]
     assert load_run_config("grpo_tiny", resume)
@@ -164,12 +160,7 @@ def test_a_resume_names_its_data_file_as_it_likes_but_keeps_the_file(tmp_path, m
         (data / name).write_text("".join(json.dumps(record) + "\n" for record in records))
     monkeypatch.chdir(tmp_path)
     cfg = load_config("grpo_tiny", ["data.source=data/train.jsonl"])
-    final = tmp_path / "run" / "checkpoints" / "step_2"
-    (partial(final) / "hf").mkdir(parents=True)
-    (partial(final) / "hf" / "model.safetensors").write_bytes(b"weights")
-    (partial(final) / "deepspeed").mkdir()
-    (partial(final) / "deepspeed" / "state.pt").write_bytes(b"optimizer")
-    seal(final, {"version": 2, "run_id": "a", "data_cursor": 4, "config": resume_config(cfg)})
+    write(tmp_path / "run", 2, "a", config=resume_config(cfg))
     (tmp_path / "run" / RUN_FILE).write_text(json.dumps({"run_id": "a"}))
     resume = ["trainer.steps=20", f"logging.dir={tmp_path / 'run'}", f"trainer.resume_from={tmp_path / 'run'}"]
     assert load_run_config("grpo_tiny", [*resume, f"data.source={data / 'train.jsonl'}"])
@@ -190,12 +181,7 @@ def test_a_resume_refuses_a_data_file_edited_since_its_run_began(tmp_path, monke
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(record) + "\n" for record in records))
     cfg = load_config("grpo_tiny", [f"data.source={data}"])
-    final = tmp_path / "run" / "checkpoints" / "step_2"
-    (partial(final) / "hf").mkdir(parents=True)
-    (partial(final) / "hf" / "model.safetensors").write_bytes(b"weights")
-    (partial(final) / "deepspeed").mkdir()
-    (partial(final) / "deepspeed" / "state.pt").write_bytes(b"optimizer")
-    seal(final, {"version": 2, "run_id": "a", "data_cursor": 4, "config": resume_config(cfg)})
+    write(tmp_path / "run", 2, "a", config=resume_config(cfg))
     (tmp_path / "run" / RUN_FILE).write_text(json.dumps({"run_id": "a", "data_sha256": data_digest(cfg)}))
     resume = ["trainer.steps=20", f"logging.dir={tmp_path / 'run'}", f"trainer.resume_from={tmp_path / 'run'}",
               f"data.source={data}"]
