@@ -5,14 +5,13 @@ file, before any process starts: `load_run_config` is what the launcher loads a 
 from __future__ import annotations
 
 import inspect
-import json
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from configs.load import ConfigError, check_model, find_config, load_config, same_file
 from drafters.base import DrafterLoadError, drafter_class
-from learner.checkpoint import RUN_FILE, checkpoint_state, file_sha256, resume_config
+from learner.checkpoint import checkpoint_state, file_sha256, resume_config, run_of
 from tasks.dataset import check_prompt_lengths
 from tasks.jsonl import DataFormatError
 from transport.messages import MAX_DRAFTERS, MAX_NAME
@@ -107,11 +106,7 @@ def data_digest(cfg: DictConfig) -> str | None:
 def check_data_unchanged(path: Path, cfg: DictConfig, run_dir: Path) -> None:
     """A resume's data.source holds the bytes it held when the checkpoint's run began (its run.json's digest): the
     data cursor counts prompts in that file's order, and an edited file would resume on other prompts silently."""
-    try:
-        then = json.loads((run_dir / RUN_FILE).read_text()).get("data_sha256")
-    except (OSError, ValueError, AttributeError):
-        return  # (a run directory without the digest: written before runs kept it, or not readable)
-    now = data_digest(cfg)
+    then, now = run_of(run_dir, "data_sha256"), data_digest(cfg)  # (None: a run directory without the digest)
     if then is not None and now is not None and now != then:
         raise ConfigError(f"{path}: key 'data.source' = {cfg.data.source!r}: the file changed since the run that wrote "
                           f"trainer.resume_from's checkpoint began (sha256 {then[:12]}..., now {now[:12]}...); a "

@@ -77,10 +77,11 @@ def manifest(checkpoint: Path) -> dict | None:
     return listed if whole and REQUIRED <= parts else None  # (a manifest listing fewer parts is no checkpoint)
 
 
-def run_of(directory: Path) -> str | None:
-    """The id of the run that last wrote run directory `directory` (None: none did, or its run.json is unreadable)."""
+def run_of(directory: Path, key: str = "run_id") -> str | None:
+    """What the run that last wrote run directory `directory` keeps under `key` in its run.json: its id, or its data
+    file's digest (None: no run did, the key is not there, or the file is unreadable)."""
     try:
-        return json.loads((directory / RUN_FILE).read_text())["run_id"]
+        return json.loads((directory / RUN_FILE).read_text())[key]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
