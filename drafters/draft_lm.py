@@ -74,8 +74,13 @@ class SlotCache:
         return self.free.pop()
 
     def reserve(self, length: int) -> None:
-        """Room for `length` positions in every slot."""
+        """Room for `length` positions in every slot in use. The longer cache holds the slots up to the last one in
+        use only: the free ones past it (most often the scratch slots of a large proposal ahead) are not copied, and
+        are made again when taken."""
         if length > self.kv[0].shape[1]:
+            free = set(self.free)
+            top = next((s + 1 for s in range(self.kv[0].shape[0] - 1, -1, -1) if s not in free), 0)
+            self.kv, self.free = [t[:top] for t in self.kv], [s for s in self.free if s < top]
             self._grow(1, min(max(2 * self.kv[0].shape[1], length), self.max_len))
 
     def give_back(self, slot: int) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from drafters.base import DraftRequest
-from drafters.draft_lm import DraftLM, _State
+from drafters.draft_lm import DraftLM, SlotCache, _State
 from drafters.ngram import NgramDrafter
 from drafters.suffix import SuffixDrafter
 from sampling.coupled import coupled_sample, gumbel, gumbel_at
@@ -45,6 +45,26 @@ def test_batched_forward_matches_the_model_over_chunks_and_rollbacks(draft_lm):
         draft_lm.cache.give_back(state.slot)
 
 
+def test_a_longer_slot_cache_copies_the_slots_in_use_not_the_free_ones_past_them():
+    """The draft LM's cache keeps the slot count of its largest proposal ahead (a scratch slot per outcome); when it
+    grows in length, the free slots past the last one in use are left behind (copying them stalled the engine for
+    0.2 s at 1,024 slots), and what the slots in use hold is kept."""
+    cache = SlotCache(layers=2, kv_heads=1, head_dim=4, max_len=4096, dtype=torch.float32, device=torch.device("cpu"))
+    slots = [cache.take() for _ in range(1024)]
+    kept = [slots[3], slots[200]]
+    for slot in slots:
+        if slot not in kept:
+            cache.give_back(slot)
+    for layer in cache.kv:
+        layer[kept] = torch.randn(2, *layer.shape[1:])
+    before = [layer[kept].clone() for layer in cache.kv]
+    cache.reserve(300)
+    assert all(layer.shape[:2] == (201, 512) for layer in cache.kv)
+    assert all(torch.equal(layer[kept, :256], old) for layer, old in zip(cache.kv, before))
+    taken = {cache.take() for _ in range(300)}  # every free slot below the last in use first, then new ones
+    assert not taken & set(kept) and len(taken) == 300 and cache.kv[0].shape == (402, 512, 2, 4)
+
+
 def test_outcomes_ahead_read_their_shared_prefix_from_the_requests_slot_and_guess_past_a_rejection(draft_lm):
     """`propose_ahead` with every outcome of a verify step in one call (the request's own slot for all drafts
     accepted, scratch slots reading the prefix they share with it for the others): each outcome's proposal is the
@@ -62,9 +82,9 @@ def test_outcomes_ahead_read_their_shared_prefix_from_the_requests_slot_and_gues
     outcomes += [ask(history + drafts[:j], 20 + j, unverified=j, rejected=drafts[j], max_tokens=5) for j in range(4)]
     outcomes += [ask(history + drafts, 24, unverified=4, max_tokens=5, guess=1),  # second guesses
                  ask(history + drafts[:1], 21, unverified=1, rejected=drafts[1], max_tokens=5, guess=1)]
-    free = len(draft_lm.cache.free)
+    in_use = draft_lm.cache.kv[0].shape[0] - len(draft_lm.cache.free)
     ahead = draft_lm.propose_ahead(outcomes, 5)
-    assert len(draft_lm.cache.free) == free  # the scratch slots were given back
+    assert draft_lm.cache.kv[0].shape[0] - len(draft_lm.cache.free) == in_use  # the scratch slots were given back
     alone = DraftLM()
     assert ahead == [alone.propose([outcome], 5)[0] for outcome in outcomes]
     assert all(proposal[0] != drafts[j] for j, proposal in enumerate(ahead[1:5]))  # past a rejection: another token
