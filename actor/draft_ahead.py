@@ -133,15 +133,16 @@ class DraftsAhead:
 
     def prepare(self, drafter, chains: list[tuple[DraftRequest, list[int], int]],
                 rates: Callable[[list[str]], np.ndarray], predicted: float, k: int, members: set[str],
-                vocab_size: int) -> None:
+                vocab_size: int, unseen: int = 0) -> None:
         """The drafter, on the thread, proposes from the histories of the outcomes `outcomes` picks for each chain
         (a request, the drafts handed over for it, their count): k + 1 tokens each, the guess of the target's next
         token, then k drafts (read as ids of a `vocab_size` vocabulary in its guarded call). `rates`: the requests'
-        acceptance rates; `predicted`: the verify step's seconds; `members`: a composite's member names so far."""
+        acceptance rates; `predicted`: the verify step's seconds; `members`: a composite's member names so far;
+        `unseen`: the history tokens the chains had not shown the drafter before (a draft model's catch-up)."""
         more = drafter.prepares_rejections or drafter.prepares_guesses
         asked = ahead(outcomes(chains, rates([r.request_id for r, _, _ in chains]) if more else None, self.cost,
                                predicted, k + 1, drafter.prepares_rejections,
-                               self.guess_rates() if drafter.prepares_guesses else None), k + 1)
+                               self.guess_rates() if drafter.prepares_guesses else None, unseen), k + 1)
         name = type(drafter).__name__
 
         def propose():
@@ -154,13 +155,13 @@ class DraftsAhead:
                 return proposals, confidences, sources_within(drafter.sources(), len(asked), members, name) \
                     if isinstance(drafter, CompositeDrafter) else None
 
-        self.launch(asked, propose)
+        self.launch(asked, propose, unseen)
 
-    def launch(self, requests: list[DraftRequest], propose: Callable[[], tuple[list, list | None, list | None]]
-               ) -> None:
+    def launch(self, requests: list[DraftRequest], propose: Callable[[], tuple[list, list | None, list | None]],
+               unseen: int = 0) -> None:
         """Runs `propose()` on the thread: the drafter's proposals for `requests` (`ahead`: several per request where
         several outcomes are prepared; as `plain_answers` reads them, one per request), their confidences and (a
-        composite's) sources."""
+        composite's) sources; its cost is learnt with the `unseen` history tokens it catches up on."""
         self.prepared = {}
         self.outcomes += len(requests)
 
@@ -178,7 +179,7 @@ class DraftsAhead:
                         len(r.token_ids), tail, None if p is None else list(p), c, str(s), r.rejected is not None,
                         r.guess))
                 lengths = [len(p.proposal or ()) for ps in prepared.values() for p in ps]
-                self.cost.observe(max(lengths, default=0), sum(lengths), 0, time.perf_counter() - start)
+                self.cost.observe(max(lengths, default=0), sum(lengths), unseen, time.perf_counter() - start)
                 return prepared
             finally:
                 self.seconds += time.perf_counter() - start
@@ -216,15 +217,16 @@ def read_only(array: np.ndarray) -> np.ndarray:
 
 
 def outcomes(chains: list[tuple[DraftRequest, list[int], int]], rates: np.ndarray | None, cost: DraftCost,
-             step_s: float, tokens: int, rejections: bool = True,
-             guesses: dict[tuple[bool, int], float] | None = None) -> list[tuple[DraftRequest, list[int], int, int]]:
+             step_s: float, tokens: int, rejections: bool = True, guesses: dict[tuple[bool, int], float] | None = None,
+             unseen: int = 0) -> list[tuple[DraftRequest, list[int], int, int]]:
     """The outcomes of a verify step to prepare drafts for, as (request, its drafts, drafts accepted, guess): every
     request's all-accepted one under its best guess (`chains`; no drafts: the plain step's) and, given the requests'
     acceptance `rates` (None: nothing more), the likeliest other ones: where a draft is rejected (`rejections`; at
     rate `a`, the first `j` accepted and the next rejected: `a**j * (1 - a)`) and, with `guesses` (how often each
     guess has been right, per kind of outcome), under the second guess too; ranked by the chance that they are taken
-    (the outcome's times its guess's), as many as the thread's fitted `cost` of asking `tokens` for each keeps within
-    `step_s`, the engine's predicted step, and `MAX_FURTHER` (before either is measured: the likeliest only)."""
+    (the outcome's times its guess's), as many as the thread's fitted `cost` of asking `tokens` for each, with the
+    `unseen` history tokens the chains catch up on, keeps within `step_s`, the engine's predicted step, and
+    `MAX_FURTHER` (before either is measured: the likeliest only)."""
     first = [(r, d, j, 0) for r, d, j in chains]
     if rates is None or not chains or step_s <= 0 or not cost.measured:  # (step or thread unmeasured: these only)
         return first
@@ -234,7 +236,7 @@ def outcomes(chains: list[tuple[DraftRequest, list[int], int]], rates: np.ndarra
                      for j in range(0 if rejections else len(d), len(d) + 1) for g in range(2 if guesses else 1)
                      if (j, g) != (len(d), 0)), reverse=True)
     rows = np.arange(len(chains), len(chains) + len(likely) + 1)
-    thread = cost.predict(np.full(len(rows), tokens), rows * tokens)
+    thread = cost.predict(np.full(len(rows), tokens), rows * tokens, unseen)
     fits = min(int(np.searchsorted(thread > step_s, True)), MAX_FURTHER + 1)
     return first + [(chains[n][0], chains[n][1], j, g) for _, n, j, g in likely[: max(fits - 1, 0)]]
 

@@ -118,10 +118,10 @@ class DrafterBridge:
         budgets, explore = self._plan(req_ids, rows, lengths)
         requests = self._requests(req_ids, rows, budgets, lengths, token_ids_cpu)
         drafts: list[list[int]] = [[] for _ in req_ids]
-        started = time.perf_counter()
+        started, unseen = time.perf_counter(), 0
         if requests:
             try:
-                self._draft(requests, drafts, len(req_ids), verify_all=explore or not self.planning)
+                unseen = self._draft(requests, drafts, len(req_ids), verify_all=explore or not self.planning)
             except Exception as e:
                 self.switch_off(e)
                 drafts = [[] for _ in req_ids]
@@ -131,7 +131,7 @@ class DrafterBridge:
                                   - float(self.step_cost.predict(len(req_ids))))
         if self.ahead is not None and requests and not self.failure:  # the last drafter call of this step
             self.ahead.prepare(self.drafter, [(r, drafts[row], len(drafts[row])) for row, r in requests],
-                               self.acceptance.rates, self.predicted, self.k, self.members, self.vocab_size)
+                               self.acceptance.rates, self.predicted, self.k, self.members, self.vocab_size, unseen)
         return drafts
 
     def _rests(self, req_ids: list[str], sampled_token_ids) -> bool:
@@ -311,9 +311,9 @@ class DrafterBridge:
         self.explore.took(min(measured, 2 * predicted) if predicted > 0 else measured)  # (a stall counts as 2 steps)
 
     def _draft(self, requests: list[tuple[int, DraftRequest]], drafts: list[list[int]], base_tokens: int,
-               verify_all: bool) -> None:
+               verify_all: bool) -> int:
         """Proposals for `requests` into `drafts`: all of each (`verify_all`) or, from a drafter that rates its
-        tokens, the prefix whose calibrated gains pay for verifying it."""
+        tokens, the prefix whose calibrated gains pay for verifying it; returns the drafter's catch-up (`_unseen`)."""
         start = time.perf_counter()
         # what the bridge needs of each request, read before the drafter sees them (a plugin may write to them)
         asked = [(row, r.request_id, len(r.token_ids), r.position) for row, r in requests]
@@ -350,6 +350,7 @@ class DrafterBridge:
         if self.ahead is None:  # (decoupled: _proposals learns what drafting a miss costs)
             self.draft_cost.observe(max(len(valid) for _, _, valid, _ in made),
                                     sum(len(valid) for _, _, valid, _ in made), unseen, time.perf_counter() - start)
+        return unseen
 
     def _proposals(self, requests: list[DraftRequest], base_tokens: int
                    ) -> tuple[list, list | None, list[str] | None, set[int]]:

@@ -54,17 +54,13 @@ class SlotCache:
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype,
                  device: torch.device):
-        self.heads, self.dtype, self.device, self.max_len = (2 * kv_heads, head_dim), dtype, device, max_len
+        self.heads, self.max_len = (2 * kv_heads, head_dim), max_len
         self.kv = [torch.zeros(0, min(256, max_len), *self.heads, dtype=dtype, device=device) for _ in range(layers)]
         self.free: list[int] = []
 
     def _grow(self, dim: int, new: int) -> None:
-        def grown(t: torch.Tensor) -> torch.Tensor:
-            shape = list(t.shape)
-            shape[dim] = new - shape[dim]
-            return torch.cat([t, torch.zeros(shape, dtype=self.dtype, device=self.device)], dim=dim)
-
-        self.kv = [grown(t) for t in self.kv]
+        shape = [(new if d == dim else n) - (n if d == dim else 0) for d, n in enumerate(self.kv[0].shape)]
+        self.kv = [torch.cat([t, t.new_zeros(shape)], dim=dim) for t in self.kv]
 
     def take(self) -> int:
         if not self.free:
@@ -74,12 +70,10 @@ class SlotCache:
         return self.free.pop()
 
     def reserve(self, length: int) -> None:
-        """Room for `length` positions in every slot in use. The longer cache holds the slots up to the last one in
-        use only: the free ones past it (most often the scratch slots of a large proposal ahead) are not copied, and
-        are made again when taken."""
+        """Room for `length` positions in every slot up to the last one in use: the free ones past it (most often a
+        large proposal ahead's scratch slots) are not copied, and are made again when taken."""
         if length > self.kv[0].shape[1]:
-            free = set(self.free)
-            top = next((s + 1 for s in range(self.kv[0].shape[0] - 1, -1, -1) if s not in free), 0)
+            top = max(set(range(len(self.kv[0]))) - set(self.free), default=-1) + 1
             self.kv, self.free = [t[:top] for t in self.kv], [s for s in self.free if s < top]
             self._grow(1, min(max(2 * self.kv[0].shape[1], length), self.max_len))
 

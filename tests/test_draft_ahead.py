@@ -94,6 +94,18 @@ def test_the_likeliest_rejection_outcomes_are_prepared_as_far_as_the_threads_cos
     assert outcomes(chains, None, cost, 1e9, 5) == best  # a drafter that prepares only the all-accepted outcome
 
 
+def test_the_history_a_preparation_catches_up_on_leaves_less_of_the_step_for_further_outcomes():
+    """A draft model preparing drafts for new requests first reads their prompts: the thread's cost learns that from
+    its calls (`launch(unseen=...)`), and a preparation with a large catch-up holds fewer further outcomes."""
+    a, b = (DraftRequest(rid, seed=1, position=5, token_ids=np.arange(8)) for rid in ("a-x", "b-y"))
+    chains = [(a, [1, 2], 2), (b, [3], 1)]
+    cost = DraftCost()  # a second per drafted token, a tenth of one per history token caught up on
+    for drafted, unseen in ((5, 0), (10, 40), (15, 10), (20, 80), (10, 0)):
+        cost.observe(5, drafted, unseen, drafted + 0.1 * unseen)
+    assert len(outcomes(chains, np.array([0.5, 0.5]), cost, 15.5, 5)) == 3
+    assert outcomes(chains, np.array([0.5, 0.5]), cost, 15.5, 5, unseen=50) == [(r, d, j, 0) for r, d, j in chains]
+
+
 def test_a_preparation_holds_at_most_max_further_outcomes_past_the_likeliest_ones():
     chains = [(DraftRequest(f"r{i}", seed=1, position=5, token_ids=np.arange(8)), [1, 2, 3, 4], 4) for i in range(128)]
     picked = outcomes(chains, np.full(128, 0.5), a_second_per_drafted_token(), 1e9, 5,

@@ -532,6 +532,7 @@ def test_a_drafter_that_prepares_rejections_is_asked_for_the_outcomes_with_a_rej
     b.settle()
     assert drafter.asked == chains  # the thread's cost and the step not measured yet: the likeliest outcomes only
     assert b.ahead.cost.coef.any()  # the thread's cost, learned from its calls
+    assert b.ahead.cost.gram[3, 3] > 0  # with the history tokens it caught up on (new requests: all of theirs)
     b.step_cost.observe(2, 1.0)  # a step measured (this harness runs none): a second for the step verifying
     propose(b, [[5, 9, 9], [6, 9]])
     b.settle()
