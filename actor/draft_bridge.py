@@ -313,12 +313,12 @@ class DrafterBridge:
     def _draft(self, requests: list[tuple[int, DraftRequest]], drafts: list[list[int]], base_tokens: int,
                verify_all: bool) -> int:
         """Proposals for `requests` into `drafts`: all of each (`verify_all`) or, from a drafter that rates its
-        tokens, the prefix whose calibrated gains pay for verifying it; returns the drafter's catch-up (`_unseen`)."""
+        tokens, the prefix whose calibrated gains pay for verifying it; returns the catch-up left to a preparation."""
         start = time.perf_counter()
         # what the bridge needs of each request, read before the drafter sees them (a plugin may write to them)
         asked = [(row, r.request_id, len(r.token_ids), r.position) for row, r in requests]
         unseen = sum(self._unseen(r) for _, r in requests)
-        proposals, confidences, sources, prepared = self._proposals([r for _, r in requests], base_tokens)
+        proposals, confidences, sources, prepared, caught_up = self._proposals([r for _, r in requests], base_tokens)
         elapsed = time.perf_counter() - start
         self.drafter_seconds += elapsed
         sampler = self.runner._sample
@@ -350,14 +350,15 @@ class DrafterBridge:
         if self.ahead is None:  # (decoupled: _proposals learns what drafting a miss costs)
             self.draft_cost.observe(max(len(valid) for _, _, valid, _ in made),
                                     sum(len(valid) for _, _, valid, _ in made), unseen, time.perf_counter() - start)
-        return unseen
+        return unseen - caught_up
 
     def _proposals(self, requests: list[DraftRequest], base_tokens: int
-                   ) -> tuple[list, list | None, list[str] | None, set[int]]:
+                   ) -> tuple[list, list | None, list[str] | None, set[int], int]:
         """Each request's proposal (its ids cut to its budget; None: not ids of the vocabulary) and confidences:
         prepared during the last step where its outcome was the one prepared for (decoupled), else asked of the
         drafter now in one call (decoupled: only where the cost model says drafting it now pays, else no drafts this
-        step); a composite's member per request ("": none; None for a plain drafter), and which were prepared."""
+        step); a composite's member per request ("": none; None for a plain drafter); which were prepared; and what
+        the misses drafted now caught up on (`_unseen`; 0 serial: `_draft` counts it)."""
         budgets = [r.max_tokens for r in requests]  # the bridge's (read before any call: a plugin may write to them)
         taken = ((j, self.ahead.take(r.request_id, r.token_ids)) for j, r in enumerate(requests)) if self.ahead else ()
         found = {j: got for j, got in taken if got is not None}  # j -> (proposal, confidences, source)
@@ -367,10 +368,9 @@ class DrafterBridge:
             ready = [(requests[j].request_id, min(len(p), budgets[j])) for j, (p, _, _) in found.items()]
             asked = worth_drafting_now(asked, base_tokens, ready, self._gains, self.step_cost, self.draft_cost,
                                        self._unseen)
-        start = time.perf_counter()
+        start, unseen = time.perf_counter(), 0
         if asked:
             allowed = [r.max_tokens for _, r in asked]
-            # decoupled: what drafting these misses now catches up on, for its cost (serial: `_draft` counts it)
             unseen = sum(self._unseen(r) for _, r in asked) if self.ahead is not None else 0
             with self.watch.running("propose"), guarded(self.drafter):
                 fresh = self.drafter.propose([r for _, r in asked], max(allowed))
@@ -387,7 +387,7 @@ class DrafterBridge:
         confidences = [None if c is None else c[:budget] for (_, c, _), budget in zip(triples, budgets)]
         any_rated = any(c is not None for c in confidences)
         sources = [str(s) for *_, s in triples] if isinstance(self.drafter, CompositeDrafter) else None
-        return proposals, confidences if any_rated else None, sources, prepared
+        return proposals, confidences if any_rated else None, sources, prepared, unseen
 
     def _gains(self, req_ids: list[str]) -> np.ndarray:
         """Per request (this step's), the expected committed tokens each of k draft tokens adds: reached and accepted

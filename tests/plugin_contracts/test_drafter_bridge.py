@@ -532,11 +532,31 @@ def test_a_drafter_that_prepares_rejections_is_asked_for_the_outcomes_with_a_rej
     b.settle()
     assert drafter.asked == chains  # the thread's cost and the step not measured yet: the likeliest outcomes only
     assert b.ahead.cost.coef.any()  # the thread's cost, learned from its calls
-    assert b.ahead.cost.gram[3, 3] > 0  # with the history tokens it caught up on (new requests: all of theirs)
     b.step_cost.observe(2, 1.0)  # a step measured (this harness runs none): a second for the step verifying
     propose(b, [[5, 9, 9], [6, 9]])
     b.settle()
     assert drafter.asked[:2] == chains and sorted(drafter.asked[2:]) == [("a-x", 0, 1), ("a-x", 1, 2), ("b-y", 0, 3)]
+
+
+def test_the_threads_cost_counts_what_a_preparation_catches_up_on_not_what_drafting_a_miss_now_did():
+    """Decoupled: the history a preparation reads for the first time goes into the thread's cost (it fits further
+    outcomes into the step with it); a miss drafted at once caught up on the engine's thread, where that cost is the
+    critical path's, and is not counted again."""
+    class Quick(Ahead):
+        def propose_ahead(self, requests, k):
+            return [[7, 8, 9] for _ in requests]
+
+    b, _ = bridge(Quick([[1, 2], [3]]), ["a-x", "b-y"], planning=False, decoupled=True)
+    assert propose(b, [[5], [6]]) == [[1, 2], [3]]  # nothing prepared yet, drafting now looks free: drafted at once
+    b.settle()
+    assert b.ahead.cost.measured and b.ahead.cost.gram[3, 3] == 0
+    skips, _ = bridge(Quick([[1, 2], [3]]), ["a-x", "b-y"], planning=False, decoupled=True)
+    skips.step_cost.observe(2, 0.001)
+    for unseen in (8, 16):  # drafting now costs a second against a 1 ms step: it never pays
+        skips.draft_cost.observe(4, 8, unseen, 1.0)
+    assert propose(skips, [[5], [6]]) == [[], []]
+    skips.settle()
+    assert skips.ahead.cost.gram[3, 3] == 16**2  # the two requests' 8 history tokens each, read by the preparation
 
 
 class Reorders(Ahead):
