@@ -39,10 +39,23 @@ def find_config(name_or_path: str) -> Path:
     raise ConfigError(f"no config {name_or_path!r}: not a file, and not one of the bundled configs ({names})")
 
 
-def _explain(e: OmegaConfBaseException) -> str:
+def _explain(e: OmegaConfBaseException, key: str | None = None) -> str:
     message = str(getattr(e, "msg", None) or e).split("\n")[0]
-    key = getattr(e, "full_key", None)
+    key = getattr(e, "full_key", None) or key
     return f"key '{key}': {message}" if key else message
+
+
+def _unmergeable(cfg: DictConfig, given: DictConfig) -> str | None:
+    """The first key of `given` whose value alone cannot be merged into `cfg` (where OmegaConf names none: a value of
+    another kind than its section's or list's)."""
+    for key, value in _leaves(OmegaConf.to_container(given)):
+        for part in reversed(key.split(".")):
+            value = {part: value}
+        try:
+            OmegaConf.merge(cfg, value)
+        except (OmegaConfBaseException, TypeError):
+            return key
+    return None
 
 
 def load_config(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
@@ -59,7 +72,7 @@ def load_config(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
     try:
         cfg = OmegaConf.merge(cfg, from_file)
     except (OmegaConfBaseException, TypeError) as e:  # TypeError: a mapping where the schema has a list
-        raise ConfigError(f"{path}: {_explain(e)}") from None
+        raise ConfigError(f"{path}: {_explain(e, _unmergeable(cfg, from_file))}") from None
     _refuse_numbers_for_switches(from_file, cfg, str(path))
     for item in overrides:
         if "=" not in item:
@@ -124,6 +137,11 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
     if longest is not None and cfg.model.max_model_len > longest:
         raise ConfigError(f"{path}: key 'model.max_model_len' = {cfg.model.max_model_len} is more than the "
                           f"{longest} positions {cfg.model.path!r} was built for (max_position_embeddings)")
+    heads = _attention_heads(cfg.model.path)
+    if cfg.cluster.device.value == "cuda" and heads and heads % cfg.rollout.tensor_parallel_size:
+        raise ConfigError(f"{path}: key 'rollout.tensor_parallel_size' = {cfg.rollout.tensor_parallel_size} must "
+                          f"divide the {heads} attention heads of {cfg.model.path!r}: vLLM splits them among the "
+                          "engine's devices")
     _check_kv_cache(path, cfg)
     _check_places(path, cfg)
     for key, source in jsonl_sources(cfg.data).items():
@@ -248,12 +266,12 @@ def _check_kv_cache(path: Path, cfg: DictConfig) -> None:
     token takes), and on a CPU host that runs the whole run, every actor's cache fits in its memory: else the engine
     refuses to start in each actor and its replacements, and the run ends there."""
     mib, r = cfg.rollout.kv_cache_mib, cfg.rollout
-    per_token = kv_bytes_per_token(cfg.model.path, 4 if cfg.model.dtype.value == "float32" else 2)
+    shards = r.tensor_parallel_size if cfg.cluster.device.value == "cuda" else 1
+    per_token = kv_bytes_per_token(cfg.model.path, 4 if cfg.model.dtype.value == "float32" else 2, shards)
     if per_token is not None:
-        shards = r.tensor_parallel_size if cfg.cluster.device.value == "cuda" else 1
         # vLLM holds the cache in whole blocks, one of them its null block, never handed to a request
         block = ENGINE_BLOCK_TOKENS[cfg.cluster.device.value]
-        need = per_token * block * (math.ceil(cfg.model.max_model_len / block) + 1) / shards
+        need = per_token * block * (math.ceil(cfg.model.max_model_len / block) + 1)
         if mib << 20 < need:
             raise ConfigError(f"{path}: key 'rollout.kv_cache_mib' = {mib} cannot hold one request of "
                               f"model.max_model_len = {cfg.model.max_model_len} tokens: it needs at least "
@@ -264,22 +282,35 @@ def _check_kv_cache(path: Path, cfg: DictConfig) -> None:
                           f"more than this machine's memory ({host / (1 << 30):.1f} GiB)")
 
 
-def kv_bytes_per_token(spec: str, dtype_bytes: int) -> int | None:
-    """What one token of context takes in the KV cache of model `spec` (keys and values, every layer), where its config
-    says so plainly (full attention over the KV heads it names); None for compressed or windowed attention, a config
-    that does not name its KV heads (multi-query models mark it otherwise), or one in another shape."""
+def kv_bytes_per_token(spec: str, dtype_bytes: int, shards: int = 1) -> int | None:
+    """What one token of context takes in the KV cache of model `spec` (keys and values, every layer) on each of the
+    `shards` devices of a tensor-parallel engine (vLLM splits the KV heads among them, at least one each), where its
+    config says so plainly (full attention over the KV heads it names); None for compressed or windowed attention, a
+    config that does not name its KV heads (multi-query models mark it otherwise), or one in another shape."""
     if spec.startswith(BUILTIN_PREFIX):
         recipe, model = BUILTIN_MODELS[spec[len(BUILTIN_PREFIX):]]
         arch = getattr(recipe, model)
-        return 2 * arch.layers * arch.kv_heads * arch.head_dim * dtype_bytes
+        return 2 * arch.layers * max(1, arch.kv_heads // shards) * arch.head_dim * dtype_bytes
     c = _hf_config(spec)
     try:
         windowed = c.get("use_sliding_window", c.get("sliding_window") is not None)
         if c.get("kv_lora_rank") or windowed or any(t != "full_attention" for t in c.get("layer_types") or []):
             return None
         head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // int(c["num_attention_heads"]))
-        return 2 * int(c["num_hidden_layers"]) * int(c["num_key_value_heads"]) * head_dim * dtype_bytes
+        return 2 * int(c["num_hidden_layers"]) * max(1, int(c["num_key_value_heads"]) // shards) * head_dim \
+            * dtype_bytes
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _attention_heads(spec: str) -> int | None:
+    """The attention heads of model `spec`; None where its config does not say."""
+    if spec.startswith(BUILTIN_PREFIX):
+        recipe, model = BUILTIN_MODELS[spec[len(BUILTIN_PREFIX):]]
+        return getattr(recipe, model).heads
+    try:
+        return int(_hf_config(spec)["num_attention_heads"])
+    except (KeyError, TypeError, ValueError):
         return None
 
 

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import MISSING
 
 from configs.knobs import Rule, at_least, between, knob, more_than, named, one_of, zero_or_between
-from sampling.coupled import GREEDY_BELOW, MAX_RUN_SEED
+from sampling.coupled import MAX_RUN_SEED
 from tasks.arithmetic import ArithmeticTask
 from transport.messages import MAX_TOKENS
 
@@ -116,14 +116,15 @@ class RolloutConfig:
     """The rollout actors: how many, and how each samples."""
 
     num_actors: int = knob(1, "rollout actors, each with its own engine", at_least(1))
-    tensor_parallel_size: int = knob(1, "devices per rollout engine (cuda only: 1 on cpu)", at_least(1))
+    tensor_parallel_size: int = knob(1, "devices per rollout engine (cuda only: 1 on cpu); divides the model's "
+                                     "attention heads (checked at load)", at_least(1))
     prompts_per_step: int = knob(4, "GRPO groups consumed per learner step", at_least(1))
     group_size: int = knob(8, "samples per prompt", at_least(2, "GRPO compares samples within a group"))
     max_tokens: int = knob(400, "the longest answer sampled, in tokens; below model.max_model_len (the prompt needs "
                            "room too)", at_least(1))
     temperature: float = knob(1.0, "sampling temperature (held-out evaluation answers greedily besides)",
-                              at_least(GREEDY_BELOW, "below it the engine samples greedily: every sample of a group "
-                                       "is the same, every advantage 0, and GRPO learns nothing"))
+                              between(0.01, 2, "[]", "vLLM's range: it refuses one above 2, and samples at 0.01 below "
+                                      "0.01, where the learner would score the samples at another temperature"))
     top_p: float = knob(1.0, "nucleus sampling: the smallest set of tokens holding this much probability",
                         between(0, 1, "(]"))
     top_k: int = knob(0, "sample among the k most likely tokens (0, or more than the vocabulary: off)",

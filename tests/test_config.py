@@ -34,6 +34,18 @@ def test_path_to_yaml_works(tmp_path):
     assert cfg.model.path == "builtin:moe" and cfg.speculation.method == "ngram"
 
 
+@pytest.mark.parametrize("text,key", [
+    ("model: 5\n", "model"), ("rollout: [1]\n", "rollout"), ("speculation:\n  options: [1]\n", "speculation.options"),
+    ("speculation:\n  distill: 3\n", "speculation.distill"),
+])
+def test_a_files_value_of_another_kind_than_its_section_names_its_key(tmp_path, text, key):
+    """OmegaConf names no key where a value is of another kind than its section's (a number for a section)."""
+    path = tmp_path / "mine.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"mine.yaml: key '{key}': "):
+        load_run_config(str(path))
+
+
 @pytest.mark.parametrize("override,needles", [
     ("trainer.no_such_key=1", ["no_such_key", "command-line override", "grpo_tiny.yaml"]),
     ("trainer.steps=many", ["trainer.steps", "many"]),
@@ -98,13 +110,20 @@ def test_path_to_yaml_works(tmp_path):
      ["speculation.drafters", "256 characters"]),
     ("learner.lr=inf", ["learner.lr", "finite"]),
     ("rollout.temperature=inf", ["rollout.temperature", "finite"]),
-    ("rollout.temperature=0", ["rollout.temperature", "learns nothing"]),  # every advantage 0: it trained nothing
+    ("rollout.temperature=0", ["rollout.temperature", "[0.01, 2]"]),  # greedy: every advantage 0, it trained nothing
+    ("rollout.temperature=2.5", ["rollout.temperature", "refuses"]),  # vLLM refused it in every actor
+    ("rollout.temperature=0.001", ["rollout.temperature", "0.01"]),  # vLLM sampled at 0.01, the learner scored 0.001
     ("rollout.top_k=9223372036854775808", ["rollout.top_k", "2147483647"]),  # overflowed in the learner's sampler
     ("cluster.learner_resource=CPU", ["cluster.learner_resource", "Ray's own"]),  # a traceback from ray.init
     ("cluster.rollout_resource=node:10.0.0.1", ["cluster.rollout_resource", "Ray's own"]),  # dropped by Ray
     ("cluster.num_cpus=1099511627776", ["cluster.num_cpus", "1000000"]),  # Ray's node never started
     ("cluster.address=auto transport.auth=curve cluster.num_cpus=4", ["cluster.num_cpus", "embedded Ray"]),
     ("rollout.tensor_parallel_size=2", ["rollout.tensor_parallel_size", "cuda"]),  # ignored on a CPU
+    # vLLM refused these in every actor's engine, and the run ended there
+    ("cluster.device=cuda rollout.tensor_parallel_size=3", ["rollout.tensor_parallel_size", "4 attention heads"]),
+    # 4 KV heads on 8 GPUs: vLLM keeps one on each, not half of one
+    ("cluster.device=cuda model.path=configs/shapes/qwen3_30b_a3b rollout.tensor_parallel_size=8 "
+     "model.max_model_len=32768 rollout.kv_cache_mib=1000", ["rollout.kv_cache_mib", "1537 MiB"]),
     ("trainer.resume_from=''", ["trainer.resume_from", "not empty"]),  # was a fresh run
     ("speculation.drafters=${seed}", ["speculation.drafters", "int is not a ListConfig"]),  # named no key
     (f"data.max_operand=1{'0' * 4400}", ["data.max_operand", "not valid YAML", "4300"]),  # a traceback naming nothing
