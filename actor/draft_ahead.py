@@ -190,13 +190,16 @@ class DraftsAhead:
 
 def run_jobs(jobs: queue.SimpleQueue) -> None:
     """The drafter's thread: each job's work, its answer or error into its future, until a None; it holds no job
-    between two (a job's work holds the drafter)."""
+    between two (a job's work holds the drafter). An exit it raised (`SystemExit`, a `BaseException` of its own) is
+    the drafter's error like any other: the engine, which settles, is not to exit."""
     while (job := jobs.get()) is not None:
         future, work = job
         try:
             future.set_result(work())
-        except BaseException as e:  # noqa: BLE001 -- the drafter's error is raised where the engine settles
+        except Exception as e:  # the drafter's error is raised where the engine settles
             future.set_exception(e)
+        except BaseException as e:  # noqa: BLE001
+            future.set_exception(RuntimeError(f"preparing drafts ahead raised {type(e).__name__}({e})"))
         del job, future, work
 
 

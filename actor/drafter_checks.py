@@ -104,8 +104,6 @@ def built_within(build: Callable[[], Drafter], deadline_s: float | None) -> Draf
     """`build()` (the plugin's constructor) on a thread of its own, waited for `deadline_s` seconds (None: for ever).
     A constructor that never returns (a download without a timeout, a lock) cannot be interrupted: it is left
     running, and the drafter is refused with a TimeoutError (the engine then decodes plainly)."""
-    if deadline_s is None:
-        return build()
     built: dict[str, Any] = {}
 
     def run() -> None:
@@ -151,11 +149,12 @@ class CallWatch:
 
 
 @contextmanager
-def guarded(drafter: Drafter):
-    """Runs a drafter's call and checks that it left torch's process-wide settings (SHARED_STATE) as it found them:
-    one it changed is set back at once, and the call raises (the bridge then switches the drafter off). Whatever a
-    plugin raises is its error, `SystemExit`, `GeneratorExit`, a `CancelledError` or a `BaseException` of its own
-    included; only a `KeyboardInterrupt` on the main thread (a real Ctrl-C) passes."""
+def guarded(drafter: Drafter | str):
+    """Runs a drafter's call (`drafter`: it, or the name of one being built) and checks that it left torch's
+    process-wide settings (SHARED_STATE) as it found them: one it changed is set back at once, and the call raises
+    (the bridge then switches the drafter off). Whatever a plugin raises is its error, `SystemExit`, `GeneratorExit`,
+    a `CancelledError` or a `BaseException` of its own included; only a `KeyboardInterrupt` on the main thread (a real
+    Ctrl-C) passes."""
     before = [_read(get) for _, get, _ in SHARED_STATE]
     try:
         yield
@@ -164,7 +163,7 @@ def guarded(drafter: Drafter):
     except BaseException as e:
         if isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
             raise
-        raise RuntimeError(f"drafter {type(drafter).__name__} raised {type(e).__name__}({e})") from e
+        raise RuntimeError(f"drafter {_name(drafter)} raised {type(e).__name__}({e})") from e
     finally:
         changed = []
         for (name, get, put), value in zip(SHARED_STATE, before):  # in order: each read after those before it are back
@@ -173,8 +172,12 @@ def guarded(drafter: Drafter):
                 if not (isinstance(value, str) and value.startswith("unreadable: ")):
                     put(value)
     if changed:
-        raise RuntimeError(f"drafter {type(drafter).__name__} changed {', '.join(changed)}, which the target shares "
+        raise RuntimeError(f"drafter {_name(drafter)} changed {', '.join(changed)}, which the target shares "
                            "(set back; drafters/base.py: a drafter leaves process-wide state as it found it)")
+
+
+def _name(drafter: Drafter | str) -> str:
+    return drafter if isinstance(drafter, str) else type(drafter).__name__
 
 
 TEXT = (str, bytes, bytearray)
@@ -186,8 +189,8 @@ def plain_answers(proposals, confidences, budgets: list[int], vocab_size: int, d
     inside the drafter's `guarded` call, since reading them runs the plugin's code (a generator, a list subclass, an
     id's `__index__`). Per request: its ids cut to its budget, or None where they are not ids of the vocabulary (no
     drafts for it this step); its confidences, one float per id kept (`confidences_for`)."""
-    proposals = list(proposals)
-    confidences = None if confidences is None else list(confidences)
+    proposals = list(islice(proposals, len(budgets) + 1))  # (an endless iterator: one too many is enough to refuse)
+    confidences = None if confidences is None else list(islice(confidences, len(budgets) + 1))
     if len(proposals) != len(budgets) or (confidences is not None and len(confidences) != len(budgets)):
         raise RuntimeError(f"drafter {drafter} returned {len(proposals)} proposals and "
                            f"{'no' if confidences is None else len(confidences)} confidence lists for {len(budgets)} "
@@ -248,7 +251,7 @@ def _names_within(names, seen: set[str], drafter: str, where: str) -> bool:
 def sources_within(names, requests: int, seen: set[str], drafter: str) -> list[str]:
     """A composite's `sources()`: one member name per request (`_names_within`), as `SpecStats.drafter_choices`
     carries them."""
-    names = list(names)
+    names = list(islice(names, requests + 1))
     if len(names) != requests or not _names_within(names, seen, drafter, "sources()"):
         raise RuntimeError(f"drafter {drafter}: sources() must name one member per request as a string of at most "
                            f"{MAX_NAME} characters, got {names!r:.200}")

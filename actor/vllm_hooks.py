@@ -2,7 +2,7 @@
 vllm 0.32.0's V1 model runner (`gpu_model_runner.py`, which the CPU runner subclasses; on GPUs set
 VLLM_USE_V2_MODEL_RUNNER=0, see actor/engine.py).
 
-Everything here runs inside the vLLM worker (through `collective_rpc`). `install`
+Everything here runs inside the vLLM worker (through `collective_rpc`). `install`:
 - replaces the runner's `_sample` with `CoupledSampling`: the plain sampling path and speculative verification
   both draw the coupled sample of `sampling/coupled.py`, keyed by each row's request seed and output position;
   vLLM's per-request torch generators are never used (which also avoids vLLM-CPU's seeded chunked-prefill crash);
@@ -12,8 +12,7 @@ Everything here runs inside the vLLM worker (through `collective_rpc`). `install
 `apply_weights` updates weights in place with the CPU re-packing fixes;
 `take_records` returns each finished request's logprobs and speculation stats; `remember_outputs`,
 `new_policy_version` and `swap_draft_weights` reach the drafter between engine steps, and `stuck_drafter` names
-the drafter call a hung engine is in; `fix_cpu_rejection_sampler` repairs vLLM's sampler.
-"""
+the drafter call a hung engine is in; `fix_cpu_rejection_sampler` repairs vLLM's sampler."""
 
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ from typing import Iterable
 import torch
 
 from actor.draft_bridge import DrafterBridge
-from actor.drafter_checks import built_within
+from actor.drafter_checks import built_within, guarded
 from actor.drafter_process import start_drafter_process
 from actor.undrafted_steps import run_undrafted_steps_plainly
 from drafters.base import drafter_class, load_drafter, prepares_ahead
@@ -254,8 +253,9 @@ def install(worker, drafter_path: str | None = None, drafter_options: dict | Non
             if decoupled and runner.device.type == "cpu" and prepares_ahead(drafter_class(drafter_path)):
                 drafter = start_drafter_process(drafter_path, drafter_options or {}, "cpu", build_deadline_s)
             else:  # (decoupled beside a CPU engine, above: in a process of its own, off the interpreter's lock)
-                drafter = built_within(functools.partial(_build_drafter, runner.device, drafter_path, drafter_options),
-                                       build_deadline_s)
+                with guarded(drafter_path):  # what the constructor changed that the target shares: refused
+                    drafter = built_within(functools.partial(_build_drafter, runner.device, drafter_path,
+                                                             drafter_options), build_deadline_s)
         except Exception as e:  # drafts only save time: this engine decodes without them, every trajectory says why
             runner.drafter.bind(runner, drafter_path, max_batch, planning)
             runner.drafter.switch_off(e)

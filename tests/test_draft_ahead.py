@@ -2,6 +2,7 @@
 was prepared for (every draft accepted, then the guessed token), once; the drafter's error surfaces when the engine
 waits for it. That no token changes is the exactness tests' (tests/test_speculative_rollout.py)."""
 
+import sys
 import threading
 import time
 
@@ -67,6 +68,9 @@ def test_a_drafter_that_raises_on_its_thread_raises_when_the_engine_waits():
     with pytest.raises(RuntimeError, match="drafter broke"):
         drafts.settle()
     assert drafts.settle() == 0.0  # nothing in flight any more
+    drafts.launch([], lambda: sys.exit(3))  # an exit is the drafter's error too: the engine does not exit
+    with pytest.raises(RuntimeError, match=r"preparing drafts ahead raised SystemExit\(3\)"):
+        drafts.settle()
 
 
 def a_second_per_drafted_token() -> DraftCost:

@@ -910,3 +910,25 @@ def test_a_constructor_is_waited_for_until_its_deadline_and_its_exit_is_an_error
         built_within(lambda: {}["model"], 5.0)
     with pytest.raises(RuntimeError, match=r"raised SystemExit\(2\)"):
         built_within(lambda: sys.exit(2), 5.0)
+    with pytest.raises(RuntimeError, match=r"raised SystemExit\(3\)"):  # without a deadline too
+        built_within(lambda: sys.exit(3), None)
+    # a constructor that changed a setting the target shares (on its own thread): seen from the engine's, set back
+    with pytest.raises(RuntimeError, match=r"drafter pkg.Retunes changed torch.get_default_dtype\(\)"):
+        with guarded("pkg.Retunes"):
+            built_within(lambda: torch.set_default_dtype(torch.float64), 5.0)
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_an_endless_answer_is_refused_once_it_runs_past_what_was_asked_for():
+    """An answer is read inside the drafter's checked call: an endless generator is read one item too far, then
+    refused (read whole, it would fill the engine's memory)."""
+    import itertools
+
+    from actor.drafter_checks import plain_answers, sources_within
+
+    with pytest.raises(RuntimeError, match="returned 3 proposals"):
+        plain_answers(itertools.repeat([1]), None, [4, 4], VOCAB, "Endless")
+    with pytest.raises(RuntimeError, match="returned 2 proposals and 3 confidence lists"):
+        plain_answers([[1], [2]], itertools.repeat([0.5]), [4, 4], VOCAB, "Endless")
+    with pytest.raises(RuntimeError, match="one member per request"):
+        sources_within(itertools.repeat("a"), 2, set(), "Endless")
