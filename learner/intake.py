@@ -9,11 +9,13 @@ where `trained` counts the trajectories of delivered groups. `lost` counts gaps 
 (messages that never arrived); `take_gaps` names the actors to rewind so the groups they left short are
 regenerated. A replacement actor numbers its messages from `incarnation << 32`.
 
-A gap after an actor's last trajectory shows only in its heartbeat, which anyone holding the actor's key can forge
-(and, forging one a few seconds apart, keep the actor rewinding for ever). So a heartbeat only claims a gap: an actor
-sends its messages in order on one socket, so a trajectory below the claim arriving after it refutes it; one that
-stands `CLAIM_AGE_S` while the learner listens is checked against the count the actor itself gives the driver over
-Ray (`claims`, then `take_gaps(sent)`), and counted lost only if the actor did send that far.
+A gap shows in a trajectory numbered past the one expected next, or, after an actor's last trajectory, in its
+heartbeat: either can be forged or replayed by anyone holding the actor's key (and, sent a few seconds apart, keep
+the actor rewinding for ever). So each only claims a gap: an actor sends its messages in order on one socket, so one
+of its next messages below the claim arriving after it refutes it; one that stands `CLAIM_AGE_S` while the learner
+listens is checked against the count the actor itself gives the driver over Ray (`claims`, then `take_gaps(sent)`),
+and counted lost only if the actor did send that far. The trajectories that came past the gap meanwhile are counted
+as arrived.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ INCARNATION_SHIFT = 32
 # reasons a trajectory is refused that its actor could not have sent (another's key, a forgery): its group's own
 # samples may still come, so a step still waits for them
 NOT_THE_OWNERS = ("group", "behind", "owner", "ahead", "incarnation", "before_admission")
-CLAIM_AGE_S = 5.0  # how long a heartbeat's claim of lost trajectories stands unrefuted before the driver checks it
+CLAIM_AGE_S = 5.0  # how long a claim of lost trajectories stands unrefuted before the driver checks it
+MAX_EARLY = 1 << 16  # sequence numbers kept per actor of trajectories that came past a gap (a forger's beyond it: not)
 
 
 @dataclass
@@ -52,13 +55,14 @@ class IntakeCounts:
 
 class Intake:
     def __init__(self, group_size: int, max_staleness: int, plan: CursorPlan, vocab_size: int | None = None,
-                 max_len: int | None = None, whole_steps: bool = False):
-        """`vocab_size`, `max_len`: the policy's vocabulary and context; trajectories outside them are invalid.
+                 max_len: int | None = None, whole_steps: bool = False, max_tokens: int | None = None):
+        """`vocab_size`, `max_len`: the policy's vocabulary and context, `max_tokens` the longest answer an actor
+        samples; trajectories outside them are invalid.
         `whole_steps` (deterministic runs): an actor regenerates from its first group of the step that lacks one,
         so the step's groups share the engine exactly as they did the first time."""
         self.group_size, self.max_staleness, self.plan = group_size, max_staleness, plan
         self.whole_steps = whole_steps
-        self.vocab_size, self.max_len = vocab_size, max_len
+        self.vocab_size, self.max_len, self.max_tokens = vocab_size, max_len, max_tokens
         self.counts = IntakeCounts()
         self.invalid: Counter[str] = Counter()  # dropped_invalid by reason
         self.pending: dict[int, list[Trajectory]] = defaultdict(list)
@@ -66,6 +70,7 @@ class Intake:
         self.data_cursor = plan.start  # one past the newest group trained on: where a resumed run starts
         self.trained_groups = [1 << 62, -1]  # lowest and highest group id trained on by this process
         self.next_seq: dict[int, int] = {}  # actor -> the sequence number expected next from its newest incarnation
+        self.early: dict[int, set[int]] = {}  # actor -> sequence numbers that came past it (a claimed gap's)
         self.gapped: set[int] = set()  # actors with lost messages whose groups are not re-issued yet
         self.claimed: dict[int, tuple[int, float]] = {}  # actor -> a heartbeat's gap claim (its seq, since when)
         # (model, actor) -> the actor's slowest acknowledged apply of `model`'s weights since the last take
@@ -90,7 +95,7 @@ class Intake:
             self.spoken.add(message.actor_id)
         if isinstance(message, WeightAck):
             key = (message.model, message.actor_id)
-            if 0 <= message.actor_id < self.plan.num_actors and math.isfinite(message.apply_seconds) \
+            if 0 <= message.actor_id < self.plan.num_actors and 0 <= message.apply_seconds <= STAT_BOUND \
                     and message.model in ("policy", "draft"):
                 self.apply_seconds[key] = max(self.apply_seconds.get(key, 0.0), message.apply_seconds)
             return None
@@ -100,7 +105,7 @@ class Intake:
         self.counts.received += 1
         if version != self.pruned_at:
             self._prune(version)
-        gap = self._advance(message.actor_id, message.seq, arrived=1)
+        self._arrive(message.actor_id, message.seq)
         reason = self._invalid(message, version)
         if reason is not None:
             self.counts.dropped_invalid += 1
@@ -108,8 +113,6 @@ class Intake:
             if reason not in NOT_THE_OWNERS:  # the owner's sample: its group is never whole
                 self.refused.add(message.group_id)
             return None
-        if gap:  # (only a trajectory the run could use names an actor whose work to re-issue)
-            self.gapped.add(message.actor_id)
         # a group delivered before and regenerated (a replacement, a rewind) is never kept, so a group that can no
         # longer be trained holds no memory; nor is a sample its group already holds (a dead actor's, still in flight)
         if message.group_id in self.delivered:
@@ -199,7 +202,8 @@ class Intake:
             return "ahead"
         if not t.prompt_ids or n == 0 or len(t.behaviour_logprobs) != n or len(t.policy_versions) != n:
             return "lengths"
-        if self.max_len is not None and len(t.prompt_ids) + n > self.max_len:
+        if (self.max_len is not None and len(t.prompt_ids) + n > self.max_len) or \
+                (self.max_tokens is not None and n > self.max_tokens):  # (the learner's tensors: rows x the longest)
             return "too_long"
         if self.vocab_size is not None and not all(0 <= i < self.vocab_size for i in chain(t.prompt_ids,
                                                                                            t.response_ids)):
@@ -224,20 +228,36 @@ class Intake:
             return "before_admission"
         return None
 
-    def _advance(self, actor: int, seq: int, arrived: int) -> int:
-        """Notes that `actor` sent every message below `seq` (and `seq` itself if `arrived`); returns how many of
-        them never came, counted as lost. Only an actor's newest incarnation is followed (one entry per actor of
-        the run): a dead one's late messages count nothing."""
+    def _arrive(self, actor: int, seq: int) -> None:
+        """A trajectory numbered `seq` came from `actor`: the one expected next moves the count on (over those that
+        came past a gap), one past it claims a gap (`_claim`), and one of the actor's next messages below a standing
+        claim refutes it (an old number, below the one expected, is no message the actor sends next). Only an actor's
+        newest incarnation is followed (one entry per actor of the run): a dead one's late messages count nothing."""
         expected = self._expected(actor, seq)
-        if expected is None:
-            return 0
-        if arrived and actor in self.claimed and seq >= expected:  # a claim made before this trajectory arrived:
-            if seq < self.claimed.pop(actor)[0]:  # belied if it is below (only the actor's next ones decide)
-                self.counts.refuted_claims += 1
-        gap = max(0, seq - expected)
-        self.counts.lost += gap
-        self.next_seq[actor] = max(expected, seq + arrived)
-        return gap
+        if expected is None or seq < expected:
+            return
+        if actor in self.claimed and seq < self.claimed[actor][0]:  # (and what came past it before this: forged)
+            del self.claimed[actor]
+            self.counts.refuted_claims += 1
+            self.early[actor] = {s for s in self.early.get(actor, ()) if s < seq}
+        if seq > expected:
+            early = self.early.setdefault(actor, set())
+            if len(early) < MAX_EARLY:
+                early.add(seq)
+            self._claim(actor, seq)
+        else:
+            self._move_on(actor, seq + 1)
+
+    def _move_on(self, actor: int, seq: int) -> None:
+        """Every message of `actor` below `seq` came or is counted lost: the next expected is `seq`, or past it where
+        the ones after it came already; one that came further on claims the gap before it."""
+        early = self.early.pop(actor, set())
+        while seq in early:
+            seq += 1
+        self.next_seq[actor] = seq
+        if any(s > seq for s in early):
+            self.early[actor] = {s for s in early if s > seq}
+            self._claim(actor, min(self.early[actor]))
 
     def _expected(self, actor: int, seq: int) -> int | None:
         """The sequence number next expected from `actor`'s incarnation that `seq` belongs to; None for a dead
@@ -284,9 +304,14 @@ class Intake:
         a claim within that is a gap, one beyond it a forgery."""
         for actor, count in (sent or {}).items():
             seq, _ = self.claimed.pop(actor, (None, 0.0))
+            expected = None if seq is None else self._expected(actor, seq)
             if seq is not None and seq > count:
                 self.counts.refuted_claims += 1
-            elif seq is not None and self._advance(actor, seq, arrived=0):
+                self.early[actor] = {s for s in self.early.get(actor, ()) if s < count}  # (the actor never sent them)
+            elif expected is not None and seq > expected:
+                early = self.early.get(actor, set())
+                self.counts.lost += sum(s not in early for s in range(expected, seq))
+                self._move_on(actor, seq)
                 self.gapped.add(actor)
         gapped, self.gapped = self.gapped, set()
         return {actor: self.reissue(actor) for actor in sorted(gapped)}
@@ -310,6 +335,7 @@ class Intake:
         self.watched[actor] = incarnation
         self.spoken.discard(actor)
         self.claimed.pop(actor, None)
+        self.early.pop(actor, None)
         return self.reissue(actor)
 
     def listen(self, on: bool) -> None:

@@ -63,7 +63,7 @@ class Learner(RankCheckpoints):
             self.outlet = WeightOutlet(cfg, policy_dir, self.gate, draft_tensors, self.bucket_bytes)
             vocab = json.loads((Path(policy_dir) / "config.json").read_text())["vocab_size"]
             self.intake = Intake(cfg.rollout.group_size, cfg.algorithm.max_staleness, plan, vocab,
-                                 cfg.model.max_model_len, whole_steps=cfg.trainer.deterministic)
+                                 cfg.model.max_model_len, cfg.trainer.deterministic, cfg.rollout.max_tokens)
             self.rollout_log = RolloutLog(cfg.logging.dir, cfg.seed) if cfg.logging.rollouts else None
         self.version, self.skipped_steps = 0, 0  # skipped: optimizer steps not taken, their gradient not finite
         self.groups: list[list[Trajectory]] = []  # rank 0: what `collect` gathered for the next `train`

@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 # LM's zeroed weights give; a working drafter, drafting only where the planner expects it to pay, stays far above
 ALARM_DRAFTED, ALARM_RATE = 100, 0.05
 WARNED: set[str] = set()  # drafter failures this process has warned about (SpecStats.drafter_failure)
+MAX_WARNED = 64  # past these, a peer's made-up failures are in TensorBoard only (neither the console nor memory)
 
 
 def step_metrics(rows: StepRows, sums: torch.Tensor, extremes: torch.Tensor, cfg: DictConfig, version: int,
@@ -99,8 +100,8 @@ def drafter_metrics(name: str, spec: SpecStats, trajectories: list[Trajectory]) 
     failed = Counter(t.spec.drafter_failure for t in trajectories if t.spec.drafter_failure)
     metrics["spec/drafter_failed"] = sum(failed.values()) / len(trajectories)
     for failure, n in sorted(failed.items()):
-        if failure not in WARNED:  # it lasts the engine's life: said once, then in TensorBoard only
-            WARNED.add(failure)
+        if failure not in WARNED and len(WARNED) < MAX_WARNED:  # it lasts the engine's life: said once, then in
+            WARNED.add(failure)  # TensorBoard only
             log.warning("%s: %d of this step's %d trajectories were decoded without drafts (from now on "
                         "spec/drafter_failed in TensorBoard)", failure, n, len(trajectories))
     metrics["spec/alarm"] = float(bool(broken or failed))

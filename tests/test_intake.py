@@ -61,10 +61,12 @@ def test_inconsistent_trajectories_are_dropped_as_invalid():
 
 
 def test_trajectories_that_would_crash_or_poison_the_learner_are_dropped_by_reason():
-    intake = Intake(group_size=4, max_staleness=1, plan=CursorPlan(0, 2, 1), vocab_size=10, max_len=8)
+    intake = Intake(group_size=4, max_staleness=1, plan=CursorPlan(0, 2, 1), vocab_size=10, max_len=8, max_tokens=5)
     good = trajectory(0, 0)  # actor 0 owns group 0 (two actors: even cursors)
     bad = {"owner": [trajectory(1, 0)], "lengths": [replace(good, prompt_ids=[])],
-           "too_long": [trajectory(0, 0, versions=(0,) * 8)], "token_ids": [replace(good, response_ids=[10])],
+           "too_long": [trajectory(0, 0, versions=(0,) * 8),  # past the context
+                        trajectory(0, 0, versions=(0,) * 6)],  # within it (7 tokens), past the longest answer
+           "token_ids": [replace(good, response_ids=[10])],
            "reward": [replace(good, reward=float("nan")), replace(good, reward=float("inf")),
                       replace(good, reward=1e39),  # finite in float64, inf in the float32 loss
                       replace(good, reward=3e38)],  # finite in float32, but two overflow the group's mean
@@ -85,36 +87,59 @@ def test_trajectories_that_would_crash_or_poison_the_learner_are_dropped_by_reas
     assert intake.receive(good, version=1) is None and intake.pending_trajectories() == 1 and balanced(intake)
 
 
-def test_sequence_gaps_count_lost_trajectories_per_actor_incarnation():
-    intake = Intake(group_size=8, max_staleness=1, plan=CursorPlan(0, 2, 1))
-    for actor, seq in [(0, 0), (0, 1), (0, 4), (1, 0), (1, 2), (0, 5)]:
-        intake.receive(trajectory(0, seq % 8, seq=seq, actor=actor), version=0)
-    assert intake.counts.lost == 2 + 1
-    # a peer with actor 0's key numbering from an incarnation the driver has not started: no gap, no re-issue
-    intake.receive(Heartbeat(SCHEMA_VERSION, actor_id=0, seq=(1 << INCARNATION_SHIFT) + 1000), version=0)
-    intake.receive(trajectory(2, 0, seq=(1 << INCARNATION_SHIFT) + 99, actor=0), version=0)
-    assert intake.counts.lost == 3 and intake.take_gaps() == {}
-    intake.replaced(0, incarnation=1)  # the driver replaced actor 0: its replacement numbers from its incarnation
-    intake.receive(trajectory(2, 0, seq=1 << INCARNATION_SHIFT, actor=0), version=0)  # not a gap
-    intake.receive(trajectory(2, 1, seq=6, actor=0), version=0)  # the dead one's last message, late: no gap either
-    assert intake.counts.lost == 3
-
-
-def test_a_lost_trajectory_names_its_actor_once_with_where_to_regenerate_from(monkeypatch):
-    """A gap shows at the actor's next trajectory, or, for its last one, at its next heartbeat, checked against the
-    count the actor gives over Ray; `take_gaps` forgets the actor's partial groups (one is short for good) and names
-    the group ordinal it regenerates from, once."""
+def listening(monkeypatch, intake: Intake) -> list[float]:
+    """The intake listening, on a clock the test moves (`clock[0]`)."""
     import learner.intake
 
     clock = [100.0]
     monkeypatch.setattr(learner.intake.time, "monotonic", lambda: clock[0])
+    intake.listen(True)
+    return clock
+
+
+def test_sequence_gaps_count_lost_trajectories_per_actor_incarnation(monkeypatch):
+    """A gap is counted lost once its claim has stood and the actor's own count confirms it, as many as never came:
+    the trajectories past it that did come count as arrived."""
+    import learner.intake
+
+    intake = Intake(group_size=8, max_staleness=1, plan=CursorPlan(0, 2, 1))
+    clock = listening(monkeypatch, intake)
+    for actor, seq in [(0, 0), (0, 1), (0, 4), (1, 0), (1, 2), (0, 5), (0, 7)]:
+        intake.receive(trajectory(0, seq % 8, seq=seq, actor=actor), version=0)
+    assert intake.counts.lost == 0 and intake.next_seq == {0: 2, 1: 1}  # claimed only
+    clock[0] += learner.intake.CLAIM_AGE_S
+    assert intake.claims() == {0: 4, 1: 2}  # the least claim of each
+    assert intake.take_gaps(sent={0: 8, 1: 3}) == {0: 0, 1: 0} and intake.counts.lost == 2 + 1
+    assert intake.next_seq == {0: 6, 1: 3}  # past 4 and 5, which came; 6 is missing again: a claim of its own
+    clock[0] += learner.intake.CLAIM_AGE_S
+    assert intake.claims() == {0: 7} and intake.take_gaps(sent={0: 8}) == {0: 0} and intake.counts.lost == 4
+    # a peer with actor 0's key numbering from an incarnation the driver has not started: no gap, no re-issue
+    intake.receive(Heartbeat(SCHEMA_VERSION, actor_id=0, seq=(1 << INCARNATION_SHIFT) + 1000), version=0)
+    intake.receive(trajectory(2, 0, seq=(1 << INCARNATION_SHIFT) + 99, actor=0), version=0)
+    clock[0] += learner.intake.CLAIM_AGE_S
+    assert intake.claims() == {} and intake.take_gaps() == {}
+    intake.replaced(0, incarnation=1)  # the driver replaced actor 0: its replacement numbers from its incarnation
+    intake.receive(trajectory(2, 0, seq=1 << INCARNATION_SHIFT, actor=0), version=0)  # not a gap
+    intake.receive(trajectory(2, 1, seq=6, actor=0), version=0)  # the dead one's last message, late: no gap either
+    clock[0] += learner.intake.CLAIM_AGE_S
+    assert intake.claims() == {} and intake.counts.lost == 4
+
+
+def test_a_lost_trajectory_names_its_actor_once_with_where_to_regenerate_from(monkeypatch):
+    """A gap shows at the actor's next trajectory or, for its last one, at its next heartbeat, and is checked
+    against the count the actor gives over Ray; `take_gaps` forgets the actor's partial groups (one is short for good)
+    and names the group ordinal it regenerates from, once."""
+    import learner.intake
+
     plan = CursorPlan(start=0, num_actors=2, prompts_per_step=2)
     intake = Intake(group_size=2, max_staleness=1, plan=plan)
-    intake.listen(True)
+    clock = listening(monkeypatch, intake)
     for i in range(2):  # actor 0 delivers group 0 whole (seq 0, 1); seq 2 (group 2, sample 0) is lost
         intake.receive(trajectory(0, i, seq=i, group_size=2), version=0)
     intake.receive(trajectory(2, 1, seq=3, group_size=2), version=0)
-    assert intake.counts.lost == 1 and intake.take_gaps() == {0: 1} and plan.cursor(0, 1) == 2
+    clock[0] += learner.intake.CLAIM_AGE_S
+    assert intake.claims() == {0: 3}
+    assert intake.take_gaps(sent={0: 4}) == {0: 1} and intake.counts.lost == 1 and plan.cursor(0, 1) == 2
     assert intake.take_gaps() == {} and intake.counts.dropped_reissued == 1 and balanced(intake)
     intake.receive(trajectory(1, 0, seq=0, actor=1, group_size=2), version=0)  # actor 1: its last one (seq 1) is lost
     intake.receive(Heartbeat(SCHEMA_VERSION, actor_id=1, seq=1), version=0)  # nothing missing yet
@@ -125,8 +150,33 @@ def test_a_lost_trajectory_names_its_actor_once_with_where_to_regenerate_from(mo
     assert intake.claims() == {1: 2}
     assert intake.take_gaps(sent={1: 2}) == {1: 0} and intake.counts.lost == 2 and intake.counts.dropped_reissued == 2
     intake.receive(Heartbeat(SCHEMA_VERSION, actor_id=7, seq=1 << 40), version=0)  # not an actor of this run
-    intake.receive(trajectory(1, 1, seq=9, actor=0, group_size=2), version=0)  # a gap, but an invalid message (owner)
     assert intake.take_gaps() == {} and len(intake.next_seq) == 2 and intake.claims() == {} and balanced(intake)
+
+
+def test_a_replayed_trajectory_numbered_past_the_next_never_rewinds_an_actor(monkeypatch):
+    """A peer with an actor's key replays one of its trajectories numbered one past the next (or far past it, as an
+    invalid message): a claim of a gap like a forged heartbeat's, which the actor's next message belies; nothing is
+    counted lost, no actor is rewound, and a real loss after it is still found."""
+    import learner.intake
+
+    intake = Intake(group_size=2, max_staleness=1, plan=CursorPlan(start=0, num_actors=1, prompts_per_step=4))
+    clock = listening(monkeypatch, intake)
+    first = trajectory(0, 0, seq=0, group_size=2)
+    intake.receive(first, version=0)
+    intake.receive(replace(first, seq=2), version=0)  # replayed, one past the next: a duplicate, and a gap claimed
+    intake.receive(replace(first, seq=(1 << INCARNATION_SHIFT) - 1, group_size=3), version=0)  # invalid, far past
+    intake.receive(trajectory(0, 1, seq=1, group_size=2), version=0)  # the actor's own next message: both belied
+    clock[0] += learner.intake.CLAIM_AGE_S
+    assert intake.claims() == {} and intake.take_gaps(sent={0: 2}) == {} and intake.counts.lost == 0
+    assert intake.counts.refuted_claims == 1 and intake.counts.trained == 2 and intake.next_seq == {0: 2}
+    intake.receive(trajectory(2, 1, seq=3, group_size=2), version=0)  # seq 2 is lost: still found
+    clock[0] += learner.intake.CLAIM_AGE_S
+    assert intake.claims() == {0: 3} and intake.take_gaps(sent={0: 4}) == {0: 1} and intake.counts.lost == 1
+    for seq in (5, 6):  # a forged pair far past the next, never belied by a message (the actor is quiet)...
+        intake.receive(replace(first, seq=seq), version=0)
+    clock[0] += learner.intake.CLAIM_AGE_S
+    assert intake.claims() == {0: 5} and intake.take_gaps(sent={0: 4}) == {}  # ...the actor's own count does
+    assert intake.counts.refuted_claims == 2 and intake.counts.lost == 1 and intake.early == {0: set()}
 
 
 def test_a_forged_heartbeat_never_rewinds_an_actor(monkeypatch):
@@ -195,7 +245,8 @@ def test_acknowledged_apply_times_are_taken_once_and_kept_per_actor():
     assert intake.take_apply_seconds() == [0.25] and intake.take_apply_seconds() == []
     for i in range(10_000):
         intake.receive(WeightAck(SCHEMA_VERSION, i % 3, 1, i / 1e4), version=1)  # actor 2 is not one of this run's
-    intake.receive(WeightAck(SCHEMA_VERSION, 1, 1, float("nan")), version=1)
+    for odd in (float("nan"), 1e308, -1.0):  # a step's metrics would show it (1e308: as the slowest apply)
+        intake.receive(WeightAck(SCHEMA_VERSION, 1, 1, odd), version=1)
     assert sorted(intake.take_apply_seconds()) == [0.9997, 0.9999]
     assert intake.counts.received == 0
 
