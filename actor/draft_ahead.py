@@ -62,7 +62,14 @@ class DraftsAhead:
     """The preparation in flight and what the last one prepared, per request and outcome; what preparing costs the
     drafter's thread (`cost`, fitted on its calls), and counts for a benchmark's profile."""
 
-    def __init__(self):
+    def __init__(self, drafter=None):
+        """`drafter`: whose `prepares_rejections` and `prepares_guesses` decide which outcomes are prepared (read once
+        here, in its checked call: each is True or False, else the drafter's error; None: neither)."""
+        with guarded(drafter or "none"):
+            self.kinds = (drafter.prepares_rejections, drafter.prepares_guesses) if drafter else (False, False)
+        if not all(type(kind) is bool for kind in self.kinds):
+            raise TypeError(f"drafter {type(drafter).__name__}: prepares_rejections and prepares_guesses must be True "
+                            f"or False, got {self.kinds!r:.100}")
         # the drafter's thread: a daemon, so that a drafter stuck in a call never holds up the engine process's exit
         # (a pool's worker is joined at exit); its jobs are (future, work)
         self.jobs: queue.SimpleQueue[tuple[Future, Callable[[], dict]]] = queue.SimpleQueue()
@@ -139,10 +146,10 @@ class DraftsAhead:
         token, then k drafts (read as ids of a `vocab_size` vocabulary in its guarded call). `rates`: the requests'
         acceptance rates; `predicted`: the verify step's seconds; `members`: a composite's member names so far;
         `unseen`: the history tokens the chains had not shown the drafter before (a draft model's catch-up)."""
-        more = drafter.prepares_rejections or drafter.prepares_guesses
-        asked = ahead(outcomes(chains, rates([r.request_id for r, _, _ in chains]) if more else None, self.cost,
-                               predicted, k + 1, drafter.prepares_rejections,
-                               self.guess_rates() if drafter.prepares_guesses else None, unseen), k + 1)
+        rejections, guesses = self.kinds
+        asked = ahead(outcomes(chains, rates([r.request_id for r, _, _ in chains]) if rejections or guesses else None,
+                               self.cost, predicted, k + 1, rejections, self.guess_rates() if guesses else None,
+                               unseen), k + 1)
         name = type(drafter).__name__
 
         def propose():

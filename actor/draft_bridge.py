@@ -73,7 +73,7 @@ class DrafterBridge:
         built = not isinstance(drafter, str)
         self.name = type(drafter).__name__ if built else drafter
         if decoupled and built and prepares_ahead(drafter):
-            self.ahead = DraftsAhead()
+            self.ahead = DraftsAhead(drafter)
             sys.setswitchinterval(SWITCH_S)  # the engine's thread takes the GIL back from the drafter's sooner
         elif decoupled and built:
             log.warning("speculation.decoupled: drafter %s cannot prepare drafts ahead (no propose_ahead); it drafts "

@@ -256,11 +256,10 @@ def install(worker, drafter_path: str | None = None, drafter_options: dict | Non
                 with guarded(drafter_path):  # what the constructor changed that the target shares: refused
                     drafter = built_within(functools.partial(_build_drafter, runner.device, drafter_path,
                                                              drafter_options), build_deadline_s)
+            runner.drafter.bind(runner, drafter, max_batch, planning, decoupled)
         except Exception as e:  # drafts only save time: this engine decodes without them, every trajectory says why
             runner.drafter.bind(runner, drafter_path, max_batch, planning)
             runner.drafter.switch_off(e)
-            return
-        runner.drafter.bind(runner, drafter, max_batch, planning, decoupled)
 
 
 def _build_drafter(device: torch.device, path: str, options: dict | None):

@@ -58,6 +58,27 @@ def test_a_drafter_that_prepares_nothing_this_time_leaves_no_prepared_drafts():
     assert drafts.prepared == {}  # `propose_ahead` returned None: every request drafts as it would serially
 
 
+def test_which_outcomes_a_drafter_prepares_is_read_once_and_must_be_true_or_false():
+    """`prepares_rejections` and `prepares_guesses` are read when decoupled drafting is set up, in the drafter's
+    checked call (the engine's thread would otherwise judge them at every step): anything but True or False is the
+    drafter's error there, which switches it off (actor/vllm_hooks.install)."""
+    class Odd:
+        prepares_rejections, prepares_guesses = np.array([True, False]), False
+
+    class Exits:
+        prepares_guesses = False
+
+        @property
+        def prepares_rejections(self):
+            sys.exit(4)
+
+    with pytest.raises(TypeError, match="prepares_rejections and prepares_guesses must be True or False"):
+        DraftsAhead(Odd())
+    with pytest.raises(RuntimeError, match=r"raised SystemExit\(4\)"):
+        DraftsAhead(Exits())
+    assert DraftsAhead().kinds == (False, False)
+
+
 def test_a_drafter_that_raises_on_its_thread_raises_when_the_engine_waits():
     drafts = DraftsAhead()
 

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 import factories
-from learner.metrics import ALARM_DRAFTED, rollout_metrics
+from learner.metrics import ALARM_DRAFTED, MAX_WARNED, WARNED, rollout_metrics
 from transport.messages import SpecStats, Trajectory
 
 
@@ -66,6 +66,12 @@ def test_trajectories_decoded_without_a_switched_off_drafter_raise_the_alarm(cap
         again = rollout_metrics([off, off], "draft_lm")
     assert again["spec/drafter_failed"] == 1.0 and again["spec/alarm"] == 1.0 and not caplog.text  # said once
     assert rollout_metrics([trajectory(50, 100, 60)], "draft_lm")["spec/drafter_failed"] == 0.0
+    # a peer's made-up failures, a new one in every trajectory: warned of up to MAX_WARNED, then TensorBoard only
+    made_up = [msgspec.structs.replace(off, spec=SpecStats(drafter_failure=f"made up {i}"))
+               for i in range(2 * MAX_WARNED)]
+    with caplog.at_level(logging.WARNING, logger="learner.metrics"):
+        assert rollout_metrics(made_up, "draft_lm")["spec/drafter_failed"] == 1.0
+    assert len(WARNED) == MAX_WARNED and caplog.text.count("decoded without drafts") < MAX_WARNED
 
 
 def test_without_speculation_there_are_no_spec_scalars_per_drafter():
