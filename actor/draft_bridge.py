@@ -198,10 +198,10 @@ class DrafterBridge:
             return [self.k] * len(rows), explore
         unseen = [lengths[row] - self.shown.get(req_ids[row], 0) for row in rows]
         gains = self._gains([req_ids[row] for row in rows])
-        # decoupled: as if drafting were free, since prepared drafts cost the engine nothing; a miss is re-planned
-        # with what drafting it on the critical path costs (`worth_drafting_now`)
+        # decoupled: as if drafting were free (prepared drafts cost the engine nothing; a miss: `worth_drafting_now`),
+        # but an exploring step, which measures, as serial (free, it drafted a whole batch at its hardest tokens)
         budgets, _ = plan(gains, len(req_ids), self.step_cost,
-                          self.draft_cost if self.ahead is None else None, explore=explore, unseen=unseen)
+                          self.draft_cost if self.ahead is None or explore else None, explore=explore, unseen=unseen)
         if rows:
             self.rest.planned(len(req_ids), any(budgets))
         return budgets, explore

@@ -559,6 +559,28 @@ def test_the_threads_cost_counts_what_a_preparation_catches_up_on_not_what_draft
     assert skips.ahead.cost.gram[3, 3] == 16**2  # the two requests' 8 history tokens each, read by the preparation
 
 
+def test_a_decoupled_plan_counts_prepared_drafts_as_free_except_when_it_explores():
+    """Prepared drafts cost the engine nothing, so a decoupled plan weighs only verifying them; an exploring step
+    (the acceptance not measured yet) is to measure, and plans as serial drafting does: counted free, it drafted for
+    a whole batch of 128 at the answers' first tokens, whose rejections then kept later drafts few."""
+    req_ids = [f"r{i}-x" for i in range(8)]
+    b, _ = bridge(Ahead([]), req_ids, decoupled=True, measured=False)
+    for tokens in (8, 16, 40):  # a step's cost by its tokens: verifying drafts costs little (as on a GPU)
+        b.step_cost.observe(tokens, 0.01 + 0.00002 * tokens)
+    for passes, drafted in ((4, 4), (4, 32)):  # drafting now: 50 ms whatever is drafted
+        b.draft_cost.observe(passes, drafted, 8, 0.05)
+    rows, lengths = list(range(8)), [8] * 8
+    b.positions.update(dict.fromkeys(req_ids, 5))  # (output positions, as a step records them)
+    budgets, explore = b._plan(req_ids, rows, lengths)
+    assert explore and sum(map(bool, budgets)) == 1  # as serial: drafting does not pay, one request explores
+    b.acceptance.verified = MEASURED_DRAFTS  # measured (and at 0.9), no longer exploring: prepared drafts are free
+    for req_id in req_ids:
+        b.acceptance.observe(req_id, 4, 4)
+    b.explore.life = EXPLORE_EVERY
+    budgets, explore = b._plan(req_ids, rows, lengths)
+    assert not explore and all(budgets)
+
+
 class Reorders(Ahead):
     """Sorts the outcomes it is asked about in place (for its own batching), and answers in the order given:
     b's guess and drafts (7, 8, 9), then a's (3, 4, 5)."""
