@@ -218,7 +218,8 @@ def serve(connection: Connection) -> None:
             called = method
             if method in PROPOSALS:
                 requests, k = args
-                answer = proposed(drafter, getattr(drafter, method)([request(r) for r in requests], k), k)
+                answer = proposed(drafter, getattr(drafter, method)([request(r) for r in requests], k), k,
+                                  len(requests))
             elif method in REPORTS or method == "swap_weights":
                 answer = getattr(drafter, method)(*args)
             elif method is None:
@@ -232,16 +233,17 @@ def serve(connection: Connection) -> None:
         connection.send_bytes(message)
 
 
-def proposed(drafter: Drafter, proposals, k: int) -> tuple:
-    """A proposal's answer: the plugin's proposals read into lists (at most `k` tokens each: a generator or a lazy
-    sequence is read here, as the engine's process reads one in-process), its confidences likewise and a composite's
-    sources; (None, None, None) where it proposed nothing ahead."""
+def proposed(drafter: Drafter, proposals, k: int, requests: int) -> tuple:
+    """A proposal's answer for `requests` requests: the plugin's proposals read into lists (at most `k` tokens each,
+    and one proposal past `requests` at most, for the engine's process to refuse: a generator or a lazy sequence is
+    read here, as the engine's process reads one in-process), its confidences likewise and a composite's sources;
+    (None, None, None) where it proposed nothing ahead."""
     if proposals is None:
         return None, None, None
-    proposals = [p if p is None else list(islice(p, k)) for p in proposals]
+    proposals = [p if p is None else list(islice(p, k)) for p in islice(proposals, requests + 1)]
     confidences = drafter.confidences()
     if confidences is not None:
-        confidences = [c if c is None else list(islice(c, k)) for c in confidences]
+        confidences = [c if c is None else list(islice(c, k)) for c in islice(confidences, requests + 1)]
     return proposals, confidences, drafter.sources() if isinstance(drafter, CompositeDrafter) else None
 
 

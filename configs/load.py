@@ -137,11 +137,11 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
     if longest is not None and cfg.model.max_model_len > longest:
         raise ConfigError(f"{path}: key 'model.max_model_len' = {cfg.model.max_model_len} is more than the "
                           f"{longest} positions {cfg.model.path!r} was built for (max_position_embeddings)")
-    heads = _attention_heads(cfg.model.path)
-    if cfg.cluster.device.value == "cuda" and heads and heads % cfg.rollout.tensor_parallel_size:
-        raise ConfigError(f"{path}: key 'rollout.tensor_parallel_size' = {cfg.rollout.tensor_parallel_size} must "
-                          f"divide the {heads} attention heads of {cfg.model.path!r}: vLLM splits them among the "
-                          "engine's devices")
+    tp, (heads, kv_heads) = cfg.rollout.tensor_parallel_size, _heads(cfg.model.path)
+    if cfg.cluster.device.value == "cuda" and heads and kv_heads and (heads % tp or (kv_heads % tp and tp % kv_heads)):
+        raise ConfigError(f"{path}: key 'rollout.tensor_parallel_size' = {tp} must divide the {heads} attention heads "
+                          f"of {cfg.model.path!r}, and divide or be a multiple of its {kv_heads} KV heads: vLLM "
+                          "splits them among the engine's devices")
     _check_kv_cache(path, cfg)
     _check_places(path, cfg)
     for key, source in jsonl_sources(cfg.data).items():
@@ -303,15 +303,16 @@ def kv_bytes_per_token(spec: str, dtype_bytes: int, shards: int = 1) -> int | No
         return None
 
 
-def _attention_heads(spec: str) -> int | None:
-    """The attention heads of model `spec`; None where its config does not say."""
+def _heads(spec: str) -> tuple[int | None, int | None]:
+    """The attention and KV heads of model `spec`; None where its config does not say."""
     if spec.startswith(BUILTIN_PREFIX):
         recipe, model = BUILTIN_MODELS[spec[len(BUILTIN_PREFIX):]]
-        return getattr(recipe, model).heads
+        return getattr(recipe, model).heads, getattr(recipe, model).kv_heads
     try:
-        return int(_hf_config(spec)["num_attention_heads"])
+        c = _hf_config(spec)
+        return int(c["num_attention_heads"]), int(c.get("num_key_value_heads") or c["num_attention_heads"])
     except (KeyError, TypeError, ValueError):
-        return None
+        return None, None
 
 
 def check_model(path: Path, key: str, spec: str) -> None:

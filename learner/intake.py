@@ -72,7 +72,8 @@ class Intake:
         self.next_seq: dict[int, int] = {}  # actor -> the sequence number expected next from its newest incarnation
         self.early: dict[int, set[int]] = {}  # actor -> sequence numbers that came past it (a claimed gap's)
         self.gapped: set[int] = set()  # actors with lost messages whose groups are not re-issued yet
-        self.claimed: dict[int, tuple[int, float]] = {}  # actor -> a heartbeat's gap claim (its seq, since when)
+        self.claimed: dict[int, tuple[int, float]] = {}  # actor -> a gap claim (its seq, since when)
+        self.checked: dict[int, int] = {}  # the claims `claims` last gave the driver to check
         # (model, actor) -> the actor's slowest acknowledged apply of `model`'s weights since the last take
         self.apply_seconds: dict[tuple[str, int], float] = {}
         self.heard: dict[int, float] = {}  # while the learner listens: when each actor was last heard from
@@ -262,8 +263,8 @@ class Intake:
     def _expected(self, actor: int, seq: int) -> int | None:
         """The sequence number next expected from `actor`'s incarnation that `seq` belongs to; None for a dead
         incarnation's messages, one the driver has not started (forged, counted where refused), or no such actor."""
-        if not 0 <= actor < self.plan.num_actors or seq >> INCARNATION_SHIFT > self.watched.get(actor, 0):
-            return None
+        if not 0 <= actor < self.plan.num_actors or seq >> INCARNATION_SHIFT != self.watched.get(actor, 0):
+            return None  # (a dead incarnation's late message, or one from an incarnation the driver never started)
         expected = self.next_seq.get(actor, 0)
         if seq >> INCARNATION_SHIFT < expected >> INCARNATION_SHIFT:
             return None
@@ -271,7 +272,8 @@ class Intake:
         return max(expected, seq >> INCARNATION_SHIFT << INCARNATION_SHIFT)
 
     def _claim(self, actor: int, seq: int) -> None:
-        """A heartbeat says `actor` sent every message below `seq`: a claim of a gap where some never came."""
+        """A heartbeat, or a trajectory numbered `seq`, says `actor` sent every message below `seq`: a claim of a gap
+        where some never came."""
         expected = self._expected(actor, seq)
         if expected is not None and seq > expected:
             # the least standing claim, from the oldest one's time: a real gap is at least that, and one claim too
@@ -283,8 +285,9 @@ class Intake:
         """While the learner listens: the gap claims that have stood `CLAIM_AGE_S` (since listening began, at the
         earliest: a trajectory can only belie a claim while the inbox is read), for the driver to check."""
         now = time.monotonic()
-        return {actor: seq for actor, (seq, since) in self.claimed.items()
-                if now - max(since, self.listening_since) >= CLAIM_AGE_S}
+        self.checked = {actor: seq for actor, (seq, since) in self.claimed.items()
+                        if now - max(since, self.listening_since) >= CLAIM_AGE_S}
+        return dict(self.checked)
 
     def published(self, version: int) -> int:
         """The lead sent with weights `version` (between steps), remembered: what an actor holding them admits by."""
@@ -301,18 +304,22 @@ class Intake:
         """Actors whose messages were lost since the last call, each with the group ordinal it regenerates from: its
         partial groups are forgotten as for a dead actor (`reissue`), since a lost trajectory leaves one of them
         short. `sent`: for actors with standing claims (`claims`), how many messages each says, over Ray, it sent:
-        a claim within that is a gap, one beyond it a forgery."""
+        a claim within that is a gap, one beyond it a forgery. Only the claim the driver checked is judged (one made
+        or lowered since stands until it has aged in turn)."""
         for actor, count in (sent or {}).items():
-            seq, _ = self.claimed.pop(actor, (None, 0.0))
-            expected = None if seq is None else self._expected(actor, seq)
-            if seq is not None and seq > count:
+            if actor not in self.checked or self.claimed.get(actor, (None,))[0] != self.checked[actor]:
+                continue
+            seq, _ = self.claimed.pop(actor)
+            expected = self._expected(actor, seq)
+            # what came past the gap beyond the actor's own count, it never sent
+            self.early[actor] = {s for s in self.early.get(actor, ()) if s < count}
+            if seq > count:
                 self.counts.refuted_claims += 1
-                self.early[actor] = {s for s in self.early.get(actor, ()) if s < count}  # (the actor never sent them)
             elif expected is not None and seq > expected:
-                early = self.early.get(actor, set())
-                self.counts.lost += sum(s not in early for s in range(expected, seq))
+                self.counts.lost += sum(s not in self.early[actor] for s in range(expected, seq))
                 self._move_on(actor, seq)
                 self.gapped.add(actor)
+        self.checked = {}
         gapped, self.gapped = self.gapped, set()
         return {actor: self.reissue(actor) for actor in sorted(gapped)}
 

@@ -34,6 +34,19 @@ def test_path_to_yaml_works(tmp_path):
     assert cfg.model.path == "builtin:moe" and cfg.speculation.method == "ngram"
 
 
+def test_a_tensor_parallel_engine_splits_the_attention_and_kv_heads_as_vllm_can(tmp_path):
+    """vLLM splits a model's attention heads among a tensor-parallel engine's devices, and its KV heads too (or
+    replicates them where the devices are a multiple of them): anything else refused every actor's engine."""
+    config = {"num_hidden_layers": 2, "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 64,
+              "hidden_size": 1536, "max_position_embeddings": 4096}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    on_gpus = ["cluster.device=cuda", f"model.path={tmp_path}"]
+    with pytest.raises(ConfigError, match="'rollout.tensor_parallel_size' = 3 .* its 8 KV heads"):
+        load_run_config("grpo_tiny", [*on_gpus, "rollout.tensor_parallel_size=3"])  # 24 heads / 3: 8 KV heads not
+    assert load_run_config("grpo_tiny", [*on_gpus, "rollout.tensor_parallel_size=8"])
+    assert load_run_config("grpo_tiny", [*on_gpus, "rollout.tensor_parallel_size=24"])  # (KV heads replicated)
+
+
 @pytest.mark.parametrize("text,key", [
     ("model: 5\n", "model"), ("rollout: [1]\n", "rollout"), ("speculation:\n  options: [1]\n", "speculation.options"),
     ("speculation:\n  distill: 3\n", "speculation.distill"),

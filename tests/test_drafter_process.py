@@ -243,3 +243,20 @@ def test_a_drafter_switched_off_takes_its_process_with_it():
     b, _ = bridge(drafter, ["a-x", "b-y"], planning=False)
     assert propose(b, [[5], [6]]) == [[], []] and "bad draft" in b.failure
     assert drafter.link.process.wait(timeout=10) == -9
+
+
+def test_an_endless_answer_is_read_in_the_drafters_process_one_proposal_past_what_was_asked_for():
+    """The drafter's process reads a plugin's answer into lists before sending it: an endless generator is read one
+    proposal (and confidence list) past the requests, which the engine's process then refuses, not until the host's
+    memory is full."""
+    import itertools
+
+    from actor.drafter_process import proposed
+
+    class Endless:
+        def confidences(self):
+            return itertools.repeat([0.5])
+
+    answer, confidences, _ = proposed(Endless(), itertools.repeat(itertools.repeat(7)), 4, 2)
+    assert answer == [[7, 7, 7, 7]] * 3 and confidences == [[0.5]] * 3
+

@@ -179,6 +179,38 @@ def test_a_replayed_trajectory_numbered_past_the_next_never_rewinds_an_actor(mon
     assert intake.counts.refuted_claims == 2 and intake.counts.lost == 1 and intake.early == {0: set()}
 
 
+def test_a_confirmed_gap_moves_the_count_on_no_further_than_the_actor_sent(monkeypatch):
+    """A real loss confirmed by the actor's own count moves the next expected number past what came after the gap,
+    never past that count (what a forger sent beyond it would hide the actor's later losses); only the claim the
+    driver checked is judged; a dead incarnation's late messages claim nothing."""
+    import learner.intake
+
+    intake = Intake(group_size=2, max_staleness=1, plan=CursorPlan(start=0, num_actors=1, prompts_per_step=4))
+    clock = listening(monkeypatch, intake)
+    first = trajectory(0, 0, seq=0, group_size=2)
+    for seq in (0, 1, 2, 3, 4, 6, 7, *range(8, 20)):  # 5 is lost; 8 on are a forger's, sent before the actor's own
+        intake.receive(replace(first, seq=seq), version=0)
+    clock[0] += learner.intake.CLAIM_AGE_S
+    assert intake.claims() == {0: 6}
+    intake.receive(replace(first, seq=100), version=0)  # (a claim above the one checked: the least stands)
+    assert intake.take_gaps(sent={0: 8}) == {0: 0} and intake.counts.lost == 1 and intake.next_seq == {0: 8}
+    intake.receive(replace(first, seq=8), version=0)  # the actor's own 8 and 11 (9 and 10 are lost)
+    intake.receive(replace(first, seq=11), version=0)
+    clock[0] += learner.intake.CLAIM_AGE_S
+    assert intake.claims() == {0: 11}
+    intake.receive(Heartbeat(SCHEMA_VERSION, actor_id=0, seq=10), version=0)  # lowered after the check: judged later
+    assert intake.take_gaps(sent={0: 12}) == {} and intake.counts.lost == 1
+    clock[0] += learner.intake.CLAIM_AGE_S
+    assert intake.claims() == {0: 10} and intake.take_gaps(sent={0: 12}) == {0: 0} and intake.counts.lost == 2
+    clock[0] += learner.intake.CLAIM_AGE_S  # 11 came past 10: a claim of its own
+    assert intake.claims() == {0: 11} and intake.take_gaps(sent={0: 12}) == {0: 0} and intake.counts.lost == 3
+    assert intake.next_seq == {0: 12}
+    intake.replaced(0, incarnation=1)
+    intake.receive(replace(first, seq=40), version=0)  # the dead incarnation's, late and past a gap: no claim
+    clock[0] += learner.intake.CLAIM_AGE_S
+    assert intake.claims() == {} and intake.counts.lost == 3
+
+
 def test_a_forged_heartbeat_never_rewinds_an_actor(monkeypatch):
     """A peer with an actor's key claims, in heartbeats, that trajectories the actor never sent were lost: a claim is
     belied by the actor's next trajectory below it (its messages come in order) or by the count the actor itself
