@@ -65,8 +65,10 @@ class DraftsAhead:
     def __init__(self, drafter=None):
         """`drafter`: whose `prepares_rejections` and `prepares_guesses` decide which outcomes are prepared (read once
         here, in its checked call: each is True or False, else the drafter's error; None: neither)."""
-        with guarded("none" if drafter is None else drafter):
-            self.kinds = (False, False) if drafter is None else (drafter.prepares_rejections, drafter.prepares_guesses)
+        self.kinds = (False, False)
+        if drafter is not None:
+            with guarded(drafter):
+                self.kinds = (drafter.prepares_rejections, drafter.prepares_guesses)
         if not all(type(kind) is bool for kind in self.kinds):
             raise TypeError(f"drafter {type(drafter).__name__}: prepares_rejections and prepares_guesses must be True "
                             f"or False, got {self.kinds!r:.100}")

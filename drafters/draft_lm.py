@@ -59,7 +59,8 @@ class SlotCache:
         self.free: list[int] = []
 
     def _grow(self, dim: int, new: int) -> None:
-        shape = [(new if d == dim else n) - (n if d == dim else 0) for d, n in enumerate(self.kv[0].shape)]
+        shape = list(self.kv[0].shape)  # (the zeros appended along `dim`)
+        shape[dim] = new - shape[dim]
         self.kv = [torch.cat([t, t.new_zeros(shape)], dim=dim) for t in self.kv]
 
     def take(self) -> int:

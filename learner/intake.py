@@ -256,9 +256,9 @@ class Intake:
         while seq in early:
             seq += 1
         self.next_seq[actor] = seq
-        if any(s > seq for s in early):
-            self.early[actor] = {s for s in early if s > seq}
-            self._claim(actor, min(self.early[actor]))
+        if further := {s for s in early if s > seq}:
+            self.early[actor] = further
+            self._claim(actor, min(further))
 
     def _expected(self, actor: int, seq: int) -> int | None:
         """The sequence number next expected from `actor`'s incarnation that `seq` belongs to; None for a dead
