@@ -1,16 +1,15 @@
 """The drafter's side of the engine: vLLM's `custom_class` proposer, called once per engine step (written against
 vllm 0.32.0's V1 model runner, like actor/vllm_hooks.py, which binds it).
 
-Each step it tells the `Drafter` plugin what each verify step committed, drops requests that left the batch, and
-asks the draft planner (actor/draft_planner.py) how many tokens each request may draft, learning the step and
-drafting costs and each request's acceptance as it goes. A drafter that rates its tokens (`Drafter.confidences`)
-is asked for the tokens that pay at the request's acceptance so far (as any drafter), and its proposals are then
-verified only as far as each token's calibrated gain pays: drafting is paid by then, verifying a token that is
-rejected still costs a step's share on the verifier. Every verify step labels the proposals it checked
-(drafters/calibration.py). The drafter sees ids, seeds, positions and read-only views of copies of the requests'
-histories, extended as they grow (actor/drafter_checks.Histories), never the engine's buffer. A drafter that raises
-or breaks its contract is switched off for the engine's life (`switch_off`): drafts only ever save time, so the
-engine decodes on without them, tokens unchanged."""
+Each step it tells the `Drafter` plugin what each verify step committed, drops requests that left the batch, and asks
+the draft planner (actor/draft_planner.py) how many tokens each request may draft, learning the step and drafting
+costs and each request's acceptance as it goes. A drafter that rates its tokens (`Drafter.confidences`) is asked for
+the tokens that pay at the request's acceptance so far (decoupled, with drafts prepared off the critical path: k for
+every request), and its proposals are verified only as far as each token's calibrated gain pays. Every verify step
+labels the proposals it checked (drafters/calibration.py). The drafter sees ids, seeds, positions and read-only views
+of copies of the requests' histories (actor/drafter_checks.Histories), never the engine's buffer. A drafter that
+raises or breaks its contract is switched off for the engine's life (`switch_off`): the engine decodes on without
+drafts, tokens unchanged."""
 
 from __future__ import annotations
 
@@ -48,14 +47,13 @@ class DrafterBridge:
         self.known: set[str] = set()  # every request the drafter has state for
         self.commits = Commits()  # what the drafter has heard of each request's commits
         self.step_cost, self.draft_cost, self.acceptance, self.rest = StepCost(), DraftCost(), Acceptance(), Rest()
-        self.calibration, self.rated = Calibration(), False  # rated: the drafter gives confidences
+        self.calibration, self.rated = Calibration(), False  # rated: the drafter gives confidences (last we saw)
         self.histories, self.members = Histories(), set()  # what drafters see; a composite's member names so far
         # per request drafted last step: the tokens handed to the engine, its whole proposal and its confidences
         self.verifying: dict[str, tuple[int, list[int], list[float] | None]] = {}
         self.shown: dict[str, int] = {}  # per request, the history length in its last proposal (the drafter's view)
         self.positions: dict[str, int] = {}  # per request, its output tokens as of its last step (for `survival`)
-        # the engine seconds of the step planned last; when to explore
-        self.predicted, self.explore = 0.0, Explore(self.acceptance)
+        self.predicted, self.explore = 0.0, Explore(self.acceptance)  # the step planned last's engine seconds
         self.step_end: float | None = None  # when the last propose() returned: the next step's engine time starts
         self.seconds = self.drafter_seconds = 0.0  # in propose(), and of that in the drafter's calls (a profile)
         self.failure = ""  # why the drafter was switched off ("": it was not)
@@ -199,9 +197,12 @@ class DrafterBridge:
         unseen = [lengths[row] - self.shown.get(req_ids[row], 0) for row in rows]
         gains = self._gains([req_ids[row] for row in rows])
         # decoupled: as if drafting were free (prepared drafts cost the engine nothing; a miss: `worth_drafting_now`),
+        # k for every request from a drafter that rates its tokens (verified as far as their ratings pay: `_draft`),
         # but an exploring step, which measures, as serial (free, it drafted a whole batch at its hardest tokens)
         budgets, _ = plan(gains, len(req_ids), self.step_cost,
                           self.draft_cost if self.ahead is None or explore else None, explore=explore, unseen=unseen)
+        if self.ahead is not None and self.rated and not explore:
+            budgets = [self.k] * len(rows)
         if rows:
             self.rest.planned(len(req_ids), any(budgets))
         return budgets, explore
@@ -319,11 +320,10 @@ class DrafterBridge:
         asked = [(row, r.request_id, len(r.token_ids), r.position) for row, r in requests]
         unseen = sum(self._unseen(r) for _, r in requests)
         proposals, confidences, sources, prepared, caught_up = self._proposals([r for _, r in requests], base_tokens)
-        elapsed = time.perf_counter() - start
-        self.drafter_seconds += elapsed
-        sampler = self.runner._sample
-        self.unseen_total += unseen
-        self.rated = confidences is not None
+        elapsed, sampler = time.perf_counter() - start, self.runner._sample
+        self.drafter_seconds, self.unseen_total = self.drafter_seconds + elapsed, self.unseen_total + unseen
+        if any(proposals):  # (a step that skipped every miss says nothing of the drafter's confidences)
+            self.rated = confidences is not None
         made = []
         for j, ((row, req_id, length, _), proposal) in enumerate(zip(asked, proposals)):
             self.shown[req_id] = length
@@ -334,7 +334,7 @@ class DrafterBridge:
             rated = confidences[j] if confidences is not None else None
             made.append((row, req_id, proposal or [], rated))
         keep = [len(valid) for _, _, valid, _ in made]
-        if self.rated and not verify_all:
+        if confidences is not None and not verify_all:
             survive = self.survival.factors([position for *_, position in asked], self.k)
             keep, _ = plan([self.calibration.gains(rated) * survive[j, : len(rated)] if rated is not None else []
                             for j, (*_, rated) in enumerate(made)], base_tokens, self.step_cost, None)

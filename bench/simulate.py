@@ -154,6 +154,8 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
             # decoupled: planned as if drafting were free (prepared drafts are), misses re-planned below, as the bridge
             budgets, _ = plan(gains, len(running), step_cost, None if decoupled else draft_cost,
                               explore=exploring, unseen=unseen)
+            if decoupled and confidence is not None and not exploring:
+                budgets = [k] * len(running)
             rest.planned(len(running), any(budgets))
             drafts = [min(b, lengths[i] - position[i] - 1) for b, i in zip(budgets, running)]
         planned = list(drafts)  # decoupled: the requests whose next drafts the bridge prepares, drafted now or not

@@ -581,6 +581,28 @@ def test_a_decoupled_plan_counts_prepared_drafts_as_free_except_when_it_explores
     assert not explore and all(budgets)
 
 
+def test_a_decoupled_drafter_that_rates_its_tokens_drafts_k_for_every_request_serial_plans_by_acceptance():
+    """A request's acceptance cannot tell its sure tokens from its unsure ones: at half its drafts accepted and a step
+    that costs as many tokens as it computes, the plan gives it none. Decoupled, drafts are prepared off the engine's
+    critical path and a rated drafter's are verified only as far as their calibrated gains pay (`_draft`), so every
+    request drafts k; serial drafting pays for every token it drafts and still plans by acceptance; an exploring step
+    plans as serial."""
+    req_ids, rows, lengths = [f"r{i}-x" for i in range(8)], list(range(8)), [8] * 8
+    for decoupled, expected in ((True, [4] * 8), (False, [0] * 8)):
+        b, _ = bridge(Ahead([]), req_ids, decoupled=decoupled)
+        for tokens in (8, 16, 40):  # compute-bound: a verified token costs what a decoded one does
+            b.step_cost.observe(tokens, 0.001 * tokens)
+        for req_id in req_ids:
+            b.acceptance.observe(req_id, 4, 1)
+        b.positions.update(dict.fromkeys(req_ids, 5))
+        assert b._plan(req_ids, rows, lengths) == ([0] * 8, False)  # no ratings seen yet: by acceptance
+        b.rated = True
+        assert b._plan(req_ids, rows, lengths) == (expected, False)
+        b.explore.steps, b.explore.seconds = EXPLORE_EVERY, 1.0  # an exploring step: one request, as serial
+        budgets, explore = b._plan(req_ids, rows, lengths)
+        assert explore and sum(map(bool, budgets)) == 1
+
+
 class Reorders(Ahead):
     """Sorts the outcomes it is asked about in place (for its own batching), and answers in the order given:
     b's guess and drafts (7, 8, 9), then a's (3, 4, 5)."""
