@@ -315,6 +315,19 @@ def _heads(spec: str) -> tuple[int | None, int | None]:
         return None, None
 
 
+def vocabulary(spec: str) -> tuple[int | None, str | None]:
+    """Model `spec`'s vocabulary size (None where its config does not say) and, for a built-in model, the key of the
+    recipe whose tokenizer it was trained with (None for a checkpoint): two built-in models of different recipes have
+    tokenizers of their own, the same size or not."""
+    if spec.startswith(BUILTIN_PREFIX):
+        recipe = BUILTIN_MODELS[spec[len(BUILTIN_PREFIX):]][0]
+        return recipe.vocab_size, recipe.key()
+    try:
+        return int(_hf_config(spec)["vocab_size"]), None
+    except (KeyError, TypeError, ValueError):
+        return None, None
+
+
 def check_model(path: Path, key: str, spec: str) -> None:
     """`spec` names a built-in model or a Hugging Face checkpoint directory; else a ConfigError naming `key`."""
     if spec.startswith(BUILTIN_PREFIX):

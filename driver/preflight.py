@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from configs.load import ConfigError, check_model, find_config, load_config, same_file
+from configs.load import ConfigError, check_model, find_config, load_config, same_file, vocabulary
 from drafters.base import DrafterLoadError, drafter_class
 from learner.checkpoint import checkpoint_state, file_sha256, resume_config, run_of
 from tasks.dataset import check_prompt_lengths
@@ -21,7 +21,7 @@ def load_run_config(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
     """`configs.load.load_config`, then the drafters' and the checkpoints' checks."""
     cfg = load_config(name_or_path, overrides)
     path = find_config(name_or_path)
-    check_drafters(path, cfg.speculation)
+    check_drafters(path, cfg.speculation, cfg.model.path)
     check_checkpoints(path, cfg)
     return cfg
 
@@ -40,9 +40,11 @@ def check_prompts_fit(cfg: DictConfig, model_dir: Path) -> None:
         raise ConfigError(str(e)) from None
 
 
-def check_drafters(path: Path, speculation: DictConfig) -> None:
+def check_drafters(path: Path, speculation: DictConfig, policy: str) -> None:
     """The drafters `speculation` names exist and take its options (each drafter's own `check_options`, without
-    building it), fastest-of-N's members are distinct, distillation has a draft LM to train."""
+    building it), fastest-of-N's members are distinct, distillation has a draft LM to train, and the draft LM's
+    token ids are those of the `policy` model (else its drafts would never be the policy's tokens, and distilling it
+    from the policy's distributions could not run)."""
     if speculation.drafters and speculation.method != "fastest_of_n":
         raise ConfigError(f"{path}: key 'speculation.drafters' is read by method fastest_of_n only "
                           f"(method is {speculation.method!r})")
@@ -87,7 +89,15 @@ def check_drafters(path: Path, speculation: DictConfig) -> None:
             raise ConfigError(f"{path}: key '{where}' = {options}: {cls.__name__}{inspect.signature(cls)} "
                               f"refuses them: {e}") from None
         if name == "draft_lm":
-            check_model(path, f"{where}.model", options.get("model", "builtin:draft"))
+            draft = options.get("model", "builtin:draft")
+            check_model(path, f"{where}.model", draft)
+            (size, tokenizer), (policy_size, policy_tokenizer) = vocabulary(draft), vocabulary(policy)
+            if (size and policy_size and size != policy_size) or (tokenizer and policy_tokenizer
+                                                                  and tokenizer != policy_tokenizer):
+                raise ConfigError(f"{path}: key '{where}.model' = {draft!r} does not share the vocabulary of "
+                                  f"model.path = {policy!r} ({size} token ids against {policy_size}"
+                                  + (", tokenizers of their own" if size == policy_size else "")
+                                  + "): a draft LM must use the policy's tokenizer")
 
 
 def same_setting(key: str, now, then) -> bool:

@@ -314,6 +314,28 @@ def test_speculation_method_must_name_a_drafter():
         load_run_config("grpo_tiny", ["speculation.method=draft_lm", "speculation.options.model=/nowhere"])
 
 
+def test_a_draft_lm_must_share_the_policys_vocabulary(tmp_path):
+    """Refused at load, naming the key: a draft LM of another vocabulary never proposes the policy's tokens, and its
+    distiller cannot learn from the policy's distributions (in the run, the actors switch it off and the distiller
+    fails on every restart)."""
+    draft_lm = ["speculation.method=draft_lm"]
+    with pytest.raises(ConfigError, match="options.model. = .builtin:wordy_draft. does not share the vocabulary of "
+                                          "model.path = .builtin:dense. .320 token ids against 320, tokenizers"):
+        load_run_config("grpo_tiny", [*draft_lm, "speculation.options.model=builtin:wordy_draft"])
+    checkpoint = tmp_path / "draft"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text('{"vocab_size": 321}')
+    with pytest.raises(ConfigError, match="321 token ids against 320\\): a draft LM must use the policy's tokenizer"):
+        load_run_config("grpo_tiny", [*draft_lm, f"speculation.options.model={checkpoint}"])
+    with pytest.raises(ConfigError, match="speculation.options.draft_lm.model"):
+        load_run_config("grpo_tiny", ["speculation.method=fastest_of_n", "speculation.drafters=[suffix,draft_lm]",
+                                      f"speculation.options.draft_lm.model={checkpoint}"])
+    (checkpoint / "config.json").write_text('{"vocab_size": 320}')
+    assert load_run_config("grpo_tiny", [*draft_lm, f"speculation.options.model={checkpoint}"])
+    assert load_run_config("grpo_tiny", ["model.path=builtin:wordy_dense", *draft_lm,
+                                         "speculation.options.model=builtin:wordy_draft"])
+
+
 @pytest.mark.parametrize("overrides,needle", [
     (["speculation.method=fastest_of_n", "speculation.drafters=[suffix]"], "two or more distinct"),
     (["speculation.method=fastest_of_n", "speculation.drafters=[suffix,no_such]"], "speculation.drafters.*no_such"),
