@@ -16,7 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from configs.knobs import ranges
 from configs.schema import INBOX_MIB, MAX_STEP_TRAJECTORIES, Config
-from models.zoo import BUILTIN_MODELS, BUILTIN_NAMES, BUILTIN_PREFIX
+from models.zoo import BUILTIN_MODELS, BUILTIN_NAMES, BUILTIN_PREFIX, builtin_dir
 from tasks.dataset import eval_set, jsonl_sources
 from tasks.jsonl import DataFormatError, load_jsonl
 from transport.messages import trajectory_bytes
@@ -316,16 +316,16 @@ def _heads(spec: str) -> tuple[int | None, int | None]:
 
 
 def vocabulary(spec: str) -> tuple[int | None, str | None]:
-    """Model `spec`'s vocabulary size (None where its config does not say) and, for a built-in model, the key of the
-    recipe whose tokenizer it was trained with (None for a checkpoint): two built-in models of different recipes have
-    tokenizers of their own, the same size or not."""
-    if spec.startswith(BUILTIN_PREFIX):
-        recipe = BUILTIN_MODELS[spec[len(BUILTIN_PREFIX):]][0]
-        return recipe.vocab_size, recipe.key()
+    """Model `spec`'s vocabulary size as its config says (`vocab_size`, or its `text_config`'s; a built-in model's
+    once built; else None) and, for a built-in model, the key of the recipe whose tokenizer it was trained with (None
+    for a checkpoint): built-in models of different recipes have tokenizers of their own, whatever their sizes."""
+    recipe = BUILTIN_MODELS[spec[len(BUILTIN_PREFIX):]] if spec.startswith(BUILTIN_PREFIX) else None
+    c = _hf_config(str(builtin_dir(recipe[0]) / recipe[1]) if recipe else spec)
     try:
-        return int(_hf_config(spec)["vocab_size"]), None
+        size = int(c.get("vocab_size") or c["text_config"]["vocab_size"])
     except (KeyError, TypeError, ValueError):
-        return None, None
+        size = None
+    return size, recipe[0].key() if recipe else None
 
 
 def check_model(path: Path, key: str, spec: str) -> None:

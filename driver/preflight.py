@@ -42,9 +42,9 @@ def check_prompts_fit(cfg: DictConfig, model_dir: Path) -> None:
 
 def check_drafters(path: Path, speculation: DictConfig, policy: str) -> None:
     """The drafters `speculation` names exist and take its options (each drafter's own `check_options`, without
-    building it), fastest-of-N's members are distinct, distillation has a draft LM to train, and the draft LM's
-    token ids are those of the `policy` model (else its drafts would never be the policy's tokens, and distilling it
-    from the policy's distributions could not run)."""
+    building it), fastest-of-N's members are distinct, distillation has a draft LM to train, and the draft LM shares
+    the `policy` model's tokenizer where that is known (built-in models) and, to be distilled, its vocabulary size
+    (a draft of a larger family may pad its vocabulary to another size: drafting needs only the same token ids)."""
     if speculation.drafters and speculation.method != "fastest_of_n":
         raise ConfigError(f"{path}: key 'speculation.drafters' is read by method fastest_of_n only "
                           f"(method is {speculation.method!r})")
@@ -92,12 +92,13 @@ def check_drafters(path: Path, speculation: DictConfig, policy: str) -> None:
             draft = options.get("model", "builtin:draft")
             check_model(path, f"{where}.model", draft)
             (size, tokenizer), (policy_size, policy_tokenizer) = vocabulary(draft), vocabulary(policy)
-            if (size and policy_size and size != policy_size) or (tokenizer and policy_tokenizer
-                                                                  and tokenizer != policy_tokenizer):
-                raise ConfigError(f"{path}: key '{where}.model' = {draft!r} does not share the vocabulary of "
-                                  f"model.path = {policy!r} ({size} token ids against {policy_size}"
-                                  + (", tokenizers of their own" if size == policy_size else "")
-                                  + "): a draft LM must use the policy's tokenizer")
+            if tokenizer and policy_tokenizer and tokenizer != policy_tokenizer:
+                raise ConfigError(f"{path}: key '{where}.model' = {draft!r} and model.path = {policy!r} are built-in "
+                                  "models with tokenizers of their own: a draft LM must use the policy's tokenizer")
+            if speculation.distill.every_versions > 0 and size and policy_size and size != policy_size:
+                raise ConfigError(f"{path}: key '{where}.model' = {draft!r} has {size} token ids against the "
+                                  f"{policy_size} of model.path = {policy!r}: distilling it from the policy "
+                                  "(speculation.distill.every_versions > 0) needs the policy's vocabulary")
 
 
 def same_setting(key: str, now, then) -> bool:

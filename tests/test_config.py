@@ -314,25 +314,31 @@ def test_speculation_method_must_name_a_drafter():
         load_run_config("grpo_tiny", ["speculation.method=draft_lm", "speculation.options.model=/nowhere"])
 
 
-def test_a_draft_lm_must_share_the_policys_vocabulary(tmp_path):
-    """Refused at load, naming the key: a draft LM of another vocabulary never proposes the policy's tokens, and its
-    distiller cannot learn from the policy's distributions (in the run, the actors switch it off and the distiller
-    fails on every restart)."""
-    draft_lm = ["speculation.method=draft_lm"]
-    with pytest.raises(ConfigError, match="options.model. = .builtin:wordy_draft. does not share the vocabulary of "
-                                          "model.path = .builtin:dense. .320 token ids against 320, tokenizers"):
-        load_run_config("grpo_tiny", [*draft_lm, "speculation.options.model=builtin:wordy_draft"])
-    checkpoint = tmp_path / "draft"
-    checkpoint.mkdir()
-    (checkpoint / "config.json").write_text('{"vocab_size": 321}')
-    with pytest.raises(ConfigError, match="321 token ids against 320\\): a draft LM must use the policy's tokenizer"):
-        load_run_config("grpo_tiny", [*draft_lm, f"speculation.options.model={checkpoint}"])
-    with pytest.raises(ConfigError, match="speculation.options.draft_lm.model"):
-        load_run_config("grpo_tiny", ["speculation.method=fastest_of_n", "speculation.drafters=[suffix,draft_lm]",
-                                      f"speculation.options.draft_lm.model={checkpoint}"])
-    (checkpoint / "config.json").write_text('{"vocab_size": 320}')
-    assert load_run_config("grpo_tiny", [*draft_lm, f"speculation.options.model={checkpoint}"])
-    assert load_run_config("grpo_tiny", ["model.path=builtin:wordy_dense", *draft_lm,
+def test_a_draft_lm_must_share_the_policys_tokenizer_and_to_be_distilled_its_vocabulary(tmp_path):
+    """Refused at load, naming the key: built-in models of another recipe (tokenizers of their own, whatever their
+    sizes: in the run, the draft's proposals are never the policy's tokens), and, for distillation, a draft of another
+    vocabulary size (its distiller cannot learn from the policy's distributions: it failed on every restart). One
+    tokenizer padded to two sizes, as a model family's small and large checkpoints often are, drafts."""
+    with pytest.raises(ConfigError, match="options.model. = .builtin:wordy_draft. and model.path = .builtin:dense. "
+                                          "are built-in models with tokenizers of their own"):
+        load_run_config("grpo_tiny", ["speculation.method=draft_lm", "speculation.options.model=builtin:wordy_draft"])
+    policy, draft = tmp_path / "policy", tmp_path / "draft"
+    for directory, size in ((policy, 152064), (draft, 151936)):
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps({"vocab_size": size}))
+    drafting = [f"model.path={policy}", "speculation.method=draft_lm", f"speculation.options.model={draft}"]
+    assert load_run_config("grpo_tiny", drafting)
+    distilled = [*drafting, "speculation.distill.every_versions=4"]
+    with pytest.raises(ConfigError, match="options.model. = .*draft. has 151936 token ids against the 152064 of "
+                                          "model.path = .*policy.: distilling it"):
+        load_run_config("grpo_tiny", distilled)
+    with pytest.raises(ConfigError, match="key .speculation.options.draft_lm.model. = .*151936 token ids"):
+        load_run_config("grpo_tiny", [f"model.path={policy}", "speculation.method=fastest_of_n",
+                                      "speculation.drafters=[suffix,draft_lm]", "speculation.distill.every_versions=4",
+                                      f"speculation.options.draft_lm.model={draft}"])
+    (draft / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 152064}}))  # (a multimodal config)
+    assert load_run_config("grpo_tiny", distilled)
+    assert load_run_config("grpo_tiny", ["model.path=builtin:wordy_dense", "speculation.method=draft_lm",
                                          "speculation.options.model=builtin:wordy_draft"])
 
 
