@@ -194,17 +194,15 @@ class DrafterBridge:
         explore = self.explore.due()
         if not self.planning:
             return [self.k] * len(rows), explore
+        # decoupled, a drafter that rates its tokens drafts k for every request (verified as far as their ratings
+        # pay: `_draft`) while its drafts are verified; after two steps of none, as planned below (it may rest)
+        if self.ahead is not None and self.rated and not explore and self.rest.idle < 2:
+            return [self.k] * len(rows), explore
         unseen = [lengths[row] - self.shown.get(req_ids[row], 0) for row in rows]
-        gains = self._gains([req_ids[row] for row in rows])
         # decoupled: as if drafting were free (prepared drafts cost the engine nothing; a miss: `worth_drafting_now`),
-        # k for every request from a drafter that rates its tokens (verified as far as their ratings pay: `_draft`),
         # but an exploring step, which measures, as serial (free, it drafted a whole batch at its hardest tokens)
-        budgets, _ = plan(gains, len(req_ids), self.step_cost,
+        budgets, _ = plan(self._gains([req_ids[row] for row in rows]), len(req_ids), self.step_cost,
                           self.draft_cost if self.ahead is None or explore else None, explore=explore, unseen=unseen)
-        if self.ahead is not None and self.rated and not explore:
-            budgets = [self.k] * len(rows)
-        if rows:
-            self.rest.planned(len(req_ids), any(budgets))
         return budgets, explore
 
     def _requests(self, req_ids: list[str], rows: list[int], budgets: list[int], lengths: list[int],
@@ -242,6 +240,8 @@ class DrafterBridge:
             if drafts[row]:
                 sampler.stats_for(req_ids[row]).planned_tokens += len(drafts[row])
         self.explore.stepped(any(drafts))
+        if rows:  # (a plan whose drafts were all cut, or refused, drafted nothing: `Rest`)
+            self.rest.planned(len(req_ids), any(drafts))
         self.predicted = float(self.step_cost.predict(len(req_ids) + sum(len(d) for d in drafts)))
 
     def _tell(self, gone: list[tuple[str, list[int]]], commits: list[tuple[str, list[int]]]) -> None:

@@ -148,15 +148,15 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
         drafts = [0] * len(running)
         unseen = [prompt[i] + position[i] - shown[i] for i in running]  # what drafting now would catch up on
         exploring = explore.due()  # (once a step, as the bridge decides it)
-        if drafting and (exploring or not rest.keeps(len(running))):
+        plans = drafting and (exploring or not rest.keeps(len(running)))
+        if plans:
             survive = survival.factors([position[i] for i in running], k)
             gains = geometric(acceptance.rates(ids), k) * survive
             # decoupled: planned as if drafting were free (prepared drafts are), misses re-planned below, as the bridge
             budgets, _ = plan(gains, len(running), step_cost, None if decoupled else draft_cost,
                               explore=exploring, unseen=unseen)
-            if decoupled and confidence is not None and not exploring:
+            if decoupled and confidence is not None and not exploring and rest.idle < 2:  # as the bridge
                 budgets = [k] * len(running)
-            rest.planned(len(running), any(budgets))
             drafts = [min(b, lengths[i] - position[i] - 1) for b, i in zip(budgets, running)]
         planned = list(drafts)  # decoupled: the requests whose next drafts the bridge prepares, drafted now or not
         missed = [m for m, i in enumerate(running) if drafts[m] and not ready[i]] \
@@ -188,12 +188,13 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
         drafting_now = costs.drafting(len(now), sum(now), max(now), unseen_now) if sum(now) else 0.0
         waited_here = drafting_now
         if decoupled:  # the prepared drafting runs beside the verify step: only what outlasts it is waited for
-            prepared = costs.drafting(len(running), sum(asked), passes, unseen_asked)
+            prepared = costs.drafting(len(running), sum(planned), max(planned, default=0),  # every planned request's
+                                      sum(u for u, p in zip(unseen, planned) if p))  # (misses skipped now too)
             waited_here += max(0.0, prepared - waited_here - engine)
         clock += engine + waited_here
         waited += waited_here
         for d, proposed, wanted, i, rid in zip(drafts, asked, planned, running, ids):
-            if proposed:  # the drafter has seen this request's history
+            if proposed or decoupled and wanted:  # the drafter has seen this request's history (prepared from it)
                 shown[i] = prompt[i] + position[i]
             reach = k + 1 if match is None else match[i][position[i]]
             accepted = min(d, reach)

@@ -171,6 +171,9 @@ def test_a_rated_proposal_is_verified_as_far_as_its_calibrated_gains_pay_and_lab
     agreed = b.calibration.agreed[unsure]
     propose(b, [[1, 2, 3]])  # both accepted, and the bonus token 3 is the third draft: a label it had not earned
     assert b.calibration.agreed[unsure] > agreed
+    drafter.rated = [[0.1] * 4]  # every token unsure: drafted, none verified, and that plan drafted nothing (`Rest`)
+    idle = b.rest.idle
+    assert propose(b, [[1, 2, 3]]) == [[]] and b.rest.idle == idle + 1
     b.planning = False
     assert propose(b, [[1, 2, 3]]) == [[1, 2, 3, 4]]  # without the planner: every drafted token
 
@@ -585,8 +588,9 @@ def test_a_decoupled_drafter_that_rates_its_tokens_drafts_k_for_every_request_se
     """A request's acceptance cannot tell its sure tokens from its unsure ones: at half its drafts accepted and a step
     that costs as many tokens as it computes, the plan gives it none. Decoupled, drafts are prepared off the engine's
     critical path and a rated drafter's are verified only as far as their calibrated gains pay (`_draft`), so every
-    request drafts k; serial drafting pays for every token it drafts and still plans by acceptance; an exploring step
-    plans as serial."""
+    request drafts k while its drafts are verified (after two steps of none it plans by acceptance, and may rest);
+    serial drafting pays for every token it drafts and still plans by acceptance; an exploring step plans as
+    serial."""
     req_ids, rows, lengths = [f"r{i}-x" for i in range(8)], list(range(8)), [8] * 8
     for decoupled, expected in ((True, [4] * 8), (False, [0] * 8)):
         b, _ = bridge(Ahead([]), req_ids, decoupled=decoupled)
@@ -597,6 +601,11 @@ def test_a_decoupled_drafter_that_rates_its_tokens_drafts_k_for_every_request_se
         b.positions.update(dict.fromkeys(req_ids, 5))
         assert b._plan(req_ids, rows, lengths) == ([0] * 8, False)  # no ratings seen yet: by acceptance
         b.rated = True
+        assert b._plan(req_ids, rows, lengths) == (expected, False)
+        for _ in range(2):  # two plans whose drafts were all cut
+            b.rest.planned(len(req_ids), False)
+        assert b._plan(req_ids, rows, lengths) == ([0] * 8, False)
+        b.rest.planned(len(req_ids), True)  # a step verified drafts again
         assert b._plan(req_ids, rows, lengths) == (expected, False)
         b.explore.steps, b.explore.seconds = EXPLORE_EVERY, 1.0  # an exploring step: one request, as serial
         budgets, explore = b._plan(req_ids, rows, lengths)
