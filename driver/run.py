@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from actor.engine import set_env_defaults
 from driver.logs import LOG_FILE, route, unroute, worker_env
 from driver.preflight import check_prompts_fit, data_digest
-from learner.checkpoint import RUN_FILE, checkpoint_state, is_branch, passed_over, run_of
+from learner.checkpoint import checkpoint_state, is_branch, mark_run, passed_over, run_of
 from learner.rollout_log import FILE as ROLLOUTS
 from models.zoo import resolve
 from tasks.schedule import CursorPlan
@@ -101,7 +101,7 @@ class Run:
             shutil.rmtree(self.dir / "checkpoints", ignore_errors=True)
             for old in [*self.dir.glob("events.out.tfevents.*"), self.dir / "summary.json", self.dir / ROLLOUTS]:
                 old.unlink(missing_ok=True)
-        (self.dir / RUN_FILE).write_text(json.dumps({"run_id": self.run_id, "data_sha256": data_digest(cfg)}))
+        mark_run(self.dir, self.run_id, data_digest(cfg))
         return checkpoint, state
 
     def _announce(self, log_file: str) -> None:

@@ -86,6 +86,15 @@ def run_of(directory: Path, key: str = "run_id") -> str | None:
         return None
 
 
+def mark_run(directory: Path, run_id: str, data_sha256: str | None) -> None:
+    """Writes run directory `directory`'s run.json (the run that writes it now, and its data file's digest) whole or
+    not at all: a kill or a full disk while writing leaves the previous one."""
+    written = directory / (RUN_FILE + ".partial")
+    written.write_text(json.dumps({"run_id": run_id, "data_sha256": data_sha256}))
+    _fsync(written)
+    os.replace(written, directory / RUN_FILE)
+
+
 def find_checkpoint(path: str) -> Path:
     """`path` is a checkpoint or a run directory (then its newest complete checkpoints/step_N of the run that last
     wrote it)."""
@@ -96,6 +105,9 @@ def find_checkpoint(path: str) -> Path:
                                     "lists files that are not there whole, by size and sha256)")
         return root
     run_id = run_of(root)
+    if run_id is None and (root / RUN_FILE).exists():  # (without it, any run's newest checkpoint would be taken)
+        raise FileNotFoundError(f"{root / RUN_FILE} is unreadable, so which run's checkpoints to resume is not known: "
+                                f"name the checkpoint (trainer.resume_from={root}/checkpoints/step_N)")
     # newest first; at one step, step_N before step_N.old (what a crash between `seal`'s two renames leaves)
     steps = sorted((p for p in root.glob("checkpoints/step_*") if STEP_DIR.fullmatch(p.name)),
                    key=lambda p: (int(STEP_DIR.fullmatch(p.name)[1]), not p.name.endswith(".old")), reverse=True)

@@ -308,3 +308,20 @@ def test_a_resumed_rank_trains_with_this_configs_lr_and_weight_decay_not_the_che
     assert rank.version == 7
     assert current.param_groups[0]["weight_decay"] == 0.5
     assert current.param_groups[0]["lr"] == pytest.approx(5e-4)  # past its warm-up at step 7
+
+
+def test_an_unreadable_run_file_names_itself_and_takes_no_other_runs_checkpoint(tmp_path):
+    """A kill or a full disk while run.json was written left it empty: a resume from the directory would have taken
+    the newest checkpoint of any run there (an abandoned branch's). It is written whole or not at all now, and one
+    that cannot be read is an error that names it."""
+    from learner.checkpoint import mark_run
+
+    mark_run(tmp_path, "a", None)
+    write(tmp_path, 2, "a")
+    write(tmp_path, 4, "b")  # a branch the directory's run did not keep
+    assert find_checkpoint(str(tmp_path)).name == "step_2"
+    assert not (tmp_path / (RUN_FILE + ".partial")).exists()
+    (tmp_path / RUN_FILE).write_text("")
+    with pytest.raises(FileNotFoundError, match="run.json is unreadable.*checkpoints/step_N"):
+        find_checkpoint(str(tmp_path))
+    assert find_checkpoint(str(tmp_path / "checkpoints" / "step_2")).name == "step_2"  # named, it is taken

@@ -25,3 +25,13 @@ def test_each_step_appends_its_trajectories_with_step_and_seed(tmp_path):
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / FILE).read_text().splitlines()]
     assert steps == [3, 3, 4]
 
+
+
+def test_a_line_a_killed_rank_left_half_written_is_cut_before_the_restarted_rank_appends(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / FILE).write_bytes(b'{"step": 1}\n{"step": 2, "se')  # killed mid-line
+    RolloutLog(tmp_path / "run", run_seed=7).write(2, [[trajectory(10, 0, [1])]])
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / FILE).read_text().splitlines()] == [1, 2]
+    (tmp_path / "run" / FILE).write_bytes(b'{"st')  # no whole line at all
+    RolloutLog(tmp_path / "run", run_seed=7)
+    assert (tmp_path / "run" / FILE).read_bytes() == b""
