@@ -7,6 +7,9 @@ In the Ray workers (rollout actors, learner ranks) `route_worker_logs` runs befo
 `worker_process_setup_hook`: their stdout (vLLM's and DeepSpeed's info chatter, stray prints) goes to the file, the
 Python logging tree gets a file handler and a console handler on stderr (which Ray forwards to the driver), and
 vLLM is told not to install its own stdout handler.
+
+TensorBoard's event file (`Scalars`) is a log like the others: a write it refuses (a full disk) is warned of once and
+the run goes on without it, to its next checkpoint, instead of ending there.
 """
 
 from __future__ import annotations
@@ -98,3 +101,28 @@ def progress_line(initial: int, total: int) -> Iterator:
             handler.setStream(stream)
         sys.stdout, sys.stderr = streams
         bar.close()
+
+
+class Scalars:
+    """TensorBoard's `SummaryWriter` in `directory`, whose refusal to write is warned of once, not raised."""
+
+    def __init__(self, directory: str):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer, self.failed = SummaryWriter(directory), False
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        if not self.failed:
+            self._guarded(self.writer.add_scalar, tag, value, step)
+
+    def close(self) -> None:
+        self._guarded(self.writer.close)
+
+    def _guarded(self, write, *args) -> None:
+        try:
+            write(*args)
+        except OSError as e:  # (the writer's thread raises what it met at the next write, and at close)
+            if not self.failed:
+                print(f"warning: TensorBoard's event file cannot be written ({e}); the run goes on without it",
+                      file=sys.stderr)
+            self.failed = True

@@ -24,7 +24,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from actor.engine import set_env_defaults
-from driver.logs import LOG_FILE, route, unroute, worker_env
+from driver.logs import LOG_FILE, Scalars, route, unroute, worker_env
 from driver.preflight import check_prompts_fit, data_digest
 from learner.checkpoint import checkpoint_state, is_branch, mark_run, passed_over, run_of
 from learner.rollout_log import FILE as ROLLOUTS
@@ -56,7 +56,6 @@ class Run:
         env = [*set_env_defaults({"DS_ACCELERATOR": cfg.cluster.device.value, "RAY_AUTH_MODE": "token",  # said: no notice
                                   "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}), *run_env]  # what every worker gets
         import ray
-        from torch.utils.tensorboard import SummaryWriter
 
         OmegaConf.save(cfg, self.dir / "config.yaml", resolve=True)  # the resolved config, beside the event files
         checkpoint, state = self._take_run_dir()
@@ -75,7 +74,7 @@ class Run:
         except BaseException:
             unroute(self.log_handlers)
             raise
-        self.writer = SummaryWriter(str(self.dir))
+        self.writer = Scalars(str(self.dir))
         self.step_started = time.time()
         self.rewards = RewardWindows(window=max(1, min(10, (cfg.trainer.steps - self.first_step) // 2)))
         self._announce(log_file)
