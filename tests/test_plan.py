@@ -85,10 +85,11 @@ def test_the_distiller_is_planned_on_its_share_of_rank_0s_gpu(capsys, monkeypatc
     out = capsys.readouterr().out
     assert f"draft LM distiller: {28 * draft / 2**20:.1f} MiB on a 0.25 share of rank 0's GPU" in out
     real = plan.parameters
+    shape = "configs/shapes/qwen3_1.7b"  # a draft LM of the policy's vocabulary (distilled, it must share it)
     monkeypatch.setattr(plan, "parameters",  # the policy as planned, a 1B-parameter draft LM
-                        lambda path: ("qwen3", 1_000_000_000) if path == "builtin:draft" else real(path))
+                        lambda path: ("qwen3", 1_000_000_000) if path == shape else real(path))
     assert launch.main(["--config", "grpo_moe", "--plan", "--cluster", "2x8:80",
-                        "model.path=configs/shapes/qwen3_30b_a3b", *spec]) == 3
+                        "model.path=configs/shapes/qwen3_30b_a3b", *spec, f"speculation.options.model={shape}"]) == 3
     assert "learner rank 0 with the distiller needs 82.95 GiB, a GPU has 80" in capsys.readouterr().out
 
 
