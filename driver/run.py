@@ -275,9 +275,14 @@ class Run:
                                    timeout)
 
     def save_final(self) -> None:
+        """The final weights into `final/`, whole or not at all (written as `final.partial`, then renamed)."""
+        written, final = self.dir / "final.partial", self.dir / "final"
+        shutil.rmtree(written, ignore_errors=True)
         with self.learners_alive():  # (the learners alone: no actor is replaced once training is over)
-            self.ray.get(self.learners.all("save_pretrained", str(self.dir / "final")),
+            self.ray.get(self.learners.all("save_pretrained", str(written)),
                          timeout=self.cfg.trainer.step_timeout_s or None)
+        shutil.rmtree(final, ignore_errors=True)
+        written.rename(final)
         self.log_evaluations(wait_s=600)  # the held-out numbers of the final weights belong to the run
 
     def close(self) -> dict:
