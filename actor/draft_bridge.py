@@ -40,8 +40,8 @@ SWITCH_S = 0.0005
 class DrafterBridge:
     def __init__(self, vllm_config):
         self.k = vllm_config.speculative_config.num_speculative_tokens
-        self.runner, self.drafter = None, None  # (the drafter: a str names one that could not be built)
-        self.name = ""  # the drafter's, as logs and trajectories call it
+        # the drafter (a str names one that could not be built), and its name as logs and trajectories call it
+        self.runner, self.drafter, self.name = None, None, ""
         self.max_batch, self.planning = 0, True
         self.live: set[str] = set()  # the requests of the last step's batch
         self.known: set[str] = set()  # every request the drafter has state for
@@ -76,8 +76,7 @@ class DrafterBridge:
         elif decoupled and built:
             log.warning("speculation.decoupled: drafter %s cannot prepare drafts ahead (no propose_ahead); it drafts "
                         "on the engine's critical path", self.name)
-        self.vocab_size = runner.model_config.get_vocab_size()
-        self.max_model_len = runner.model_config.max_model_len
+        self.vocab_size, self.max_model_len = runner.model_config.get_vocab_size(), runner.model_config.max_model_len
         self.survival = Survival(self.max_model_len)
         runner._sample.planning = built
         dropped = getattr(runner, "_on_request_state_removed", None)  # vLLM's hook as it drops a request's state
@@ -336,8 +335,9 @@ class DrafterBridge:
         keep = [len(valid) for _, _, valid, _ in made]
         if confidences is not None and not verify_all:
             survive = self.survival.factors([position for *_, position in asked], self.k)
-            keep, _ = plan([self.calibration.gains(rated) * survive[j, : len(rated)] if rated is not None else []
-                            for j, (*_, rated) in enumerate(made)], base_tokens, self.step_cost, None)
+            keep, _ = plan([self.calibration.gains(rated) * survive[j, : len(rated)] if rated is not None else
+                            self._gains([rid])[0][: len(valid)] for j, (_, rid, valid, rated) in enumerate(made)],
+                           base_tokens, self.step_cost, None)  # (unrated: at its request's acceptance, as planned)
         for j, ((row, req_id, valid, rated), n) in enumerate(zip(made, keep)):
             drafts[row] = valid[:n]
             self.verifying[req_id] = (n, valid, rated)

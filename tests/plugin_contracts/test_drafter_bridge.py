@@ -178,6 +178,22 @@ def test_a_rated_proposal_is_verified_as_far_as_its_calibrated_gains_pay_and_lab
     assert propose(b, [[1, 2, 3]]) == [[1, 2, 3, 4]]  # without the planner: every drafted token
 
 
+def test_a_proposal_without_ratings_in_a_rated_step_is_verified_at_its_requests_acceptance():
+    """A drafter may rate some proposals and not others (`confidences`: None for a request): the unrated one is
+    verified as far as its request's acceptance pays, as it was planned, not dropped for want of ratings."""
+    class PartlyRated(Rated):
+        def confidences(self):
+            return [[0.999, 0.999], None][: self.asked]
+
+    b, _ = bridge(PartlyRated([[1, 2], [3, 4]], None), ["a-1", "b-1"])
+    for tokens in range(1, 64):  # verifying a token costs a hundredth of a decode step
+        b.step_cost.observe(tokens, 0.01 + 0.0001 * tokens)
+    for req_id in ("a-1", "b-1"):
+        b.acceptance.observe(req_id, 4, 4)
+    assert propose(b, [[5], [6]]) == [[1, 2], [3, 4]]
+    assert b.verifying["b-1"] == (2, [3, 4], None)
+
+
 def test_a_rated_drafter_is_not_asked_for_drafts_its_requests_keep_refusing():
     """Drafting is paid before the confidences are known: the first plan prices a request's drafts at what it has
     accepted so far, however sure the drafter claims to be (the second plan only trims what was drafted)."""
