@@ -17,7 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 from configs.knobs import ranges
 from configs.schema import INBOX_MIB, MAX_STEP_TRAJECTORIES, Config
 from models.zoo import BUILTIN_MODELS, BUILTIN_NAMES, BUILTIN_PREFIX, builtin_dir
-from tasks.dataset import eval_set, jsonl_sources
+from tasks.dataset import eval_set, jsonl_sources, open_dataset
 from tasks.jsonl import DataFormatError, load_jsonl
 from transport.messages import trajectory_bytes
 
@@ -156,7 +156,14 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
         try:  # the held-out set exists (a finite training set can leave too few problems outside it)
             eval_set(cfg.data, cfg.seed)
         except ValueError as e:
-            raise ConfigError(f"{path}: key 'data.eval_size': {e}") from None
+            raise ConfigError(f"{path}: {e}") from None
+    if cfg.data.source == "arithmetic" and not cfg.data.size:  # an endless stream finds problems not held out
+        try:
+            train = open_dataset(cfg.data, cfg.seed)
+            for cursor in range(64):
+                train[cursor]
+        except ValueError as e:
+            raise ConfigError(f"{path}: key 'data.eval_size' = {cfg.data.eval_size}: {e}") from None
 
 
 def _across_sections(cfg: DictConfig) -> list[tuple[str, bool, str]]:

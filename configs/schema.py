@@ -101,11 +101,11 @@ class DataConfig:
     tail_exponent: float = knob(ArithmeticTask.tail_exponent, "arithmetic task: P(ops = k) ~ k^-tail_exponent "
                                 "(0: uniform)", at_least(0, "0: every difficulty equally often"))
     size: int = knob(ArithmeticTask.size, "arithmetic task: > 0: that many problems, repeated in epochs; 0: endless",
-                     between(0, MAX_TRAINING_SET, "[]", "0: a new problem per prompt; the load builds the set to "
-                             "keep it out of the held-out problems, about 15 s at the limit"))
+                     between(0, MAX_TRAINING_SET, "[]", "0: a new problem per prompt, never a held-out one; the load "
+                             "builds a set to keep it out of the held-out problems, about 15 s at the limit"))
     eval_source: str = knob("arithmetic", "held-out problems for trainer.eval_every: arithmetic (the training mix "
                             "under another seed, minus any training problem) or a GSM8K-style JSONL file (its first "
-                            "eval_size records)")
+                            "eval_size records, none asking a JSONL data.source's question, none twice)")
     eval_size: int = knob(256, "how many held-out problems an evaluation answers (a JSONL eval_source holds at least "
                           "as many)",
                           between(1, MAX_EVAL_SIZE, "[]", "every evaluation generates an answer to each"))

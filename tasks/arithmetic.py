@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from tasks.base import ANSWER_MARK, Problem, epoch_index, format_prompt
 
 
+MAX_DRAWS = 1000  # draws at one cursor of an endless stream before it gives up finding a problem not held out
+
+
 @dataclass(frozen=True)
 class ArithmeticTask:
     seed: int = 0
@@ -32,6 +35,7 @@ class ArithmeticTask:
     max_operand: int = 9  # one-digit operands: a small model learns the scratchpad in ~1000 SFT steps
     size: int = 0  # > 0: a training set of this many problems, repeated in epochs; 0: a new problem per cursor
     wording: float = 0.0  # the share of worked steps written out in words (SFT data; the questions are the same)
+    held_out: frozenset[str] = frozenset()  # questions an endless stream never draws (the held-out problems')
 
     def __post_init__(self) -> None:
         if self.max_ops < 1:
@@ -51,9 +55,15 @@ class ArithmeticTask:
             raise IndexError(f"cursor must be >= 0, got {cursor}")
         if self.size:  # a finite training set: cursor walks epochs, each a fresh shuffle of the same problems
             cursor = epoch_index(cursor, self.size, f"arithmetic-epoch:{self.seed}")
-        rng = random.Random(f"arithmetic:{self.seed}:{cursor}")
-        ops = rng.choices(range(1, self.max_ops + 1), weights=self.num_ops_weights())[0]
-        return self.make(ops, rng, f"arith-{self.seed}-{cursor}")
+        for draw in range(MAX_DRAWS):  # a held-out question is drawn again at this cursor, from a stream of its own
+            rng = random.Random(f"arithmetic:{self.seed}:{cursor}" + (f":{draw}" if draw else ""))
+            ops = rng.choices(range(1, self.max_ops + 1), weights=self.num_ops_weights())[0]
+            problem = self.make(ops, rng, f"arith-{self.seed}-{cursor}")
+            if problem.question not in self.held_out:
+                return problem
+        raise ValueError(f"{MAX_DRAWS} draws at cursor {cursor} were all held-out problems: the held-out set holds "
+                         "most of the task's problems (raise data.max_ops or data.max_operand, or lower "
+                         "data.eval_size)")
 
     def with_ops(self, ops: int, cursor: int) -> Problem:
         """Problem `cursor` of a fixed number of operations (for evaluation splits by difficulty)."""

@@ -12,9 +12,13 @@ EVAL_SEED_OFFSET = 7_919  # the built-in eval set's problems come from seed + th
 
 
 def open_dataset(data: DictConfig, seed: int) -> Dataset:
+    """The training stream. The built-in task's endless stream (`data.size` 0) never draws a built-in held-out
+    problem (`eval_set`), which a finite training set leaves out of the held-out problems instead."""
     if data.source == "arithmetic":
+        held_out = frozenset(p.question for p in eval_set(data, seed)) if not data.size and \
+            data.eval_source == "arithmetic" else frozenset()
         return ArithmeticTask(seed=seed, max_ops=data.max_ops, max_operand=data.max_operand,
-                              tail_exponent=data.tail_exponent, size=data.size)
+                              tail_exponent=data.tail_exponent, size=data.size, held_out=held_out)
     return JsonlDataset(data.source, seed=seed)
 
 
@@ -52,19 +56,28 @@ def eval_set(data: DictConfig, seed: int) -> list[Problem]:
     if data.eval_source != "arithmetic":
         problems = load_jsonl(data.eval_source)
         if len(problems) < data.eval_size:  # (every evaluation's figures would stand on fewer than asked)
-            raise ValueError(f"data.eval_size = {data.eval_size}: data.eval_source = {data.eval_source!r} holds "
-                             f"{len(problems)} problems (lower data.eval_size)")
+            raise ValueError(f"key 'data.eval_size' = {data.eval_size}: data.eval_source = {data.eval_source!r} "
+                             f"holds {len(problems)} problems (lower data.eval_size)")
+        trained = {p.question for p in load_jsonl(data.source)} if data.source != "arithmetic" else set()
+        asked: set[str] = set()
+        for problem in problems[: data.eval_size]:
+            if problem.question in trained or problem.question in asked:
+                raise ValueError(f"key 'data.eval_source' = {data.eval_source!r}: record {problem.id} asks a question "
+                                 + ("of data.source's: a held-out problem is never trained on" if problem.question
+                                    in trained else "an earlier record asks: each held-out problem counts once"))
+            asked.add(problem.question)
         return problems[: data.eval_size]
-    train = open_dataset(data, seed)
-    seen = {train[i].question for i in range(data.size)} if data.source == "arithmetic" and data.size else set()
+    train = open_dataset(data, seed) if data.source == "arithmetic" and data.size else None
+    seen = {train[i].question for i in range(data.size)} if train is not None else set()
     task = ArithmeticTask(seed=seed + EVAL_SEED_OFFSET, max_ops=data.max_ops, max_operand=data.max_operand,
                           tail_exponent=data.tail_exponent)
     problems, cursor = [], 0
     while len(problems) < data.eval_size:
         if cursor > 100 * data.eval_size:
-            raise ValueError(f"data.eval_size = {data.eval_size}: fewer held-out problems exist outside the "
-                             f"{len(seen)}-problem training set (raise data.max_ops or data.max_operand, or lower "
-                             "data.tail_exponent or data.eval_size)")
+            raise ValueError(f"key 'data.eval_size' = {data.eval_size}: fewer held-out problems exist"
+                             + (f" outside the {data.size}-problem training set" if train is not None else "")
+                             + " (raise data.max_ops or data.max_operand, or lower data.tail_exponent or "
+                             "data.eval_size)")
         problem = task[cursor]
         if problem.question not in seen:
             problems.append(problem)

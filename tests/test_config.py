@@ -281,7 +281,7 @@ def test_a_data_prompt_the_model_cannot_hold_fails_before_anything_starts(tmp_pa
     """vLLM refuses a prompt longer than model.max_model_len inside the actor, which ended the run after ~70 s of
     restarts; the launcher now refuses it first, naming the key, the file and the line, and writes nothing."""
     data = tmp_path / "data.jsonl"
-    records = [{"question": "What is 2 + 3?", "answer": "#### 5"}] * 5
+    records = [{"question": f"What is 2 + {i}?", "answer": f"#### {2 + i}"} for i in range(5)]
     records[3] = {"question": "What is " + " + ".join(["1"] * 400) + "?", "answer": "#### 400"}
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     proc = subprocess.run([sys.executable, "launch.py", "--config", "grpo_tiny", f"{key}={data}",

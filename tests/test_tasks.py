@@ -193,6 +193,44 @@ def test_the_eval_set_is_fixed_and_never_holds_a_training_problem():
     assert max(p.difficulty for p in problems) <= cfg.data.max_ops  # the training mix
 
 
+def test_an_endless_training_stream_never_draws_a_held_out_problem():
+    """With `data.size` 0 the built-in task draws a new problem per prompt from the whole problem space, where the
+    held-out problems are too (53% of them were among the first 6,400 training prompts): a held-out question is
+    drawn again at its cursor, from a stream of its own. Where the held-out set holds every problem, the load says
+    so instead of an actor looping."""
+    from configs.load import ConfigError, load_config
+    from tasks.dataset import eval_set, open_dataset
+
+    cfg = load_config("grpo_tiny", ["data.size=0"])
+    held_out = {p.question for p in eval_set(cfg.data, cfg.seed)}
+    train = open_dataset(cfg.data, cfg.seed)
+    drawn = [train[i].question for i in range(6400)]
+    assert not held_out & set(drawn)
+    assert [train[i].question for i in range(6400)] == drawn  # the same stream every time
+    plain = ArithmeticTask(seed=cfg.seed, max_ops=cfg.data.max_ops, max_operand=cfg.data.max_operand,
+                           tail_exponent=cfg.data.tail_exponent)
+    assert sum(plain[i].question in held_out for i in range(6400)) > 100  # (what it drew without: held-out ones)
+    with pytest.raises(ConfigError, match="key 'data.eval_size' = 2: 1000 draws at cursor 0 were all held-out"):
+        load_config("grpo_tiny", ["data.size=0", "data.max_ops=1", "data.max_operand=1", "data.eval_size=2"])
+
+
+def test_a_jsonl_eval_set_holds_no_training_question_and_none_twice(tmp_path):
+    from configs.load import ConfigError, load_config
+
+    train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(9)))
+    held_out.write_text("".join(json.dumps({"question": f"{i}+2?", "answer": f"#### {i + 2}"}) + "\n" for i in range(4)))
+    given = [f"data.source={train}", f"data.eval_source={held_out}", "data.eval_size=4"]
+    assert load_config("grpo_tiny", given)
+    with held_out.open("a") as f:
+        f.write(json.dumps({"question": "3+1?", "answer": "#### 4"}) + "\n")
+    with pytest.raises(ConfigError, match=r"data.eval_source.*record eval-5 asks a question of data.source's"):
+        load_config("grpo_tiny", [*given[:2], "data.eval_size=5"])
+    held_out.write_text(held_out.read_text() + json.dumps({"question": "0+2?", "answer": "#### 2"}) + "\n")
+    with pytest.raises(ConfigError, match=r"record eval-6 asks a question an earlier record asks"):
+        load_config("grpo_tiny", [f"data.source=arithmetic", f"data.eval_source={held_out}", "data.eval_size=6"])
+
+
 def test_a_jsonl_eval_set_is_its_first_records(tmp_path):
     from configs.load import ConfigError, load_config
     from tasks.dataset import eval_set
