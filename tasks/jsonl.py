@@ -62,6 +62,9 @@ def _parse(line: str, where: str, problem_id: str) -> Problem:
     if solution.count(ANSWER_MARK) != 1:  # (the reward refuses a response with two: its own reference would score 0)
         raise DataFormatError(f"{where}: 'answer' must hold '{ANSWER_MARK} <final answer>' once, "
                               f"not {solution.count(ANSWER_MARK)} times")
+    if ANSWER_MARK + "#" in solution:  # (read as '#' and '####': a response written like it would score 0)
+        raise DataFormatError(f"{where}: 'answer' must mark its final answer with '{ANSWER_MARK}' exactly, not "
+                              f"'{ANSWER_MARK}#'")
     final = solution.rsplit(ANSWER_MARK, 1)[1].strip()
     if normalize_number(final) is None:
         raise DataFormatError(f"{where}: final answer {final!r} after '{ANSWER_MARK}' is not a number")

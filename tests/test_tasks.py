@@ -135,6 +135,7 @@ def test_jsonl_loads_gsm8k_records(tmp_path):
     ('{"question": "q\\ud800", "answer": "#### 3"}', "lone surrogate"),  # loaded, then no tokenizer could take it
     ('{"question": "q", "answer": "#### 3", "x": ' + "1" * 5000 + "}", "integer string conversion"),  # a ValueError
     (json.dumps({"question": "q", "answer": "#### three"}), "is not a number"),
+    (json.dumps({"question": "q", "answer": "x ##### 7"}), "with '####' exactly"),  # was kept as 'x #\n#### 7'
     (json.dumps({"question": "q", "answer": "#### nan"}), "is not a number"),
     ("[" * 100_000 + "]" * 100_000, "nested too deeply"),  # not a RecursionError traceback
 ])
