@@ -6,30 +6,24 @@ a recorded rollout (bench/trace.py) and measured step-cost curves.
                              [--context 2048] [--gpu-draft-ms-per-pass 1.5] [--out PATH]
 
 Every coupled system commits the same tokens, so a request's schedule is fixed by how many tokens each step commits
-for it: `1 + min(drafts, match)`, where `match` is the trace's match length of the drafter at that position (the
-oracle matches everywhere). What is left is time. The simulator steps a continuous batch on a simulated clock: the
-trace's prefill, then decode steps over the running requests until each has its tokens; per step the real draft
-planner (`actor/draft_planner.plan` with its `StepCost`, `DraftCost`, `Acceptance`, `Rest` and `Explore`, fed the
-simulated steps as the engine feeds it measured ones) chooses each request's drafts, and the step costs the engine's
-seconds for the tokens it computes plus drafting's seconds (serial), or only the drafting the engine waits for
-(decoupled: see below).
+for it: `1 + min(drafts, match)`, `match` being the trace's match length of the drafter there (the oracle matches
+everywhere). What is left is time. The simulator steps a continuous batch on a simulated clock (the trace's prefill,
+then decode steps until each request has its tokens); per step the real draft planner (`actor/draft_planner.py`, fed
+the simulated steps as the engine feeds it measured ones) chooses each request's drafts, and the step costs the
+engine's seconds for its tokens plus drafting's (serial) or the drafting the engine waits for (decoupled).
 
-- `--validate`: costs fitted from the trace itself (the engine's seconds per step against the tokens it computed,
-  pooled over the systems; each drafter's seconds per step against the requests and drafts), then vanilla, oracle and
-  specactor simulated and compared with the makespans measured in the same run. The model is trusted only where
-  these agree (within 10%; speed-ups within 0.05x).
-- `--costs FILE`: a `bench.step_cost` result for another device (its measured decode and verify-4 step times by
-  requests at `--context` tokens of context, interpolated in between); the projected rollout speed-up of each
-  system over vanilla, drafting on the host CPU (the trace's own drafting cost), on the GPU (`--gpu-draft-ms-per-pass`
-  per sequential draft pass, measured by bench.gpu_check) and decoupled; and the speed-up as a function of mean
-  acceptance length (drafts accepted at a fixed per-token rate), from which a user reads what a drafter must reach.
+- `--validate`: costs fitted from the trace (the engine's seconds per step against its tokens, pooled over the
+  systems; each drafter's seconds per step against its requests and drafts), then vanilla, oracle and specactor
+  simulated against the makespans measured in the same run: trusted where they agree (within 10%; speed-ups 0.05x).
+- `--costs FILE`: a `bench.step_cost` result for another device (decode and verify-4 step times by requests at
+  `--context` tokens of context); the projected speed-up of each system over vanilla, drafting on the host CPU (the
+  trace's drafting cost), on the GPU (`--gpu-draft-ms-per-pass`, measured by bench.gpu_check) and decoupled, and the
+  speed-up against mean acceptance length (a fixed per-token rate): what a drafter must reach.
 
-Decoupled drafting: drafts for step t+1 are prepared while step t verifies. `decoupled_chain`: a request finds its
-drafts ready only if all its last ones were accepted and the drafter's next token was the target's (the others wait
-for drafting as in the serial mode); `decoupled_outcomes` (`--past-rejection P`): as built for the draft LM, also
-where a draft was rejected and a guess past it was right (at the measured rate P), and (`--chain-second-guess Q`)
-where all were accepted and the drafter's second guess was right (at the measured rate Q of first-guess misses); the
-bound `decoupled_every_outcome`: drafts ready for every outcome, the engine waiting only for what outlasts the step.
+Decoupled drafting prepares step t+1's drafts while step t verifies: `decoupled_chain`, ready only where all the last
+drafts were accepted and the drafter's next token was the target's; `decoupled_outcomes` (`--past-rejection P`), as
+built for the draft LM: also past a rejected draft where a guess was right (rate P), and (`--chain-second-guess Q`)
+where the second guess was (rate Q of first-guess misses); the bound `decoupled_every_outcome`, every outcome ready.
 """
 
 from __future__ import annotations
@@ -70,11 +64,17 @@ class Costs:
                 + self.draft_per_token * drafts + self.draft_per_unseen * unseen)
 
 
-def monotone_curve(points: dict[int, float]):
-    """Seconds against tokens: the median per token count, never falling, interpolated linearly and extrapolated
-    along the last two points' slope."""
-    x = np.array(sorted(points), dtype=float)
-    y = np.maximum.accumulate(np.array([points[int(t)] for t in x]))
+def monotone_curve(points: dict[int, float], steps: dict[int, int] | None = None):
+    """Seconds against tokens (the median per count), never falling: counts out of order pooled into their mean by
+    `steps` (pool-adjacent-violators; a running maximum let 2 slow steps at 7 tokens lift 992 at 8 by a third),
+    interpolated linearly, extrapolated along the last two counts' slope."""
+    pools: list[list[float]] = []  # [seconds, steps, counts]
+    for t in sorted(points):
+        pools.append([points[t], (steps or {}).get(t, 1), 1])
+        while len(pools) > 1 and pools[-2][0] > pools[-1][0]:
+            (y2, w2, n2), (y1, w1, n1) = pools.pop(), pools.pop()
+            pools.append([(y1 * w1 + y2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    x, y = np.array(sorted(points), dtype=float), np.repeat([p[0] for p in pools], [p[2] for p in pools])
     slope = (y[-1] - y[-2]) / (x[-1] - x[-2]) if len(x) > 1 else 0.0
 
     def seconds(tokens: float) -> float:
@@ -100,9 +100,10 @@ def fit_costs(trace: dict, drafter: str | None) -> Costs:
         for run in runs:
             for wall, tokens, requests, _, bridge, drafter_s, *_ in decode_steps(run, k)[0]:
                 by_tokens.setdefault(int(tokens), []).append(wall - bridge - drafter_s)
-    curve = monotone_curve({t: statistics.median(v) for t, v in by_tokens.items()})
-    vanilla = trace["systems"]["vanilla"]  # the prefill: the same prompts in every system
-    prefill = statistics.median(sum(s[0] for s in r["steps"][: decode_steps(r, k)[1]]) for r in vanilla)
+    medians, steps = {t: statistics.median(v) for t, v in by_tokens.items()}, {t: len(v) for t, v in by_tokens.items()}
+    curve = monotone_curve(medians, steps)  # the prefill: vanilla's (the same prompts in every system)
+    prefill = statistics.median(sum(s[0] for s in r["steps"][: decode_steps(r, k)[1]]) for r in trace["systems"][
+        "vanilla"])
     costs = Costs(engine=lambda requests, drafts: curve(requests + drafts), prefill_s=prefill)
     if drafter is None:
         return costs
@@ -161,8 +162,7 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
         planned = list(drafts)  # decoupled: the requests whose next drafts the bridge prepares, drafted now or not
         missed = [m for m, i in enumerate(running) if drafts[m] and not ready[i]] \
             if decoupled in ("chain", "outcomes") else []
-        if missed:  # as the bridge: drafted now only where it pays at the serial cost over the whole step, else
-            # plainly this step
+        if missed:  # as the bridge: drafted now where that pays at the serial cost over the whole step, else plainly
             ready_now = set(range(len(running))) - set(missed)
             elsewhere = len(running) - len(missed) + sum(float(gains[m][: drafts[m]].sum()) for m in ready_now)
             budgets, _ = plan([list(gains[m][: drafts[m]]) for m in missed],
