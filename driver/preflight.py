@@ -136,7 +136,8 @@ def check_checkpoints(path: Path, cfg: DictConfig) -> None:
             raise ConfigError(f"{path}: key 'trainer.resume_from': {e}") from None
         if step >= cfg.trainer.steps:
             raise ConfigError(f"{path}: key 'trainer.resume_from' is at step {step} but trainer.steps = "
-                              f"{cfg.trainer.steps}; raise trainer.steps to train further")
+                              f"{cfg.trainer.steps}; raise trainer.steps to train further (its weights, a Hugging "
+                              f"Face checkpoint, are in {checkpoint / 'hf'})")
         kept = resume_config(cfg)
         for key, value in state.get("config", {}).items():  # (a key added since that checkpoint was written: unchecked)
             if key in kept and not same_setting(key, kept[key], value):

@@ -302,7 +302,8 @@ def test_resume_from_must_name_a_checkpoint_that_is_behind_trainer_steps(tmp_pat
         (partial(final) / part).mkdir(parents=True)
         (partial(final) / part / "weights").write_bytes(b"w")
     seal(final, {"version": 30, "data_cursor": 120, "counts": {}, "run_id": "r"})
-    with pytest.raises(ConfigError, match="at step 30 but trainer.steps = 30"):
+    with pytest.raises(ConfigError, match="at step 30 but trainer.steps = 30.*weights, a Hugging Face checkpoint, "
+                                          "are in .*step_30/hf"):
         load_run_config("grpo_tiny", [f"trainer.resume_from={tmp_path}", "trainer.steps=30"])
     assert load_run_config("grpo_tiny", [f"trainer.resume_from={tmp_path}", "trainer.steps=40"]).trainer.steps == 40
 
