@@ -11,7 +11,6 @@ GPU would hold, and says whether the cluster can hold the run.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 
 from driver.logs import progress_line
@@ -29,10 +28,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "cluster, e.g. 2x8:80, instead of cluster.address or this machine")
     parser.add_argument("--gpu-gib", type=gib, default=80.0, help="--plan on cluster.address: memory per GPU")
     return parser.parse_args(argv)
-
-
-def interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +61,6 @@ def main(argv: list[str] | None = None) -> int:
     except LearnerLost as e:  # the learner ranks never started, restarts included
         print(f"stopped: {e}; every process is shut down", file=sys.stderr)
         return 1
-    signal.signal(signal.SIGTERM, interrupt)  # a scheduler's stop: as Ctrl-C (over Ray's handler, which exits)
     try:
         steps = cfg.trainer.steps
         with progress_line(run.step, steps) as bar:  # other lines print above it

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from configs.load import ConfigError, check_model, find_config, load_config, same_file, vocabulary
 from drafters.base import DrafterLoadError, drafter_class
-from learner.checkpoint import checkpoint_state, file_sha256, resume_config, run_of
+from learner.checkpoint import UnreadableRunFile, checkpoint_state, file_sha256, resume_config, run_of
 from tasks.dataset import check_prompt_lengths
 from tasks.jsonl import DataFormatError
 from transport.messages import MAX_DRAFTERS, MAX_NAME
@@ -117,7 +117,11 @@ def data_digest(cfg: DictConfig) -> str | None:
 def check_data_unchanged(path: Path, cfg: DictConfig, run_dir: Path) -> None:
     """A resume's data.source holds the bytes it held when the checkpoint's run began (its run.json's digest): the
     data cursor counts prompts in that file's order, and an edited file would resume on other prompts silently."""
-    then, now = run_of(run_dir, "data_sha256"), data_digest(cfg)  # (None: a run directory without the digest)
+    try:  # (None: a run directory without the digest; an unreadable run.json has none either)
+        then = run_of(run_dir, "data_sha256")
+    except UnreadableRunFile:
+        then = None
+    now = data_digest(cfg)
     if then is not None and now is not None and now != then:
         raise ConfigError(f"{path}: key 'data.source' = {cfg.data.source!r}: the file changed since the run that wrote "
                           f"trainer.resume_from's checkpoint began (sha256 {then[:12]}..., now {now[:12]}...); a "
@@ -147,6 +151,11 @@ def check_checkpoints(path: Path, cfg: DictConfig) -> None:
         check_data_unchanged(path, cfg, checkpoint.parent.parent)
     try:  # a directory that holds another run's checkpoints is that run's, unless this run continues it
         held, state = checkpoint_state(cfg.logging.dir)
+    except UnreadableRunFile as e:  # whose checkpoints are there is not known: another run's, as far as one can tell
+        if not cfg.logging.overwrite and not cfg.trainer.resume_from:
+            raise ConfigError(f"{path}: key 'logging.dir' = {cfg.logging.dir!r}: {e}; or logging.overwrite=true to "
+                              "delete what is there first") from None
+        held = None
     except (FileNotFoundError, KeyError, ValueError):
         held = None
     if held is not None and state.get("run_id") != resumed_run and not cfg.logging.overwrite:

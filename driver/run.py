@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 import uuid
@@ -26,11 +27,15 @@ from omegaconf import DictConfig, OmegaConf
 from actor.engine import set_env_defaults
 from driver.logs import LOG_FILE, Scalars, route, unroute, worker_env
 from driver.preflight import check_prompts_fit, data_digest
-from learner.checkpoint import checkpoint_state, is_branch, mark_run, passed_over, run_of
+from learner.checkpoint import checkpoint_state, is_branch, last_run, mark_run, passed_over
 from learner.rollout_log import FILE as ROLLOUTS
 from models.zoo import resolve
 from tasks.schedule import CursorPlan
 from transport.auth import keypair
+
+
+def interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 class LearnerLost(RuntimeError):
@@ -96,7 +101,7 @@ class Run:
         # (checked at load: asked for; a branch of the directory's own run keeps the checkpoint it resumes from, and
         # nothing is deleted where that checkpoint is one of the directory's, whichever run wrote it)
         inside = checkpoint is not None and (self.dir / "checkpoints").resolve() in checkpoint.resolve().parents
-        if cfg.logging.overwrite and not inside and run_of(self.dir) not in (None, self.run_id, state.get("run_id")):
+        if cfg.logging.overwrite and not inside and last_run(self.dir) not in (None, self.run_id, state.get("run_id")):
             shutil.rmtree(self.dir / "checkpoints", ignore_errors=True)
             for old in [*self.dir.glob("events.out.tfevents.*"), self.dir / "summary.json", self.dir / ROLLOUTS]:
                 old.unlink(missing_ok=True)
@@ -141,6 +146,7 @@ class Run:
                             if name} if embedded else None,
                  runtime_env={"env_vars": {k: os.environ[k] for k in self.env}, "working_dir": None,
                               "worker_process_setup_hook": "driver.logs.route_worker_logs"})
+        signal.signal(signal.SIGTERM, interrupt)  # a scheduler's stop, as Ctrl-C (over Ray's handler, which exits 15)
         try:
             check_reachable(cfg)
             gpus = gpus_per_device(cfg)
@@ -275,14 +281,9 @@ class Run:
                                    timeout)
 
     def save_final(self) -> None:
-        """The final weights into `final/`, whole or not at all (written as `final.partial`, then renamed)."""
-        written, final = self.dir / "final.partial", self.dir / "final"
-        shutil.rmtree(written, ignore_errors=True)
         with self.learners_alive():  # (the learners alone: no actor is replaced once training is over)
-            self.ray.get(self.learners.all("save_pretrained", str(written)),
+            self.ray.get(self.learners.all("save_pretrained", str(self.dir / "final")),
                          timeout=self.cfg.trainer.step_timeout_s or None)
-        shutil.rmtree(final, ignore_errors=True)
-        written.rename(final)
         self.log_evaluations(wait_s=600)  # the held-out numbers of the final weights belong to the run
 
     def close(self) -> dict:

@@ -77,13 +77,34 @@ def manifest(checkpoint: Path) -> dict | None:
     return listed if whole and REQUIRED <= parts else None  # (a manifest listing fewer parts is no checkpoint)
 
 
+class UnreadableRunFile(FileNotFoundError):
+    """A run directory's run.json is there but cannot be read (a kill or a full disk while an older version wrote it):
+    which run's checkpoints the directory holds is not known."""
+
+
 def run_of(directory: Path, key: str = "run_id") -> str | None:
     """What the run that last wrote run directory `directory` keeps under `key` in its run.json: its id, or its data
-    file's digest (None: no run did, the key is not there, or the file is unreadable)."""
+    file's digest (None: no run did, or the key is not there); UnreadableRunFile where the file cannot be read."""
+    path = directory / RUN_FILE
     try:
-        return json.loads((directory / RUN_FILE).read_text())[key]
-    except (OSError, ValueError, KeyError, TypeError):
+        written = json.loads(path.read_text())
+    except FileNotFoundError:
         return None
+    except (OSError, ValueError):
+        written = None
+    if not isinstance(written, dict) or "run_id" not in written:
+        raise UnreadableRunFile(f"{path} is unreadable, so which run's checkpoints are there is not known: name the "
+                                f"checkpoint to resume (trainer.resume_from={directory}/checkpoints/step_N)")
+    return written.get(key)
+
+
+def last_run(directory: Path) -> str | None:
+    """The id of the run that last wrote run directory `directory` (None: none did); one whose run.json cannot be
+    read is another run's, as far as anyone can tell."""
+    try:
+        return run_of(directory)
+    except UnreadableRunFile:
+        return "unreadable"
 
 
 def mark_run(directory: Path, run_id: str, data_sha256: str | None) -> None:
@@ -104,10 +125,7 @@ def find_checkpoint(path: str) -> Path:
             raise FileNotFoundError(f"{root}: an incomplete or damaged checkpoint (its {MANIFEST} is missing or "
                                     "lists files that are not there whole, by size and sha256)")
         return root
-    run_id = run_of(root)
-    if run_id is None and (root / RUN_FILE).exists():  # (without it, any run's newest checkpoint would be taken)
-        raise FileNotFoundError(f"{root / RUN_FILE} is unreadable, so which run's checkpoints to resume is not known: "
-                                f"name the checkpoint (trainer.resume_from={root}/checkpoints/step_N)")
+    run_id = run_of(root)  # (an unreadable one raises: any run's newest checkpoint would be taken)
     # newest first; at one step, step_N before step_N.old (what a crash between `seal`'s two renames leaves)
     steps = sorted((p for p in root.glob("checkpoints/step_*") if STEP_DIR.fullmatch(p.name)),
                    key=lambda p: (int(STEP_DIR.fullmatch(p.name)[1]), not p.name.endswith(".old")), reverse=True)
@@ -134,6 +152,8 @@ def is_branch(checkpoint: Path) -> bool:
     """Whether resuming from `checkpoint` leaves a newer whole checkpoint of its run behind (its run directory's)."""
     try:
         return find_checkpoint(str(checkpoint.parent.parent)) != checkpoint
+    except UnreadableRunFile:  # (its run unknown: a run of its own, whose id no checkpoint there can share)
+        return True
     except FileNotFoundError:
         return False
 
@@ -141,14 +161,18 @@ def is_branch(checkpoint: Path) -> bool:
 # what a resumed run must keep: the policy its weights belong to, the data order its cursor counts in, the shape and
 # precision of the optimizer state its ranks saved (state.json holds them; driver/preflight.py compares them at load)
 RESUME_KEYS = ("model.path", "seed", "data.source", "data.size", "data.max_ops", "data.max_operand",
-               "data.tail_exponent", "learner.num_ranks", "learner.zero_stage", "learner.dtype")
+               "data.tail_exponent", "data.eval_source", "data.eval_size", "learner.num_ranks", "learner.zero_stage",
+               "learner.dtype")
 
 
 def resume_config(cfg) -> dict:
     """`cfg`'s values of RESUME_KEYS as state.json keeps them (an enum by its value); the arithmetic task's own keys
-    only where it is the data source (a JSONL file's order does not depend on them)."""
+    only where it is the data source (a JSONL file's order does not depend on them), and the held-out problems' only
+    where its stream is endless (it never draws one of them: tasks/dataset.py)."""
     arithmetic = OmegaConf.select(cfg, "data.source") == "arithmetic"
-    keys = [key for key in RESUME_KEYS if arithmetic or key == "data.source" or not key.startswith("data.")]
+    endless = arithmetic and not OmegaConf.select(cfg, "data.size")
+    keys = [key for key in RESUME_KEYS if (endless or not key.startswith("data.eval")) and (
+        arithmetic or key == "data.source" or not key.startswith("data."))]
     return {key: getattr(value, "value", value) for key, value in ((k, OmegaConf.select(cfg, k)) for k in keys)}
 
 
@@ -167,7 +191,8 @@ def _fsync(path: Path) -> None:
 
 
 def partial(final: Path) -> Path:
-    """Where every rank writes checkpoint `final` until `seal` makes it visible."""
+    """Where `final` is written until it is whole: a checkpoint by every rank until `seal` makes it visible, the
+    final weights by rank 0 until it renames them."""
     return final.with_name(final.name + ".partial")
 
 
@@ -223,11 +248,16 @@ class RankCheckpoints:
     and on rank 0 its intake and distiller)."""
 
     def save_pretrained(self, path: str) -> None:
-        """Every rank: the weights as a Hugging Face checkpoint that vLLM can serve (written by rank 0)."""
+        """Every rank: the weights as a Hugging Face checkpoint that vLLM can serve, at `path` whole or not at all
+        (rank 0 writes `path.partial`, then renames it: a rank lost mid-save leaves no half-written one there)."""
         state = gather_full_state(self.engine, self.rank, self.cfg.learner.zero_stage, self.bucket_bytes)
         if state is not None:
-            self.engine.module.save_pretrained(path, state_dict=state)
-            copy_tokenizer(self.policy_dir, path)
+            written = partial(Path(path))
+            shutil.rmtree(written, ignore_errors=True)
+            self.engine.module.save_pretrained(str(written), state_dict=state)
+            copy_tokenizer(self.policy_dir, written)
+            shutil.rmtree(path, ignore_errors=True)
+            written.rename(path)
 
     def save_checkpoint(self, root: str) -> list[str]:
         """Every rank: `root/step_<version>.partial/` with the DeepSpeed state (weights, optimizer) and the weights

@@ -3,6 +3,7 @@ newest complete checkpoint of the run that last wrote the directory, and never o
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 
@@ -144,6 +145,26 @@ def test_a_resume_keeps_what_its_checkpoints_weights_data_order_and_optimizer_st
     assert load_run_config("grpo_tiny", resume)
     with pytest.raises(ConfigError, match=rf"key '{key}'.*written with"):
         load_run_config("grpo_tiny", [*resume, override])
+
+
+def test_an_endless_streams_resume_keeps_its_held_out_problems_which_its_prompts_leave_out(tmp_path):
+    """The built-in task's endless stream never draws a held-out problem, so its prompts depend on data.eval_size
+    and data.eval_source: a resume that changes them is refused (with a finite training set they are free)."""
+    from configs.load import ConfigError, load_config
+    from driver.preflight import load_run_config
+    from learner.checkpoint import resume_config
+
+    for size, refused in (("0", True), ("1024", False)):
+        run = tmp_path / size
+        run.mkdir()
+        write(run, 2, "a", config=resume_config(load_config("grpo_tiny", [f"data.size={size}"])))
+        (run / RUN_FILE).write_text(json.dumps({"run_id": "a"}))
+        resume = ["trainer.steps=20", f"logging.dir={run}", f"trainer.resume_from={run}", f"data.size={size}"]
+        if refused:
+            with pytest.raises(ConfigError, match=r"key 'data.eval_size' = 128.*written with 256"):
+                load_run_config("grpo_tiny", [*resume, "data.eval_size=128"])
+        else:
+            assert load_run_config("grpo_tiny", [*resume, "data.eval_size=128"])
 
 
 def test_a_resume_names_its_data_file_as_it_likes_but_keeps_the_file(tmp_path, monkeypatch):
@@ -325,3 +346,42 @@ def test_an_unreadable_run_file_names_itself_and_takes_no_other_runs_checkpoint(
     with pytest.raises(FileNotFoundError, match="run.json is unreadable.*checkpoints/step_N"):
         find_checkpoint(str(tmp_path))
     assert find_checkpoint(str(tmp_path / "checkpoints" / "step_2")).name == "step_2"  # named, it is taken
+    from configs.load import ConfigError
+    from driver.preflight import load_run_config
+    from learner.checkpoint import is_branch, last_run
+
+    fresh = ["trainer.steps=20", f"logging.dir={tmp_path}"]  # (whose checkpoints are there is not known)
+    with pytest.raises(ConfigError, match="logging.dir.*run.json is unreadable.*or logging.overwrite=true"):
+        load_run_config("grpo_tiny", [*fresh, "logging.overwrite=false"])
+    assert load_run_config("grpo_tiny", [*fresh, "logging.overwrite=true"])
+    assert last_run(tmp_path) == "unreadable"  # another run's: an overwriting run deletes its checkpoints first
+    assert is_branch(tmp_path / "checkpoints" / "step_2")  # resumed from by name: a run id of its own
+
+
+def test_the_final_weights_appear_whole_or_not_at_all(tmp_path, monkeypatch):
+    """`RankCheckpoints.save_pretrained` on rank 0, with stand-ins for DeepSpeed's gather and the model: it writes
+    `final.partial` and renames it to `final` once written (on rank 0, which sees what it wrote); a save cut off
+    leaves the previous `final` as it was, not a half-written one in its place."""
+    from types import SimpleNamespace
+
+    import learner.checkpoint as checkpoint
+
+    def save(path, state_dict):
+        (Path(path) / "model.safetensors").parent.mkdir(parents=True, exist_ok=True)
+        (Path(path) / "model.safetensors").write_bytes(state_dict["bytes"])
+        if state_dict["bytes"] == b"half":
+            raise OSError("the rank's node went away")
+
+    monkeypatch.setattr(checkpoint, "copy_tokenizer", lambda src, dst: None)
+    ranks = checkpoint.RankCheckpoints.__new__(checkpoint.RankCheckpoints)
+    ranks.rank, ranks.bucket_bytes, ranks.policy_dir = 0, 1 << 20, "policy"
+    ranks.cfg = SimpleNamespace(learner=SimpleNamespace(zero_stage=0))
+    ranks.engine = SimpleNamespace(module=SimpleNamespace(save_pretrained=save))
+    final = tmp_path / "final"
+    for written in (b"whole", b"half"):
+        monkeypatch.setattr(checkpoint, "gather_full_state", lambda *args, written=written: {"bytes": written})
+        try:
+            ranks.save_pretrained(str(final))
+        except OSError:
+            pass
+        assert (final / "model.safetensors").read_bytes() == b"whole"

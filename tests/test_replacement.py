@@ -383,32 +383,3 @@ def test_a_restart_whose_ranks_hang_while_starting_is_tried_again_within_the_lim
     assert starts == [0, 0] and run.learner_restarts == 2 and run.earlier_actor_restarts == 1
     assert run.learners is None and run.rollouts is None
     assert capsys.readouterr().err.count("every process starts again from the start of the run") == 2
-
-
-def test_the_final_weights_appear_whole_or_not_at_all(tmp_path):
-    """`Run.save_final` with stand-ins: the ranks write `final.partial`, renamed to `final` once every rank returned;
-    a save cut off by a lost rank leaves the previous `final` as it was, not a half-written one in its place."""
-    import ray
-
-    from driver.run import LearnerLost, Run
-
-    def save(method, path):
-        (Path(path) / "model.safetensors").parent.mkdir(parents=True, exist_ok=True)
-        (Path(path) / "model.safetensors").write_bytes(b"half" if dies else b"whole")
-        if dies:
-            raise ray.exceptions.ActorDiedError()
-        return ["ref"]
-
-    run = Run.__new__(Run)
-    run.dir, run.cfg = tmp_path, SimpleNamespace(trainer=SimpleNamespace(step_timeout_s=0))
-    run.learners = SimpleNamespace(all=save, ranks=[])
-    run.ray = SimpleNamespace(get=lambda refs, timeout: refs, exceptions=ray.exceptions)
-    run.log_evaluations = lambda wait_s: None
-    dies = False
-    run.save_final()
-    assert (tmp_path / "final" / "model.safetensors").read_bytes() == b"whole"
-    assert not (tmp_path / "final.partial").exists()
-    dies = True
-    with pytest.raises(LearnerLost):
-        run.save_final()
-    assert (tmp_path / "final" / "model.safetensors").read_bytes() == b"whole"
