@@ -17,7 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 from configs.knobs import ranges
 from configs.schema import INBOX_MIB, MAX_STEP_TRAJECTORIES, Config
 from models.zoo import BUILTIN_MODELS, BUILTIN_NAMES, BUILTIN_PREFIX, builtin_dir
-from tasks.dataset import eval_set, jsonl_sources, open_dataset
+from tasks.dataset import check_held_out, eval_set, jsonl_sources, open_dataset
 from tasks.jsonl import DataFormatError, load_jsonl
 from transport.messages import trajectory_bytes
 
@@ -154,7 +154,9 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
             raise ConfigError(f"{path}: key 'data.eval_source' = {cfg.data.eval_source!r} is data.source's file: "
                               "the held-out problems would be the training problems")
         try:  # the held-out set exists (a finite training set can leave too few problems outside it)
-            eval_set(cfg.data, cfg.seed)
+            held_out = eval_set(cfg.data, cfg.seed)
+            if cfg.data.eval_source != "arithmetic":
+                check_held_out(cfg.data, held_out)
         except ValueError as e:
             raise ConfigError(f"{path}: {e}") from None
     if cfg.data.source == "arithmetic" and not cfg.data.size:  # an endless stream finds problems not held out

@@ -58,14 +58,6 @@ def eval_set(data: DictConfig, seed: int) -> list[Problem]:
         if len(problems) < data.eval_size:  # (every evaluation's figures would stand on fewer than asked)
             raise ValueError(f"key 'data.eval_size' = {data.eval_size}: data.eval_source = {data.eval_source!r} "
                              f"holds {len(problems)} problems (lower data.eval_size)")
-        trained = {p.question for p in load_jsonl(data.source)} if data.source != "arithmetic" else set()
-        asked: set[str] = set()
-        for problem in problems[: data.eval_size]:
-            if problem.question in trained or problem.question in asked:
-                raise ValueError(f"key 'data.eval_source' = {data.eval_source!r}: record {problem.id} asks a question "
-                                 + ("of data.source's: a held-out problem is never trained on" if problem.question
-                                    in trained else "an earlier record asks: each held-out problem counts once"))
-            asked.add(problem.question)
         return problems[: data.eval_size]
     train = open_dataset(data, seed) if data.source == "arithmetic" and data.size else None
     seen = {train[i].question for i in range(data.size)} if train is not None else set()
@@ -84,3 +76,16 @@ def eval_set(data: DictConfig, seed: int) -> list[Problem]:
             seen.add(problem.question)  # and no problem twice
         cursor += 1
     return problems
+
+
+def check_held_out(data: DictConfig, problems: list[Problem]) -> None:
+    """A JSONL eval set's `problems` ask no question of a JSONL `data.source` and none twice (ValueError naming the
+    record): checked once, at load (the built-in task's are held out by construction)."""
+    trained = {p.question for p in load_jsonl(data.source)} if data.source != "arithmetic" else set()
+    asked: set[str] = set()
+    for problem in problems:
+        if problem.question in trained or problem.question in asked:
+            raise ValueError(f"key 'data.eval_source' = {data.eval_source!r}: record {problem.id} asks a question "
+                             + ("of data.source's: a held-out problem is never trained on" if problem.question
+                                in trained else "an earlier record asks: each held-out problem counts once"))
+        asked.add(problem.question)
