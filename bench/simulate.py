@@ -154,10 +154,9 @@ def simulate(lengths: list[int], match: list[list[int]] | None, costs: Costs, k:
             survive = survival.factors([position[i] for i in running], k)
             gains = geometric(acceptance.rates(ids), k) * survive
             # decoupled: planned as if drafting were free (prepared drafts are), misses re-planned below, as the bridge
-            budgets, _ = plan(gains, len(running), step_cost, None if decoupled else draft_cost,
-                              explore=exploring, unseen=unseen)
-            if decoupled and confidence is not None and not exploring and rest.idle < 2:  # as the bridge
-                budgets = [k] * len(running)
+            budgets = [k] * len(running) if decoupled and confidence is not None and not exploring and rest.idle < 2 \
+                else plan(gains, len(running), step_cost, None if decoupled else draft_cost, explore=exploring,
+                          unseen=unseen)[0]  # (k each: a rated drafter, decoupled, as the bridge plans it)
             drafts = [min(b, lengths[i] - position[i] - 1) for b, i in zip(budgets, running)]
         planned = list(drafts)  # decoupled: the requests whose next drafts the bridge prepares, drafted now or not
         missed = [m for m, i in enumerate(running) if drafts[m] and not ready[i]] \

@@ -144,9 +144,10 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
                           "splits them among the engine's devices")
     _check_kv_cache(path, cfg)
     _check_places(path, cfg)
+    parsed = {}
     for key, source in jsonl_sources(cfg.data).items():
         try:  # parsed now, naming file and line, not inside an actor after Ray and DeepSpeed started
-            load_jsonl(source)
+            parsed[key] = load_jsonl(source)
         except DataFormatError as e:
             raise ConfigError(f"{path}: key '{key}' = {source!r}: {e}") from None
     if cfg.trainer.eval_every > 0:
@@ -156,7 +157,7 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
         try:  # the held-out set exists (a finite training set can leave too few problems outside it)
             held_out = eval_set(cfg.data, cfg.seed)
             if cfg.data.eval_source != "arithmetic":
-                check_held_out(cfg.data, held_out)
+                check_held_out(cfg.data, held_out, parsed.get("data.source", []))
         except ValueError as e:
             raise ConfigError(f"{path}: {e}") from None
     if cfg.data.source == "arithmetic" and not cfg.data.size:  # an endless stream finds problems not held out

@@ -78,10 +78,10 @@ def eval_set(data: DictConfig, seed: int) -> list[Problem]:
     return problems
 
 
-def check_held_out(data: DictConfig, problems: list[Problem]) -> None:
-    """A JSONL eval set's `problems` ask no question of a JSONL `data.source` and none twice (ValueError naming the
-    record): checked once, at load (the built-in task's are held out by construction)."""
-    trained = {p.question for p in load_jsonl(data.source)} if data.source != "arithmetic" else set()
+def check_held_out(data: DictConfig, problems: list[Problem], training: list[Problem]) -> None:
+    """A JSONL eval set's `problems` ask no question of a JSONL `data.source`'s (`training`, as parsed) and none twice
+    (ValueError naming the record): checked once, at load (the built-in task's are held out by construction)."""
+    trained = {p.question for p in training}
     asked: set[str] = set()
     for problem in problems:
         if problem.question in trained or problem.question in asked:
