@@ -33,7 +33,7 @@ import numpy as np
 
 from actor.draft_planner import DraftCost, StepCost, plan
 from actor.drafter_checks import guarded, plain_answers, sources_within
-from drafters.base import CompositeDrafter, DraftRequest
+from drafters.base import CompositeDrafter, DraftRequest, described
 
 # a preparation still running this long after it was launched is a hung drafter: the bridge switches it off (its
 # thread is left to itself; a drafter's process is ended) and the engine decodes on, instead of stalling until the
@@ -208,7 +208,7 @@ def run_jobs(jobs: queue.SimpleQueue) -> None:
         except Exception as e:  # the drafter's error is raised where the engine settles
             future.set_exception(e)
         except BaseException as e:  # noqa: BLE001
-            future.set_exception(RuntimeError(f"preparing drafts ahead raised {type(e).__name__}({e})"))
+            future.set_exception(RuntimeError(f"preparing drafts ahead raised {described(e)}"))
         del job, future, work
 
 
@@ -266,4 +266,6 @@ def worth_drafting_now(asked: list[tuple[int, DraftRequest]], base_tokens: int, 
     elsewhere = base_tokens - len(asked) + sum(float(g[:n].sum()) for g, (_, n) in zip(ready_gains, ready))
     budgets, _ = plan(missed, base_tokens + sum(n for _, n in ready), step_cost, draft_cost,
                       unseen=[unseen(r) for _, r in asked], elsewhere=elsewhere)
-    return [(j, replace(r, max_tokens=b)) for (j, r), b in zip(asked, budgets) if b > 0]
+    # (each with a view of its own: the bridge's `r.token_ids` is read again when preparing, whatever the drafter does
+    # to the view it is given, say a reshape in place)
+    return [(j, replace(r, max_tokens=b, token_ids=r.token_ids[:])) for (j, r), b in zip(asked, budgets) if b > 0]

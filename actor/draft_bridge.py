@@ -17,19 +17,19 @@ import logging
 import sys
 import time
 from collections.abc import Callable
+from itertools import islice
 from typing import Any
 
 import numpy as np
 
 from actor.draft_ahead import PATIENCE_SHARE, DraftsAhead, worth_drafting_now
 from actor.draft_commits import Commits
-from actor.drafter_checks import (CallWatch, Histories, guarded, labels_within, plain_answers, printable,
-                                  sources_within)
+from actor.drafter_checks import CallWatch, Histories, guarded, labels_within, plain_answers, sources_within
 from actor.drafter_process import ProcessDrafter
 from actor.draft_planner import Acceptance, DraftCost, Explore, Rest, StepCost, Survival, geometric, plan
-from drafters.base import CompositeDrafter, Drafter, DraftRequest, prepares_ahead
+from drafters.base import CompositeDrafter, Drafter, DraftRequest, described, prepares_ahead, printable
 from drafters.calibration import Calibration
-from transport.messages import MAX_FAILURE, add_labels
+from transport.messages import MAX_DRAFTERS, MAX_FAILURE, add_labels
 
 log = logging.getLogger(__name__)
 # decoupled: how long the drafter's thread may hold the GIL while the engine's waits for it (Python's default 5 ms is
@@ -229,8 +229,8 @@ class DrafterBridge:
         """The step's plan in its requests' stats (and a switched-off drafter or member on every request from now
         on), and the step the planner expects."""
         sampler = self.runner._sample
-        members_off = self.call("failures", lambda d: "; ".join(map(str, d.failures() or ())), off="") \
-            if isinstance(self.drafter, CompositeDrafter) else ""  # a composite's members switched off (read in call)
+        members_off = self.call("failures", lambda d: "; ".join(map(str, islice(d.failures() or (), MAX_DRAFTERS))),
+                                off="") if isinstance(self.drafter, CompositeDrafter) else ""  # (read in the call)
         if self.failure or members_off:  # every request from now on says it was decoded without them
             reason = printable(self.failure or f"drafter {self.name}: {members_off}")
             for req_id in req_ids:
@@ -265,7 +265,7 @@ class DrafterBridge:
         drafts (the same tokens, at plain decoding's speed). Said once in the log, with the traceback, and on every
         request's stats from then on (`SpecStats.drafter_failure`: TensorBoard's spec/drafter_failed and
         spec/alarm)."""
-        self.failure = f"drafter {self.name} switched off: {type(error).__name__}: {error}"
+        self.failure = f"drafter {self.name} switched off: {described(error)}"
         self.verifying, self.runner._sample.planning = {}, False
         if isinstance(self.drafter, ProcessDrafter):  # its process goes (it may be stuck in a call)
             self.drafter.end()
@@ -344,7 +344,7 @@ class DrafterBridge:
             if n:  # a verify step: were its drafts prepared, and (a composite) whose are they
                 stats = sampler.stats_for(req_id)
                 stats.prepared_steps += j in prepared
-                if sources:
+                if sources and sources[j]:
                     stats.drafter_choices[sources[j]] = stats.drafter_choices.get(sources[j], 0) + 1
         # what drafting cost this step: the drafter's call and the bridge's work on its proposals
         if self.ahead is None:  # (decoupled: _proposals learns what drafting a miss costs)

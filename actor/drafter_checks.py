@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from drafters.base import Drafter
+from drafters.base import Drafter, described, printable
 from transport.messages import MAX_DRAFTERS, MAX_NAME
 
 
@@ -30,6 +30,9 @@ def _flag(module, name: str):
     return (lambda: getattr(module, name)), (lambda value: setattr(module, name, value))
 
 
+# the largest label count one `member_labels()` report may give (a proposal's tokens are far fewer): a request's sums
+# over its reports stay within msgpack's integers, which the actor's stats travel in
+MAX_COUNT = 2**31 - 1
 # The process-wide torch settings a drafter shares with the target it runs beside, each able to change the target's
 # logits or kernels: (what it is, how to read it, how to set it back). torch's per-backend fp32 precisions come before
 # `get_float32_matmul_precision`, which raises while they disagree: setting them back first makes it readable again.
@@ -119,7 +122,7 @@ def built_within(build: Callable[[], Drafter], deadline_s: float | None) -> Draf
         raise TimeoutError(f"its constructor had not returned after {deadline_s:g} s")
     error = built.get("error")
     if error is not None and not isinstance(error, Exception):  # an exit: the plugin's error like any other
-        raise RuntimeError(f"its constructor raised {type(error).__name__}({error})") from error
+        raise RuntimeError(f"its constructor raised {described(error)}") from error
     if error is not None:
         raise error
     return built["drafter"]
@@ -163,7 +166,7 @@ def guarded(drafter: Drafter | str):
     except BaseException as e:
         if isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
             raise
-        raise RuntimeError(f"drafter {_name(drafter)} raised {type(e).__name__}({e})") from e
+        raise RuntimeError(f"drafter {_name(drafter)} raised {described(e)}") from e
     finally:
         changed = []
         for (name, get, put), value in zip(SHARED_STATE, before):  # in order: each read after those before it are back
@@ -232,17 +235,12 @@ def token_ids_within(proposal, budget: int, vocab_size: int) -> list[int] | None
     return ids if not ids or (min(ids) >= 0 and max(ids) < vocab_size) else None
 
 
-def printable(text: str) -> str:
-    """`text` as UTF-8 can carry it (a lone surrogate in an exception's message becomes an escape)."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
 def _names_within(names, seen: set[str], drafter: str, where: str) -> bool:
     """Whether member names are as `SpecStats` carries them, strings of at most MAX_NAME characters; if so they join
     `seen`, the names of the engine's life, and more than MAX_DRAFTERS of those raise, naming `where` they came from."""
-    if not all(isinstance(n, str) and len(n) <= MAX_NAME for n in names):
+    if not all(type(n) is str and len(printable(n)) <= MAX_NAME for n in names):  # (a subclass may lie in `len`)
         return False
-    seen.update(n for n in names if n)
+    seen.update(n for n in names if n)  # ("": none drafted, in `sources()`; never a key of `SpecStats`)
     if len(seen) > MAX_DRAFTERS:
         raise RuntimeError(f"drafter {drafter}: more than {MAX_DRAFTERS} member names in {where}")
     return True
@@ -265,12 +263,12 @@ def labels_within(labels, known: set[str], seen: set[str], drafter: str) -> dict
     try:
         for request_id, members in labels.items():
             pairs = {name: (operator.index(a), operator.index(r)) for name, (a, r) in members.items()}
-            if min((min(p) for p in pairs.values()), default=0) < 0 or \
+            if not all(pairs) or not all(0 <= c <= MAX_COUNT for p in pairs.values() for c in p) or \
                     not _names_within(pairs, seen, drafter, "member_labels()"):
-                raise TypeError("member names must be strings and counts not negative")
+                raise TypeError(f"member names must be strings, not empty, and counts within 0..{MAX_COUNT}")
             if request_id in known:
                 checked[request_id] = {printable(n): p for n, p in pairs.items()}
     except (AttributeError, TypeError, ValueError) as e:
         raise RuntimeError(f"drafter {drafter}: member_labels() must map request ids to member names to two counts "
-                           f"(drafters/base.py): {e}") from e
+                           f"(drafters/base.py): {described(e)}") from e
     return checked

@@ -42,7 +42,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from drafters.base import CompositeDrafter, Drafter, DraftRequest, load_drafter, prepares_ahead
+from drafters.base import CompositeDrafter, Drafter, DraftRequest, described, load_drafter, prepares_ahead
 
 MAX_QUEUED = 4096  # calls that answer nothing, queued before they are sent on their own
 PROPOSALS = ("propose", "propose_ahead")
@@ -226,7 +226,7 @@ def serve(connection: Connection) -> None:
                 answer = None
             message = pickle.dumps(("ok", answer), protocol=pickle.HIGHEST_PROTOCOL)
         except BaseException as e:  # noqa: BLE001 -- the plugin's error (an exit too) is the engine's to judge
-            message = pickle.dumps(("error", f"{called}: {type(e).__name__}: {e}"))
+            message = pickle.dumps(("error", f"{called}: {described(e)}"))
             if method == "build":
                 connection.send_bytes(message)
                 return

@@ -169,6 +169,23 @@ class DrafterLoadError(ValueError):
     pass
 
 
+def printable(text: str) -> str:
+    """`text` as UTF-8 can carry it (a lone surrogate, as in an exception's message, becomes an escape)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def described(error: BaseException) -> str:
+    """`Type: message` of what a plugin raised, printable, whatever the error's own `__str__` does (one that raises,
+    an exit included, is said to have raised; only a Ctrl-C passes): the engine reports it and goes on."""
+    try:
+        message = str(error)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:
+        message = f"<its message raised {type(e).__name__}>"
+    return printable(f"{type(error).__name__}: {message}")
+
+
 def drafter_class(name: str) -> type[Drafter]:
     """The class a built-in name, dotted path or `specactor.drafters` entry point names."""
     path = BUILTIN.get(name)

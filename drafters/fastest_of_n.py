@@ -25,9 +25,10 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from itertools import islice
 from typing import Any
 
-from drafters.base import CompositeDrafter, Drafter, DraftRequest, load_drafter, prepares_ahead
+from drafters.base import CompositeDrafter, Drafter, DraftRequest, described, load_drafter, prepares_ahead
 from drafters.calibration import Calibration
 
 MAX_PROMPTS = 4096  # prompts whose members' labels are kept (the least recently labelled forgotten first)
@@ -113,7 +114,7 @@ class FastestOfN(CompositeDrafter):
             per_request = (time.perf_counter() - start) / len(asked)
             self.seconds[m] = per_request if self.seconds[m] == 0 else 0.9 * self.seconds[m] + 0.1 * per_request
             try:
-                proposals = self._answers(requests, asked, answer, confidences, m)
+                proposals = self._answers(requests, asked, budgets, answer, confidences, m)
             except (TypeError, ValueError) as e:  # out of contract: as if it had raised
                 self._switch_off(m, e)
                 continue
@@ -124,17 +125,18 @@ class FastestOfN(CompositeDrafter):
                     best[i] = (gain, m)
         return mine, [m for _, m in best]
 
-    def _answers(self, requests: list[DraftRequest], asked: list[int], drafts, confidences, m: int
-                 ) -> list[tuple[int, list[int], list[float]]]:
-        """Member `m`'s proposals for the requests `asked` (indices into `requests`), with its confidence in each token
-        (or its running rate on the request); ValueError or TypeError where they break the drafter contract."""
+    def _answers(self, requests: list[DraftRequest], asked: list[int], budgets: list[int], drafts, confidences,
+                 m: int) -> list[tuple[int, list[int], list[float]]]:
+        """Member `m`'s proposals for the requests `asked` (indices into `requests`), each read as far as its request's
+        budget, with its confidence in each token (or its running rate on the request); ValueError or TypeError where
+        they break the drafter contract."""
         if len(drafts) != len(asked) or (confidences is not None and len(confidences) != len(asked)):
             raise ValueError(f"{len(drafts)} proposals and {'no' if confidences is None else len(confidences)} "
                              f"confidence lists for {len(asked)} requests")
         out = []
         for j, i in enumerate(asked):
-            proposal = list(drafts[j])
-            own = list(map(float, confidences[j][: len(proposal)])) if confidences is not None else \
+            proposal = list(islice(drafts[j], budgets[i]))
+            own = list(map(float, islice(confidences[j], len(proposal)))) if confidences is not None else \
                 [self._own_rate(requests[i].request_id, m)] * len(proposal)
             if len(own) < len(proposal):
                 raise ValueError(f"{len(own)} confidences for a proposal of {len(proposal)} tokens")
@@ -150,7 +152,7 @@ class FastestOfN(CompositeDrafter):
             return None
 
     def _switch_off(self, m: int, error: Exception) -> None:
-        self.off[m] = f"member {self.names[m]} switched off: {type(error).__name__}: {error}"
+        self.off[m] = f"member {self.names[m]} switched off: {described(error)}"
         log.error("fastest-of-N: %s; the others race on", self.off[m], exc_info=error)
         if len(self.off) == len(self.members):
             raise RuntimeError(f"every member is switched off ({'; '.join(self.off.values())})") from error

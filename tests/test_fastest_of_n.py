@@ -2,6 +2,7 @@
 agree with, scored counterfactually for every member asked on every step; a costly member is asked only where it
 may beat what the cheaper ones proposed."""
 
+import itertools
 import time
 
 import pytest
@@ -277,3 +278,19 @@ def test_a_member_that_raises_is_switched_off_and_the_others_race_on(method, mon
     monkeypatch.setattr(Twos, "propose", lambda self, requests, k: 1 / 0)
     with pytest.raises(RuntimeError, match="every member is switched off"):
         fon.propose([request("c")], 4)
+
+
+class Endless(Ones):
+    """Proposes endless counts, each with an endless list of confidences."""
+
+    def propose(self, requests, k):
+        return [itertools.count(3) for _ in requests]
+
+    def confidences(self):
+        return [itertools.repeat(0.9) for _ in range(len(MEMBERS))]
+
+
+def test_a_members_endless_proposal_is_read_as_far_as_its_requests_budget():
+    fon = FastestOfN(["test_fastest_of_n.Endless", "test_fastest_of_n.Ones"])
+    short = DraftRequest("b", seed=0, position=0, token_ids=[5, 6], max_tokens=2)
+    assert fon.propose([request("a"), short], 4) == [[3, 4, 5, 6], [3, 4]] and not fon.failures()
