@@ -34,8 +34,12 @@ trainer:
 Every value is checked at load, before any process starts: an unknown key, a wrong type, a value out of its range
 (below), a number that is not finite, a number for a true/false key, or an unset required value (`???`) stops the
 launcher with exit status 2 and a message naming the key and the file. So do the rules between keys of two sections
-(`rollout.max_tokens` < `model.max_model_len`, for one) and what a value names outside the config: a model
-directory, a drafter and its options, an address to bind, a directory to write, a checkpoint, a data file.
+(`rollout.max_tokens` < `model.max_model_len`, for one; `algorithm.max_staleness` and
+`speculation.distill.every_versions` within `trainer.steps`), a key set where nothing reads it (the drafting keys
+with `speculation.method` none, the distiller's with `speculation.distill.every_versions` 0), and what a value names
+outside the config: a model directory, a drafter and its options, an address to bind, a directory to write (never
+one whose checkpoints `logging.overwrite` would delete with the model the run starts from), a checkpoint, a data
+file, and the built-in task's held-out set (at most 90% of what its endless stream draws).
 """
 
 

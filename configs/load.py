@@ -22,6 +22,9 @@ from tasks.jsonl import DataFormatError, load_jsonl
 from transport.messages import trajectory_bytes
 
 CONFIG_DIR = Path(__file__).resolve().parent
+# the largest share of the endless arithmetic stream's draws the held-out problems may be: a cursor draws again
+# (tasks/arithmetic.MAX_DRAWS times) until it finds a problem not held out, which at 90% all fail with p ~ 1e-46
+MAX_HELD_OUT_SHARE = 0.9
 
 
 class ConfigError(ValueError):
@@ -161,12 +164,18 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
         except ValueError as e:
             raise ConfigError(f"{path}: {e}") from None
     if cfg.data.source == "arithmetic" and not cfg.data.size:  # an endless stream finds problems not held out
-        try:
-            train = open_dataset(cfg.data, cfg.seed)
-            for cursor in range(64):
-                train[cursor]
-        except ValueError as e:
-            raise ConfigError(f"{path}: key 'data.eval_size' = {cfg.data.eval_size}: {e}") from None
+        share = open_dataset(cfg.data, cfg.seed).held_out_share()
+        if share > MAX_HELD_OUT_SHARE:
+            raise ConfigError(f"{path}: key 'data.eval_size' = {cfg.data.eval_size}: the held-out problems are "
+                              f"{share:.0%} of what the endless training stream draws (at most "
+                              f"{MAX_HELD_OUT_SHARE:.0%}, or a step may find no other problem): raise data.max_ops or "
+                              "data.max_operand, or lower data.eval_size")
+
+
+def draft_model(speculation: DictConfig) -> str:
+    """The draft LM the actors run under config section `speculation`: what distillation trains."""
+    options = speculation.options.get("draft_lm", {}) if speculation.method == "fastest_of_n" else speculation.options
+    return options.get("model", "builtin:draft")
 
 
 def _across_sections(cfg: DictConfig) -> list[tuple[str, bool, str]]:
@@ -179,6 +188,12 @@ def _across_sections(cfg: DictConfig) -> list[tuple[str, bool, str]]:
         ("algorithm.max_staleness", cfg.algorithm.max_staleness == 0 or not cfg.trainer.deterministic,
          "must be 0 when trainer.deterministic is true (a synchronous schedule: every token sampled under the "
          "weights it is trained against)"),
+        ("algorithm.max_staleness", cfg.algorithm.max_staleness <= cfg.trainer.steps,
+         f"must be <= trainer.steps ({cfg.trainer.steps}): each version of staleness has every actor queue a step's "
+         "groups ahead, and a bound past the run's last step bounds nothing"),
+        ("speculation.distill.every_versions", cfg.speculation.distill.every_versions < cfg.trainer.steps,
+         f"must be < trainer.steps ({cfg.trainer.steps}): the distiller trains on every step, and offers the actors a "
+         "draft version at most this often"),
         ("speculation.distill.num_gpus", cfg.speculation.distill.num_gpus == 0 or cfg.cluster.device.value == "cuda",
          f"must be 0 unless cluster.device is cuda (it is {cfg.cluster.device.value!r})"),
         ("transport.auth", cfg.transport.auth.value != "none" or cfg.cluster.address is None,

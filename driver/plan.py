@@ -23,8 +23,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from configs.load import draft_model
 from driver.preflight import check_prompts_fit
-from learner.distill import draft_model
 from models.zoo import resolve
 
 GIB = 1 << 30

@@ -10,6 +10,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from configs.load import ConfigError, check_model, find_config, load_config, same_file, vocabulary
+from configs.schema import SpeculationConfig
 from drafters.base import DrafterLoadError, drafter_class
 from learner.checkpoint import UnreadableRunFile, checkpoint_state, file_sha256, resume_config, run_of
 from tasks.dataset import check_prompt_lengths
@@ -40,6 +41,21 @@ def check_prompts_fit(cfg: DictConfig, model_dir: Path) -> None:
         raise ConfigError(str(e)) from None
 
 
+def check_keys_read(path: Path, speculation: DictConfig) -> None:
+    """No key of `speculation` is set away from its default where nothing reads it (it would do nothing): the
+    drafting keys without a drafter, the distiller's without distillation."""
+    unset = SpeculationConfig()
+    if not speculation.distill.every_versions:
+        for key in (k for k in speculation.distill if speculation.distill[k] != getattr(unset.distill, k)):
+            raise ConfigError(f"{path}: key 'speculation.distill.{key}' is read only where the draft LM is distilled "
+                              "(speculation.distill.every_versions > 0)")
+    if speculation.method == "none":
+        for key in ("options", "decoupled", "num_speculative_tokens", "planner", "max_batch"):
+            if speculation[key] != getattr(unset, key):
+                raise ConfigError(f"{path}: key 'speculation.{key}' is read only where speculation.method names a "
+                                  "drafter (it is none)")
+
+
 def check_drafters(path: Path, speculation: DictConfig, policy: str) -> None:
     """The drafters `speculation` names exist and take its options (each drafter's own `check_options`, without
     building it), fastest-of-N's members are distinct, distillation has a draft LM to train, and the draft LM shares
@@ -56,11 +72,8 @@ def check_drafters(path: Path, speculation: DictConfig, policy: str) -> None:
                           "distillation trains the draft LM, but no drafter of speculation.method "
                           f"{speculation.method!r} is draft_lm (method draft_lm, or fastest_of_n with draft_lm among "
                           "drafters)")
+    check_keys_read(path, speculation)
     if speculation.method == "none":
-        for key, value in (("options", speculation.options), ("decoupled", speculation.decoupled)):
-            if value:  # a key that would do nothing
-                raise ConfigError(f"{path}: key 'speculation.{key}' is read only where speculation.method names a "
-                                  "drafter (it is none)")
         return
     if speculation.method == "fastest_of_n":
         if len(speculation.drafters) > MAX_DRAFTERS or any(len(d) > MAX_NAME for d in speculation.drafters):
@@ -104,7 +117,8 @@ def check_drafters(path: Path, speculation: DictConfig, policy: str) -> None:
 def same_setting(key: str, now, then) -> bool:
     """Whether a resume's `now` keeps its checkpoint's `then`: equal, or for a path one file or directory named two
     ways (relative and absolute, or through `~`)."""
-    paths = key in ("model.path", "data.source") and isinstance(now, str) and isinstance(then, str)
+    paths = (key in ("model.path", "data.source") or key.endswith(".model")) and isinstance(now, str) and \
+        isinstance(then, str)
     return now == then or (paths and same_file(now, then))
 
 
@@ -130,8 +144,9 @@ def check_data_unchanged(path: Path, cfg: DictConfig, run_dir: Path) -> None:
 
 
 def check_checkpoints(path: Path, cfg: DictConfig) -> None:
-    """trainer.resume_from names a checkpoint behind trainer.steps; logging.dir holds no other run's checkpoints."""
-    resumed_run = None
+    """trainer.resume_from names a checkpoint behind trainer.steps; logging.dir holds no other run's checkpoints, and
+    with logging.overwrite, which deletes them, none of the models the run starts from."""
+    resumed_run = checkpoint = None
     if cfg.trainer.resume_from:
         try:
             checkpoint, state = checkpoint_state(cfg.trainer.resume_from)
@@ -162,3 +177,12 @@ def check_checkpoints(path: Path, cfg: DictConfig) -> None:
         raise ConfigError(f"{path}: key 'logging.dir' = {cfg.logging.dir!r} holds another run's checkpoints (newest "
                           f"{held.name}); pass trainer.resume_from={cfg.logging.dir} to continue that run, another "
                           "logging.dir, or logging.overwrite=true to delete its checkpoints and event files first")
+    checkpoints = (Path(cfg.logging.dir) / "checkpoints").resolve()
+    # what logging.overwrite deletes (driver/run.py: nothing where the run resumes from one of those checkpoints) must
+    # not be what this run starts from
+    if cfg.logging.overwrite and (checkpoint is None or checkpoints not in checkpoint.resolve().parents):
+        draft = (cfg.speculation.options or {}).get("draft_lm", {}) or {}
+        for key, spec in (("model.path", cfg.model.path), ("speculation.options.draft_lm.model", draft.get("model"))):
+            if isinstance(spec, str) and checkpoints in (Path(spec).resolve(), *Path(spec).resolve().parents):
+                raise ConfigError(f"{path}: key '{key}' = {spec!r} is inside {checkpoints}, which logging.overwrite "
+                                  "deletes before the run starts; copy it elsewhere, or choose another logging.dir")

@@ -285,6 +285,8 @@ class Run:
             self.ray.get(self.learners.all("save_pretrained", str(self.dir / "final")),
                          timeout=self.cfg.trainer.step_timeout_s or None)
         self.log_evaluations(wait_s=600)  # the held-out numbers of the final weights belong to the run
+        for step in self.evaluations:  # (said, not silently left out)
+            print(f"warning: the evaluation asked at step {step} took over 600 s and is not logged", file=sys.stderr)
 
     def close(self) -> dict:
         """Stops every actor and rank, writes `summary.json`, shuts Ray down; returns the summary."""

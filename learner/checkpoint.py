@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from configs.load import draft_model
 from learner.exchange import gather_full_state
 from models.zoo import copy_tokenizer
 
@@ -167,13 +168,18 @@ RESUME_KEYS = ("model.path", "seed", "data.source", "data.size", "data.max_ops",
 
 def resume_config(cfg) -> dict:
     """`cfg`'s values of RESUME_KEYS as state.json keeps them (an enum by its value); the arithmetic task's own keys
-    only where it is the data source (a JSONL file's order does not depend on them), and the held-out problems' only
-    where its stream is endless (it never draws one of them: tasks/dataset.py)."""
+    only where it is the data source (a JSONL file's order does not depend on them), the held-out problems' only
+    where its stream is endless (it never draws one of them: tasks/dataset.py), and the draft LM where it is distilled
+    (the checkpoint's draft/ holds weights of that model)."""
     arithmetic = OmegaConf.select(cfg, "data.source") == "arithmetic"
     endless = arithmetic and not OmegaConf.select(cfg, "data.size")
     keys = [key for key in RESUME_KEYS if (endless or not key.startswith("data.eval")) and (
         arithmetic or key == "data.source" or not key.startswith("data."))]
-    return {key: getattr(value, "value", value) for key, value in ((k, OmegaConf.select(cfg, k)) for k in keys)}
+    kept = {key: getattr(value, "value", value) for key, value in ((k, OmegaConf.select(cfg, k)) for k in keys)}
+    if OmegaConf.select(cfg, "speculation.distill.every_versions", default=0):  # its distilled weights are that model's
+        fastest = cfg.speculation.method == "fastest_of_n"
+        kept[f"speculation.options.{'draft_lm.' if fastest else ''}model"] = draft_model(cfg.speculation)
+    return kept
 
 
 def checkpoint_state(path: str) -> tuple[Path, dict]:

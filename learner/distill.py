@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from configs.load import draft_model
 from learner.base import longer_deadline
 from learner.grpo import Packed
 from models.zoo import resolve
@@ -59,12 +60,6 @@ from transport.messages import Trajectory
 
 log = logging.getLogger(__name__)
 ALARM_BELOW = 1.05  # replayed acceptance length under which the published drafter is reported as broken
-
-
-def draft_model(speculation: DictConfig) -> str:
-    """The draft LM the actors run under config section `speculation`: what distillation trains."""
-    options = speculation.options.get("draft_lm", {}) if speculation.method == "fastest_of_n" else speculation.options
-    return options.get("model", "builtin:draft")
 
 
 def acceptance_walk(match: list[bool], k: int) -> int:

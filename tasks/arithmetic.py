@@ -19,7 +19,7 @@ longer (of 8-9), so that a policy SFT-trained on it can be taught by RL (a lengt
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tasks.base import ANSWER_MARK, Problem, epoch_index, format_prompt
 
@@ -64,6 +64,12 @@ class ArithmeticTask:
         raise ValueError(f"{MAX_DRAWS} draws at cursor {cursor} were all held-out problems: the held-out set holds "
                          "most of the task's problems (raise data.max_ops or data.max_operand, or lower "
                          "data.eval_size)")
+
+    def held_out_share(self, cursors: int = 2000) -> float:
+        """The share of an endless stream's first draws, at its first `cursors` cursors, that are held-out questions
+        (each drawn again, up to MAX_DRAWS times: a share p fails a cursor with probability p ** MAX_DRAWS)."""
+        free = replace(self, held_out=frozenset())
+        return sum(free[cursor].question in self.held_out for cursor in range(cursors)) / cursors
 
     def with_ops(self, ops: int, cursor: int) -> Problem:
         """Problem `cursor` of a fixed number of operations (for evaluation splits by difficulty)."""

@@ -126,10 +126,29 @@ def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints_unless
                                      "logging.overwrite=false"])
 
 
+def test_overwrite_refuses_a_run_that_starts_from_a_model_it_would_delete(tmp_path):
+    """A policy fine-tuned by an earlier run in the same directory: logging.overwrite deletes that run's checkpoints
+    before this one starts, its model among them, and every process would fail to load it."""
+    import shutil
+
+    from configs.load import ConfigError
+    from driver.preflight import load_run_config
+    from models.zoo import resolve
+
+    policy = tmp_path / "checkpoints" / "step_7" / "hf"
+    shutil.copytree(resolve("builtin:dense"), policy)
+    (tmp_path / RUN_FILE).write_text(json.dumps({"run_id": "old"}))
+    start = [f"model.path={policy}", "logging.overwrite=true"]
+    with pytest.raises(ConfigError, match=r"'model.path' = .* is inside .*checkpoints, which logging.overwrite delet"):
+        load_run_config("grpo_tiny", [*start, f"logging.dir={tmp_path}"])
+    assert load_run_config("grpo_tiny", [*start, f"logging.dir={tmp_path / 'next'}"])
+
+
 @pytest.mark.parametrize("override,key", [("model.path=builtin:moe", "model.path"), ("seed=7", "seed"),
                                           ("learner.zero_stage=3", "learner.zero_stage"),
                                           ("learner.dtype=bfloat16", "learner.dtype"),
-                                          ("data.max_ops=3", "data.max_ops")])
+                                          ("data.max_ops=3", "data.max_ops"),
+                                          ("speculation.options={model: builtin:dense}", "speculation.options.model")])
 def test_a_resume_keeps_what_its_checkpoints_weights_data_order_and_optimizer_state_depend_on(tmp_path, override, key):
     """The checkpoint's weights were trained from its model, its data cursor counts in its seed's order, its optimizer
     state is sharded as its ranks were: a resume that changes one of them is refused at load, naming the key (it
@@ -138,10 +157,11 @@ def test_a_resume_keeps_what_its_checkpoints_weights_data_order_and_optimizer_st
     from driver.preflight import load_run_config
     from learner.checkpoint import resume_config
 
-    cfg = load_config("grpo_tiny", [])
+    distilled = ["speculation.method=draft_lm", "speculation.distill.every_versions=4"]  # (draft/ holds its weights)
+    cfg = load_config("grpo_tiny", distilled)
     write(tmp_path, 2, "a", config=resume_config(cfg))
     (tmp_path / RUN_FILE).write_text(json.dumps({"run_id": "a"}))
-    resume = ["trainer.steps=20", f"logging.dir={tmp_path}", f"trainer.resume_from={tmp_path}"]
+    resume = ["trainer.steps=20", f"logging.dir={tmp_path}", f"trainer.resume_from={tmp_path}", *distilled]
     assert load_run_config("grpo_tiny", resume)
     with pytest.raises(ConfigError, match=rf"key '{key}'.*written with"):
         load_run_config("grpo_tiny", [*resume, override])

@@ -150,6 +150,12 @@ def test_a_files_value_of_another_kind_than_its_section_names_its_key(tmp_path, 
     ("speculation.method=ngram speculation.options.min_k=5", ["speculation.options", "min_k", "NgramDrafter"]),
     ("speculation.options.max_n=3", ["speculation.options", "method names a drafter"]),  # method none: it did nothing
     ("speculation.decoupled=true", ["speculation.decoupled", "method names a drafter"]),
+    ("speculation.num_speculative_tokens=8", ["speculation.num_speculative_tokens", "method names a drafter"]),
+    ("speculation.method=draft_lm speculation.distill.top_k=5", ["speculation.distill.top_k", "every_versions > 0"]),
+    # found by a review: each passed load and failed, or did nothing, in the live run
+    ("algorithm.max_staleness=1000000", ["algorithm.max_staleness", "trainer.steps (300)"]),  # queued 16M groups
+    ("speculation.method=draft_lm speculation.distill.every_versions=300",  # distilled every step, offered nothing
+     ["speculation.distill.every_versions", "< trainer.steps (300)"]),
     ("speculation.method=fastest_of_n speculation.drafters=[suffix,draft_lm] speculation.options.suffix.bogus=1",
      ["speculation.options.suffix", "bogus", "SuffixDrafter"]),
     # and its values as far as the drafter can judge them without being built (they failed in the actor: rc 1)
