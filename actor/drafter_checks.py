@@ -235,39 +235,42 @@ def token_ids_within(proposal, budget: int, vocab_size: int) -> list[int] | None
     return ids if not ids or (min(ids) >= 0 and max(ids) < vocab_size) else None
 
 
-def _names_within(names, seen: set[str], drafter: str, where: str) -> bool:
-    """Whether member names are as `SpecStats` carries them, strings of at most MAX_NAME characters; if so they join
-    `seen`, the names of the engine's life, and more than MAX_DRAFTERS of those raise, naming `where` they came from."""
-    if not all(type(n) is str and len(printable(n)) <= MAX_NAME for n in names):  # (a subclass may lie in `len`)
-        return False
-    seen.update(n for n in names if n)  # ("": none drafted, in `sources()`; never a key of `SpecStats`)
+def _plain_names(names: list, seen: set[str], drafter: str, where: str) -> list[str] | None:
+    """Member names as `SpecStats` carries them: each a plain string (a subclass's characters, whatever its methods
+    say), escaped for UTF-8, of at most MAX_NAME characters; None if one is not. They join `seen`, the names of the
+    engine's life, and more than MAX_DRAFTERS of those raise, naming `where` they came from."""
+    plain = [printable(str.__str__(n)) for n in names if isinstance(n, str)]
+    if len(plain) != len(names) or any(len(n) > MAX_NAME for n in plain):
+        return None
+    seen.update(n for n in plain if n)  # ("": none drafted, in `sources()`; never a key of `SpecStats`)
     if len(seen) > MAX_DRAFTERS:
         raise RuntimeError(f"drafter {drafter}: more than {MAX_DRAFTERS} member names in {where}")
-    return True
+    return plain
 
 
 def sources_within(names, requests: int, seen: set[str], drafter: str) -> list[str]:
-    """A composite's `sources()`: one member name per request (`_names_within`), as `SpecStats.drafter_choices`
+    """A composite's `sources()`: one member name per request (`_plain_names`), as `SpecStats.drafter_choices`
     carries them."""
     names = list(islice(names, requests + 1))
-    if len(names) != requests or not _names_within(names, seen, drafter, "sources()"):
+    plain = _plain_names(names, seen, drafter, "sources()") if len(names) == requests else None
+    if plain is None:
         raise RuntimeError(f"drafter {drafter}: sources() must name one member per request as a string of at most "
                            f"{MAX_NAME} characters, got {names!r:.200}")
-    return [printable(n) for n in names]
+    return plain
 
 
 def labels_within(labels, known: set[str], seen: set[str], drafter: str) -> dict[str, dict[str, tuple[int, int]]]:
     """A composite's `member_labels()`, for the requests the engine holds (`known`): per member name
-    (`_names_within`) two counts, neither negative."""
+    (`_plain_names`, not empty) two counts, each within 0..MAX_COUNT."""
     checked = {}
     try:
         for request_id, members in labels.items():
             pairs = {name: (operator.index(a), operator.index(r)) for name, (a, r) in members.items()}
-            if not all(pairs) or not all(0 <= c <= MAX_COUNT for p in pairs.values() for c in p) or \
-                    not _names_within(pairs, seen, drafter, "member_labels()"):
+            plain = _plain_names(list(pairs), seen, drafter, "member_labels()")
+            if plain is None or "" in plain or not all(0 <= c <= MAX_COUNT for p in pairs.values() for c in p):
                 raise TypeError(f"member names must be strings, not empty, and counts within 0..{MAX_COUNT}")
             if request_id in known:
-                checked[request_id] = {printable(n): p for n, p in pairs.items()}
+                checked[request_id] = dict(zip(plain, pairs.values()))
     except (AttributeError, TypeError, ValueError) as e:
         raise RuntimeError(f"drafter {drafter}: member_labels() must map request ids to member names to two counts "
                            f"(drafters/base.py): {described(e)}") from e

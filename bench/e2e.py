@@ -78,11 +78,19 @@ def system_overrides(system: str, staleness: int) -> list[str]:
     return SYSTEMS[system] if synchronous else [f"algorithm.max_staleness={staleness}", *SYSTEMS[system]]
 
 
-def system_config(system: str, overrides: list[str], staleness: int):
-    """The launcher's config of `system` over `overrides` (the oracle's replay file, written during the benchmark,
-    named by a placeholder): a system checked before any run starts."""
+def shared_overrides(system: str, overrides: list[str]) -> list[str]:
+    """The preset's and `--set`'s `overrides` as `system` takes them: speculation keys only where it speculates (the
+    launcher refuses drafting keys without a drafter: they would do nothing)."""
+    plain = "speculation.method=none" in SYSTEMS[system]
+    return [o for o in overrides if not (plain and o.startswith("speculation."))]
+
+
+def system_config(system: str, overrides: list[str], staleness: int, steps: int):
+    """The launcher's config of `system` over `overrides`, for a run of `steps` (the oracle's replay file, written
+    during the benchmark, named by a placeholder): a system checked before any run starts."""
     replay = ["speculation.options.path=replay.json"] if system == "oracle" else []
-    return load_run_config("grpo_tiny", [*overrides, *system_overrides(system, staleness), *replay])
+    return load_run_config("grpo_tiny", [f"trainer.steps={steps}", *shared_overrides(system, overrides),
+                                         *system_overrides(system, staleness), *replay])
 
 
 def oracle_replay(sync_logdir: Path, path: Path) -> str:
@@ -239,7 +247,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--staleness", type=int, default=1,
                         help="algorithm.max_staleness of the asynchronous systems (sync always runs at 0)")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
-                        help="config overrides for every system, after the preset's (e.g. learner.lr=3e-4)")
+                        help="config overrides for every system, after the preset's (e.g. learner.lr=3e-4); "
+                        "speculation keys reach the systems that speculate")
     args = parser.parse_args(argv)
     if args.staleness < 1:  # 0 is `sync`'s schedule: the asynchronous systems would not be asynchronous
         parser.error(f"--staleness must be 1 or more, got {args.staleness}")
@@ -252,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("the oracle replays the tokens of the same repeat's `sync` run: list sync among --systems")
     for name in names:  # a misspelt --set key fails here, naming it, not minutes into the benchmark
         try:
-            system_config(name, preset["overrides"], args.staleness)
+            system_config(name, preset["overrides"], args.staleness, preset["steps"])
         except ConfigError as e:
             parser.error(f"--set: {e}")
     runs: dict[str, list[dict]] = {name: [] for name in names}
@@ -264,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
             for name in order(names, repeat):
                 replay = [oracle_replay(Path(tmp) / f"sync-{repeat}", Path(tmp) / f"replay-{repeat}.json")] \
                     if name == "oracle" else []
-                runs[name].append(run(name, preset["steps"], [*preset["overrides"],
+                runs[name].append(run(name, preset["steps"], [*shared_overrides(name, preset["overrides"]),
                                                               *system_overrides(name, args.staleness), *replay],
                                       Path(tmp) / f"{name}-{repeat}", log))
                 print(f"repeat {repeat + 1}: {name} {runs[name][-1]['step_s']:.2f} s/step, held-out reward "

@@ -164,7 +164,10 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
         except ValueError as e:
             raise ConfigError(f"{path}: {e}") from None
     if cfg.data.source == "arithmetic" and not cfg.data.size:  # an endless stream finds problems not held out
-        share = open_dataset(cfg.data, cfg.seed).held_out_share()
+        try:
+            share = open_dataset(cfg.data, cfg.seed).held_out_share()
+        except ValueError as e:  # (too few problems for the held-out set, where nothing asked for it before)
+            raise ConfigError(f"{path}: {e}") from None
         if share > MAX_HELD_OUT_SHARE:
             raise ConfigError(f"{path}: key 'data.eval_size' = {cfg.data.eval_size}: the held-out problems are "
                               f"{share:.0%} of what the endless training stream draws (at most "
@@ -176,6 +179,11 @@ def draft_model(speculation: DictConfig) -> str:
     """The draft LM the actors run under config section `speculation`: what distillation trains."""
     options = speculation.options.get("draft_lm", {}) if speculation.method == "fastest_of_n" else speculation.options
     return options.get("model", "builtin:draft")
+
+
+def draft_model_key(speculation: DictConfig) -> str:
+    """The key that names `draft_model` (its default where unset)."""
+    return f"speculation.options.{'draft_lm.' if speculation.method == 'fastest_of_n' else ''}model"
 
 
 def _across_sections(cfg: DictConfig) -> list[tuple[str, bool, str]]:

@@ -271,8 +271,9 @@ class TrainerConfig:
                                       "one, newer damaged ones passed over with a warning); it must be behind "
                                       "trainer.steps. A resume keeps model.path, seed, the data keys its order "
                                       "depends on, learner.num_ranks, zero_stage and dtype, the draft LM where it is "
-                                      "distilled (another value is refused at load), and data.source's bytes (its run.json keeps their sha256); learner.lr "
-                                      "and weight_decay follow this config. null: a fresh run",
+                                      "distilled (another value is refused at load), and data.source's bytes (its "
+                                      "run.json keeps their sha256); learner.lr and weight_decay follow this config. "
+                                      "null: a fresh run",
                                       named("a checkpoint or a run directory"))
     max_learner_restarts: int = knob(
         2, "a learner rank whose process dies (killed, out of memory, its node lost) or hangs "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import threading
 import typing
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -178,10 +179,10 @@ def described(error: BaseException) -> str:
     """`Type: message` of what a plugin raised, printable, whatever the error's own `__str__` does (one that raises,
     an exit included, is said to have raised; only a Ctrl-C passes): the engine reports it and goes on."""
     try:
-        message = str(error)
-    except KeyboardInterrupt:
-        raise
+        message = str.__str__(str(error))  # (a str of its own, whose formatting would be the plugin's code again)
     except BaseException as e:
+        if isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+            raise
         message = f"<its message raised {type(e).__name__}>"
     return printable(f"{type(error).__name__}: {message}")
 

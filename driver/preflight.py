@@ -9,10 +9,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from configs.load import ConfigError, check_model, find_config, load_config, same_file, vocabulary
+from configs.load import (ConfigError, check_model, draft_model, draft_model_key, find_config, load_config, same_file,
+                          vocabulary)
 from configs.schema import SpeculationConfig
 from drafters.base import DrafterLoadError, drafter_class
-from learner.checkpoint import UnreadableRunFile, checkpoint_state, file_sha256, resume_config, run_of
+from learner.checkpoint import DRAFT_MODEL, UnreadableRunFile, checkpoint_state, file_sha256, resume_config, run_of
+from models.zoo import BUILTIN_PREFIX
 from tasks.dataset import check_prompt_lengths
 from tasks.jsonl import DataFormatError
 from transport.messages import MAX_DRAFTERS, MAX_NAME
@@ -117,8 +119,7 @@ def check_drafters(path: Path, speculation: DictConfig, policy: str) -> None:
 def same_setting(key: str, now, then) -> bool:
     """Whether a resume's `now` keeps its checkpoint's `then`: equal, or for a path one file or directory named two
     ways (relative and absolute, or through `~`)."""
-    paths = (key in ("model.path", "data.source") or key.endswith(".model")) and isinstance(now, str) and \
-        isinstance(then, str)
+    paths = key in ("model.path", "data.source", DRAFT_MODEL) and isinstance(now, str) and isinstance(then, str)
     return now == then or (paths and same_file(now, then))
 
 
@@ -160,7 +161,8 @@ def check_checkpoints(path: Path, cfg: DictConfig) -> None:
         kept = resume_config(cfg)
         for key, value in state.get("config", {}).items():  # (a key added since that checkpoint was written: unchecked)
             if key in kept and not same_setting(key, kept[key], value):
-                raise ConfigError(f"{path}: key '{key}' = {kept[key]!r}, but the checkpoint "
+                named = draft_model_key(cfg.speculation) if key == DRAFT_MODEL else key
+                raise ConfigError(f"{path}: key '{named}' = {kept[key]!r}, but the checkpoint "
                                   f"trainer.resume_from names was written with {value!r}: a resumed run keeps it (its "
                                   "weights, data order or optimizer state depend on it)")
         check_data_unchanged(path, cfg, checkpoint.parent.parent)
@@ -181,8 +183,10 @@ def check_checkpoints(path: Path, cfg: DictConfig) -> None:
     # what logging.overwrite deletes (driver/run.py: nothing where the run resumes from one of those checkpoints) must
     # not be what this run starts from
     if cfg.logging.overwrite and (checkpoint is None or checkpoints not in checkpoint.resolve().parents):
-        draft = (cfg.speculation.options or {}).get("draft_lm", {}) or {}
-        for key, spec in (("model.path", cfg.model.path), ("speculation.options.draft_lm.model", draft.get("model"))):
-            if isinstance(spec, str) and checkpoints in (Path(spec).resolve(), *Path(spec).resolve().parents):
+        drafting = cfg.speculation.method == "draft_lm" or "draft_lm" in (cfg.speculation.drafters or ())
+        for key, spec in (("model.path", cfg.model.path),
+                          *[(draft_model_key(cfg.speculation), draft_model(cfg.speculation))] * drafting):
+            where = Path(spec).expanduser().resolve()
+            if not spec.startswith(BUILTIN_PREFIX) and checkpoints in (where, *where.parents):
                 raise ConfigError(f"{path}: key '{key}' = {spec!r} is inside {checkpoints}, which logging.overwrite "
                                   "deletes before the run starts; copy it elsewhere, or choose another logging.dir")

@@ -166,6 +166,9 @@ RESUME_KEYS = ("model.path", "seed", "data.source", "data.size", "data.max_ops",
                "learner.dtype")
 
 
+DRAFT_MODEL = "speculation.draft_model"  # resume_config's name for the distilled draft LM (configs.load.draft_model)
+
+
 def resume_config(cfg) -> dict:
     """`cfg`'s values of RESUME_KEYS as state.json keeps them (an enum by its value); the arithmetic task's own keys
     only where it is the data source (a JSONL file's order does not depend on them), the held-out problems' only
@@ -177,8 +180,7 @@ def resume_config(cfg) -> dict:
         arithmetic or key == "data.source" or not key.startswith("data."))]
     kept = {key: getattr(value, "value", value) for key, value in ((k, OmegaConf.select(cfg, k)) for k in keys)}
     if OmegaConf.select(cfg, "speculation.distill.every_versions", default=0):  # its distilled weights are that model's
-        fastest = cfg.speculation.method == "fastest_of_n"
-        kept[f"speculation.options.{'draft_lm.' if fastest else ''}model"] = draft_model(cfg.speculation)
+        kept[DRAFT_MODEL] = draft_model(cfg.speculation)  # (under one name, whichever method runs it)
     return kept
 
 

@@ -18,6 +18,8 @@ longer (of 8-9), so that a policy SFT-trained on it can be taught by RL (a lengt
 
 from __future__ import annotations
 
+import functools
+import itertools
 import random
 from dataclasses import dataclass, replace
 
@@ -47,8 +49,11 @@ class ArithmeticTask:
         if not 0.0 <= self.wording <= 1.0:
             raise ValueError(f"wording must be in [0, 1], got {self.wording}")
 
-    def num_ops_weights(self) -> list[float]:
-        return [k ** -self.tail_exponent for k in range(1, self.max_ops + 1)]
+    @functools.cached_property
+    def ops_cumulative_weights(self) -> list[float]:
+        """P(ops = k) up to k, unnormalised, for `random.choices` (the weights `k ** -tail_exponent` summed as
+        `choices` sums them: the same draws), made once: a draw is O(log max_ops)."""
+        return list(itertools.accumulate(k ** -self.tail_exponent for k in range(1, self.max_ops + 1)))
 
     def __getitem__(self, cursor: int) -> Problem:
         if cursor < 0:
@@ -57,7 +62,7 @@ class ArithmeticTask:
             cursor = epoch_index(cursor, self.size, f"arithmetic-epoch:{self.seed}")
         for draw in range(MAX_DRAWS):  # a held-out question is drawn again at this cursor, from a stream of its own
             rng = random.Random(f"arithmetic:{self.seed}:{cursor}" + (f":{draw}" if draw else ""))
-            ops = rng.choices(range(1, self.max_ops + 1), weights=self.num_ops_weights())[0]
+            ops = rng.choices(range(1, self.max_ops + 1), cum_weights=self.ops_cumulative_weights)[0]
             problem = self.make(ops, rng, f"arith-{self.seed}-{cursor}")
             if problem.question not in self.held_out:
                 return problem
@@ -68,6 +73,8 @@ class ArithmeticTask:
     def held_out_share(self, cursors: int = 2000) -> float:
         """The share of an endless stream's first draws, at its first `cursors` cursors, that are held-out questions
         (each drawn again, up to MAX_DRAWS times: a share p fails a cursor with probability p ** MAX_DRAWS)."""
+        if not self.held_out:
+            return 0.0
         free = replace(self, held_out=frozenset())
         return sum(free[cursor].question in self.held_out for cursor in range(cursors)) / cursors
 

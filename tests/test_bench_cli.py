@@ -202,7 +202,7 @@ def test_every_end_to_end_system_is_a_valid_run_config():
     assert list(SYSTEMS) == ["sync", "async", "frozen", "distilled", "fastest_of_n", "oracle"]  # the order
     for preset, staleness in itertools.product(PRESETS.values(), (1, 2)):
         for name in SYSTEMS:
-            cfg = system_config(name, preset["overrides"], staleness)
+            cfg = system_config(name, preset["overrides"], staleness, preset["steps"])
             assert cfg.algorithm.max_staleness == (0 if name in ("sync", "oracle") else staleness)
             assert cfg.trainer.deterministic == (name in ("sync", "oracle"))
             assert cfg.logging.rollouts == (name == "sync")

@@ -135,20 +135,29 @@ def test_overwrite_refuses_a_run_that_starts_from_a_model_it_would_delete(tmp_pa
     from driver.preflight import load_run_config
     from models.zoo import resolve
 
-    policy = tmp_path / "checkpoints" / "step_7" / "hf"
+    policy, draft = tmp_path / "checkpoints" / "step_7" / "hf", tmp_path / "checkpoints" / "step_7" / "draft"
     shutil.copytree(resolve("builtin:dense"), policy)
+    shutil.copytree(resolve("builtin:draft"), draft)
     (tmp_path / RUN_FILE).write_text(json.dumps({"run_id": "old"}))
     start = [f"model.path={policy}", "logging.overwrite=true"]
     with pytest.raises(ConfigError, match=r"'model.path' = .* is inside .*checkpoints, which logging.overwrite delet"):
         load_run_config("grpo_tiny", [*start, f"logging.dir={tmp_path}"])
     assert load_run_config("grpo_tiny", [*start, f"logging.dir={tmp_path / 'next'}"])
+    drafting = ["logging.overwrite=true", f"logging.dir={tmp_path}", "speculation.method=draft_lm"]
+    with pytest.raises(ConfigError, match=r"'speculation.options.model' = .* is inside .*checkpoints"):
+        load_run_config("grpo_tiny", [*drafting, f"speculation.options.model={draft}"])
+    with pytest.raises(ConfigError, match=r"'speculation.options.draft_lm.model' = .* is inside .*checkpoints"):
+        load_run_config("grpo_tiny", [*drafting[:-1], "speculation.method=fastest_of_n",
+                                      "speculation.drafters=[suffix,draft_lm]",
+                                      f"speculation.options.draft_lm.model={draft}"])
 
 
 @pytest.mark.parametrize("override,key", [("model.path=builtin:moe", "model.path"), ("seed=7", "seed"),
                                           ("learner.zero_stage=3", "learner.zero_stage"),
                                           ("learner.dtype=bfloat16", "learner.dtype"),
                                           ("data.max_ops=3", "data.max_ops"),
-                                          ("speculation.options={model: builtin:dense}", "speculation.options.model")])
+                                          ("speculation.options={model: builtin:dense}",
+                                           "speculation.options.model")])
 def test_a_resume_keeps_what_its_checkpoints_weights_data_order_and_optimizer_state_depend_on(tmp_path, override, key):
     """The checkpoint's weights were trained from its model, its data cursor counts in its seed's order, its optimizer
     state is sharded as its ranks were: a resume that changes one of them is refused at load, naming the key (it
@@ -165,6 +174,24 @@ def test_a_resume_keeps_what_its_checkpoints_weights_data_order_and_optimizer_st
     assert load_run_config("grpo_tiny", resume)
     with pytest.raises(ConfigError, match=rf"key '{key}'.*written with"):
         load_run_config("grpo_tiny", [*resume, override])
+
+
+def test_a_distilled_resume_keeps_its_draft_lm_whichever_method_runs_it(tmp_path):
+    """The checkpoint's draft/ holds weights of the run's draft LM: a resume with another one is refused, named by the
+    key that sets it now, also where fastest-of-N runs the draft LM the checkpoint's draft_lm method ran."""
+    from configs.load import ConfigError, load_config
+    from driver.preflight import load_run_config
+    from learner.checkpoint import resume_config
+
+    write(tmp_path, 2, "a", config=resume_config(load_config("grpo_tiny", [
+        "speculation.method=draft_lm", "speculation.distill.every_versions=4"])))
+    (tmp_path / RUN_FILE).write_text(json.dumps({"run_id": "a"}))
+    fastest = ["trainer.steps=20", f"logging.dir={tmp_path}", f"trainer.resume_from={tmp_path}",
+               "speculation.method=fastest_of_n", "speculation.drafters=[suffix,draft_lm]",
+               "speculation.distill.every_versions=4"]
+    assert load_run_config("grpo_tiny", fastest)  # the same draft LM
+    with pytest.raises(ConfigError, match=r"key 'speculation.options.draft_lm.model' = 'builtin:dense'.*written with"):
+        load_run_config("grpo_tiny", [*fastest, "speculation.options.draft_lm.model=builtin:dense"])
 
 
 def test_an_endless_streams_resume_keeps_its_held_out_problems_which_its_prompts_leave_out(tmp_path):
