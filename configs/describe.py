@@ -38,8 +38,8 @@ launcher with exit status 2 and a message naming the key and the file. So do the
 `speculation.distill.every_versions` within `trainer.steps`), a key set where nothing reads it (the drafting keys
 with `speculation.method` none, the distiller's with `speculation.distill.every_versions` 0), and what a value names
 outside the config: a model directory, a drafter and its options, an address to bind, a directory to write (never
-one whose checkpoints `logging.overwrite` would delete with the model the run starts from), a checkpoint, a data
-file, and the built-in task's held-out set (at most 90% of what its endless stream draws).
+one whose checkpoints `logging.overwrite` would delete with the model or the draft LM the run starts from), a
+checkpoint, a data file, and the built-in task's held-out set (at most 90% of what its endless stream draws).
 """
 
 
