@@ -291,6 +291,10 @@ def main(argv: list[str] | None = None) -> dict:
                                for key in first["engine_profile"]},
             "drafting": {key: round(statistics.median(r["drafting"][key] for r in runs[name]), 3)
                          for key in first["drafting"]},
+            # live acceptance length: each repeat's mean over its steps, median over the repeats (1: no drafts)
+            "acceptance": round(statistics.median(statistics.fmean(r["acceptance_by_step"]) for r in runs[name]
+                                                  if r["acceptance_by_step"]), 3)
+            if first["acceptance_by_step"] else 1.0,
             "acceptance_by_step": first["acceptance_by_step"],
             **({"member_acceptance_by_step": first["member_acceptance_by_step"],
                 # per member: its token acceptance over the run (mean over steps), median over repeats
@@ -326,11 +330,10 @@ def main(argv: list[str] | None = None) -> dict:
           "over async | mean acceptance | held-out reward |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, s in systems.items():
-        acceptance = statistics.fmean(s["acceptance_by_step"]) if s["acceptance_by_step"] else 1.0
         p = s["profile"]
         print(f"| {name} | {s['step_s']:.2f} | {s['rollout_s']:.2f} | {p['train_s']:.2f} | {p['learner_wait_s']:.2f} "
               f"| {p['actor_idle_s']:.2f} | {over(s, 'speedup_over_sync')} | {over(s, 'speedup_over_async')} | "
-              f"{acceptance:.2f} | "
+              f"{s['acceptance']:.2f} | "
               f"{s['heldout_reward']:.3f} |")
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return result

@@ -172,14 +172,15 @@ def test_end_to_end_benchmark_against_async_runs_no_sync_and_pairs_each_system_w
 
     ran = []
     step_s = {"async": [1.0, 2.0, 1.5], "frozen": [0.8, 2.0, 1.2]}  # per repeat: 1.25x, 1.0x, 1.25x
+    accepted = {"async": [[], [], []], "frozen": [[1.0], [2.0, 2.0], [3.0, 2.0, 4.0]]}  # live, per repeat and step
 
     def fake_run(system, steps, overrides, logdir, log):
         ran.append(system)
         return {"step_s": step_s[system][sum(r == system for r in ran) - 1], "rollout_s": 0.5,
                 "profile": {"train_s": 0.2, "learner_wait_s": 0.1, "actor_idle_s": 0.0},
                 "engine_profile": {"steps": 10.0}, "drafting": {"planned_tokens": 0.0},
-                "acceptance_by_step": [], "member_acceptance_by_step": {}, "heldout_reward": 0.1,
-                "dropped_stale": 0}
+                "acceptance_by_step": accepted[system][sum(r == system for r in ran) - 1],
+                "member_acceptance_by_step": {}, "heldout_reward": 0.1, "dropped_stale": 0}
 
     monkeypatch.setattr(bench.e2e, "run", fake_run)
     result = bench.e2e.main(["--preset", "smoke", "--out", str(tmp_path / "e2e.json"), "--systems", "frozen",
@@ -188,6 +189,8 @@ def test_end_to_end_benchmark_against_async_runs_no_sync_and_pairs_each_system_w
     assert set(result["systems"]) == {"async", "frozen"}
     assert result["systems"]["frozen"]["speedup_over_async"]["speedup"] == 1.25
     assert "speedup_over_sync" not in result["systems"]["frozen"]
+    assert result["systems"]["frozen"]["acceptance"] == 2.0  # the repeats' means are 1, 2 and 3 (the first's: 1)
+    assert result["systems"]["async"]["acceptance"] == 1.0
     with pytest.raises(SystemExit) as e:
         bench.e2e.main(["--preset", "smoke", "--out", str(tmp_path / "never.json"), "--systems", "oracle",
                         "--reference", "async"])
