@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from drafters.base import Drafter, described, printable
+from drafters.base import Drafter, described, is_ctrl_c, printable
 from transport.messages import MAX_DRAFTERS, MAX_NAME
 
 
@@ -164,7 +164,7 @@ def guarded(drafter: Drafter | str):
     except Exception:
         raise
     except BaseException as e:
-        if isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+        if is_ctrl_c(e):
             raise
         raise RuntimeError(f"drafter {_name(drafter)} raised {described(e)}") from e
     finally:

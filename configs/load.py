@@ -175,15 +175,15 @@ def _check_values(cfg: DictConfig, path: Path) -> None:
                               "data.max_operand, or lower data.eval_size")
 
 
+def draft_model_key(speculation: DictConfig) -> str:
+    """The key that names the draft LM the actors run under config section `speculation` (`draft_model`)."""
+    return f"speculation.options.{'draft_lm.' if speculation.method == 'fastest_of_n' else ''}model"
+
+
 def draft_model(speculation: DictConfig) -> str:
     """The draft LM the actors run under config section `speculation`: what distillation trains."""
-    options = speculation.options.get("draft_lm", {}) if speculation.method == "fastest_of_n" else speculation.options
-    return options.get("model", "builtin:draft")
-
-
-def draft_model_key(speculation: DictConfig) -> str:
-    """The key that names `draft_model` (its default where unset)."""
-    return f"speculation.options.{'draft_lm.' if speculation.method == 'fastest_of_n' else ''}model"
+    key = draft_model_key(speculation).removeprefix("speculation.")
+    return OmegaConf.select(speculation, key, default="builtin:draft")
 
 
 def _across_sections(cfg: DictConfig) -> list[tuple[str, bool, str]]:

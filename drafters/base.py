@@ -175,13 +175,19 @@ def printable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def is_ctrl_c(error: BaseException) -> bool:
+    """Whether `error` is a real Ctrl-C: a KeyboardInterrupt on the main thread (no other thread receives one; a
+    plugin raised it there), the one error of a plugin's call that passes."""
+    return isinstance(error, KeyboardInterrupt) and threading.current_thread() is threading.main_thread()
+
+
 def described(error: BaseException) -> str:
     """`Type: message` of what a plugin raised, printable, whatever the error's own `__str__` does (one that raises,
     an exit included, is said to have raised; only a Ctrl-C passes): the engine reports it and goes on."""
     try:
         message = str.__str__(str(error))  # (a str of its own, whose formatting would be the plugin's code again)
     except BaseException as e:
-        if isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+        if is_ctrl_c(e):
             raise
         message = f"<its message raised {type(e).__name__}>"
     return printable(f"{type(error).__name__}: {message}")
